@@ -1,0 +1,105 @@
+"""Eager-torch twin of the CPU Adam ops: the test oracle and the fallback when no compiler is present.
+
+Math follows ``torch.optim.AdamW`` (decoupled weight decay, bias correction):
+
+    g   = grad * grad_scale                      (fp32)
+    p   = p * (1 - lr * weight_decay)
+    m   = beta1 * m + (1 - beta1) * g
+    v   = beta2 * v + (1 - beta2) * g * g
+    p   = p - (lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
+
+``step`` is the 1-based count *after* this update, as in torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["adamw_step_", "adamw_undo_"]
+
+
+def _check(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 tensor, got {t.dtype}")
+    if grad.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grad must be float32 or bfloat16, got {grad.dtype}")
+    if not (param.numel() == grad.numel() == exp_avg.numel() == exp_avg_sq.numel()):
+        raise ValueError("param, grad, exp_avg and exp_avg_sq must have the same number of elements")
+
+
+def adamw_step_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    param_bf16_out: torch.Tensor | None = None,
+    backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """One AdamW step in place. ``backup`` receives the pre-step (param, exp_avg, exp_avg_sq)."""
+    _check(param, grad, exp_avg, exp_avg_sq)
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
+    if backup is not None:
+        for dst, src in zip(backup, (param, exp_avg, exp_avg_sq)):
+            dst.view(-1).copy_(src.view(-1))
+    g = grad.view(-1).to(torch.float32)
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
+    p.mul_(1.0 - lr * weight_decay)
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / bc1))
+    if param_bf16_out is not None:
+        param_bf16_out.view(-1).copy_(p)
+
+
+def adamw_undo_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    param_bf16_out: torch.Tensor | None = None,
+) -> None:
+    """Invert :func:`adamw_step_` algebraically (exact up to fp32 rounding, not bitwise).
+
+    ``step`` and the hyper-parameters are those the step was taken with.
+    """
+    _check(param, grad, exp_avg, exp_avg_sq)
+    g = grad.view(-1).to(torch.float32)
+    if grad_scale != 1.0:
+        g = g * grad_scale
+    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=lr / bc1)
+    decay = 1.0 - lr * weight_decay
+    if decay != 1.0:
+        p.div_(decay)
+    m.sub_(g * (1.0 - beta1)).div_(beta1)
+    v.sub_(g * g * (1.0 - beta2)).div_(beta2).clamp_(min=0.0)
+    if param_bf16_out is not None:
+        param_bf16_out.view(-1).copy_(p)

@@ -1,0 +1,107 @@
+"""User-facing configuration of the offload engine.
+
+One frozen, validated dataclass. Every field is a *request*; the planner turns requests plus the
+measured hardware into a frozen :class:`~hf_superoffload.planning.plan.OffloadPlan` that the runtime executes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["SuperOffloadConfig"]
+
+Rollback = Literal["auto", "snapshot", "inverse"]
+CastSide = Literal["auto", "cpu", "gpu"]
+WeightPlacement = Literal["auto", "stationary", "flow"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SuperOffloadConfig:
+    """How the optimizer is split between the GPU and the host.
+
+    Attributes:
+        bucket_size_mb: Gradient bytes (in the model dtype) per bucket. A bucket is the unit of
+            device-to-host copy, CPU Adam work and host-to-device copy. A parameter larger than one bucket
+            gets a bucket of its own. [Note: bucket size] in docs/design.md.
+        gpu_resident_buckets: How many of the *last* buckets to arrive in backward (the first layers, which
+            the next forward needs first) keep fp32 master and Adam state on the device and step there after
+            validation. ``"auto"`` lets the planner choose from the measured hardware; ``0`` puts every
+            optimizer state on the host.
+        gpu_resident_fraction: Used by ``"auto"`` when no hardware profile is available: the fraction of
+            trainable parameters (counted from the last bucket backwards) kept on the device.
+        speculation: Start each bucket's CPU Adam as soon as its gradients are on the host, before the
+            global gradient norm is known, and validate afterwards (speculation-then-validation).
+        rollback: How a speculative step is undone when validation says clip-and-redo or skip.
+            ``"snapshot"`` writes the pre-step state aside in the same pass (bit-exact, +12 B/param host RAM);
+            ``"inverse"`` inverts the AdamW update algebraically (no extra memory; redo within fp32
+            rounding); ``"auto"`` takes ``"snapshot"`` when host RAM allows it. [Note: speculation and
+            rollback].
+        max_redo_rate: When more than this fraction of the last ``redo_window`` steps had to be redone
+            (clipping fired), speculation pauses for ``redo_cooldown`` steps: a redo costs a second pass.
+        redo_window: Window (in optimizer steps) for ``max_redo_rate``.
+        redo_cooldown: Steps to run synchronously after speculation was paused, before trying again.
+        cast_side: Where the fp32<->bf16 casts happen. ``"cpu"``: bf16 crosses the link and the casts are fused
+            into the CPU Adam pass (right for PCIe). ``"gpu"``: fp32 crosses the link and the GPU casts (right
+            for a fast chip-to-chip link). ``"auto"``: the planner decides from the measured link.
+        weight_placement: ``"stationary"`` keeps bf16 weights on the GPU; ``"flow"`` streams them from the
+            host per layer; ``"auto"`` lets the planner decide from the memory budget.
+        cpu_threads: Threads of the CPU Adam. ``None``: the cores of this process's affinity mask minus one,
+            independent of ``OMP_NUM_THREADS`` (which ``accelerate launch`` sets to 1).
+        pin_memory: Page-lock the host buffers that DMA touches (exact-size, never rounded up).
+        worker_timeout_s: Longest time the training loop waits for one bucket before raising an error that
+            names it. The worker itself never polls.
+        check_finite: Skip the whole step (bit-exact) when any gradient is non-finite.
+    """
+
+    bucket_size_mb: float = 32.0
+    gpu_resident_buckets: int | Literal["auto"] = "auto"
+    gpu_resident_fraction: float = 0.15
+    speculation: bool = True
+    rollback: Rollback = "auto"
+    max_redo_rate: float = 0.5
+    redo_window: int = 20
+    redo_cooldown: int = 50
+    cast_side: CastSide = "auto"
+    weight_placement: WeightPlacement = "auto"
+    cpu_threads: int | None = None
+    pin_memory: bool = True
+    worker_timeout_s: float = 600.0
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: Any, fix: str) -> ValueError:
+            return ValueError(f"SuperOffloadConfig.{field}={value!r} is invalid: {fix}")
+
+        if not (self.bucket_size_mb > 0):
+            raise bad("bucket_size_mb", self.bucket_size_mb, "use a positive size such as 32")
+        if self.gpu_resident_buckets != "auto" and (
+            not isinstance(self.gpu_resident_buckets, int) or self.gpu_resident_buckets < 0
+        ):
+            raise bad("gpu_resident_buckets", self.gpu_resident_buckets, "use 'auto' or an integer >= 0")
+        if not (0.0 <= self.gpu_resident_fraction <= 1.0):
+            raise bad("gpu_resident_fraction", self.gpu_resident_fraction, "use a fraction in [0, 1]")
+        if self.rollback not in ("auto", "snapshot", "inverse"):
+            raise bad("rollback", self.rollback, "use 'auto', 'snapshot' or 'inverse'")
+        if not (0.0 <= self.max_redo_rate <= 1.0):
+            raise bad("max_redo_rate", self.max_redo_rate, "use a fraction in [0, 1]")
+        if self.redo_window < 1:
+            raise bad("redo_window", self.redo_window, "use an integer >= 1")
+        if self.redo_cooldown < 0:
+            raise bad("redo_cooldown", self.redo_cooldown, "use an integer >= 0")
+        if self.cast_side not in ("auto", "cpu", "gpu"):
+            raise bad("cast_side", self.cast_side, "use 'auto', 'cpu' or 'gpu'")
+        if self.weight_placement not in ("auto", "stationary", "flow"):
+            raise bad("weight_placement", self.weight_placement, "use 'auto', 'stationary' or 'flow'")
+        if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
+            raise bad("cpu_threads", self.cpu_threads, "use None (automatic) or an integer >= 1")
+        if not (self.worker_timeout_s > 0):
+            raise bad("worker_timeout_s", self.worker_timeout_s, "use a positive number of seconds")
+
+    def replace(self, **changes: Any) -> SuperOffloadConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

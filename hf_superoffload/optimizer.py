@@ -1,0 +1,266 @@
+"""SuperOffloadOptimizer: a ``torch.optim.Optimizer`` whose AdamW state lives in host memory.
+
+The facade owns the param groups (so LR schedulers and Trainer work unchanged) and delegates all work to
+an :class:`~hf_superoffload.runtime.engine.OffloadEngine`, which executes the planner's frozen plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .config import SuperOffloadConfig
+from .planning.hardware import HardwareProfile
+from .planning.plan import OffloadPlan
+from .planning.planner import make_plan
+from .runtime.engine import OffloadEngine, StepStats
+from .runtime.validation import Hyper, SpeculationGovernor, StepVerdict
+from .state import engine_state_dict, load_engine_state
+
+__all__ = ["SuperOffloadOptimizer"]
+
+logger = logging.getLogger("hf_superoffload")
+
+_UNSUPPORTED = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
+
+
+class SuperOffloadOptimizer(torch.optim.Optimizer):
+    """AdamW with fp32 master weights and Adam state in host memory, stepped on the CPU overlapped with
+    the GPU, except for a GPU-resident tail of buckets.
+
+    Semantics: ``torch.nn.utils.clip_grad_norm_(max_grad_norm)`` followed by ``torch.optim.AdamW`` on fp32
+    master weights, up to fp32 rounding. A step with any non-finite gradient is skipped and leaves every
+    state bit-identical (see ``SuperOffloadConfig.rollback``).
+
+    Usage::
+
+        opt = SuperOffloadOptimizer(model, lr=2e-5, weight_decay=0.1, max_grad_norm=1.0)
+        for batch in loader:
+            model(**batch).loss.backward()
+            opt.step(); opt.zero_grad(); scheduler.step()
+
+    For gradient accumulation run the non-final micro-batches inside ``with opt.no_sync():``.
+
+    Args:
+        model: the module to train. Its trainable parameters are converted to bf16 if they are fp32 (the fp32
+            values become the master weights).
+        params: AdamW-style params or param groups (default: every trainable parameter of ``model``).
+        max_grad_norm: global-norm clipping threshold (``None`` or 0: no clipping).
+        config: offload settings.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None = None,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.01,
+        max_grad_norm: float | None = None,
+        config: SuperOffloadConfig | None = None,
+        profile: HardwareProfile | None = None,
+        **unsupported: Any,
+    ) -> None:
+        for key, value in unsupported.items():
+            if key in _UNSUPPORTED:
+                if value:
+                    raise ValueError(f"SuperOffloadOptimizer does not support {key}={value!r}; drop the argument")
+            else:
+                raise TypeError(f"SuperOffloadOptimizer got an unexpected argument {key!r}")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("SuperOffloadOptimizer(model, ...) takes the model first; pass params= for groups")
+        if type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
+            raise ValueError("pass the unwrapped model: SuperOffloadOptimizer does not work under DDP/FSDP wrappers")
+        if not lr >= 0:
+            raise ValueError(f"lr={lr} is invalid: use a learning rate >= 0")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"betas={betas} are invalid: both must lie in [0, 1)")
+        if not eps > 0:
+            raise ValueError(f"eps={eps} is invalid: use a small positive number such as 1e-8")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay={weight_decay} is invalid: use a value >= 0")
+        if max_grad_norm is not None and max_grad_norm < 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} is invalid: use None/0 (off) or a positive norm")
+        self.config = config or SuperOffloadConfig()
+        self.max_grad_norm = max_grad_norm or None
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+
+        ordered, groups = self._arrival_order(model)
+        self._check_params(ordered)
+        converted = sum(p.dtype == torch.float32 for p in ordered)
+        self.last_grad_norm: float = float("nan")
+        self.skipped_steps = 0
+        self.clipped_steps = 0
+        element_size = 2
+        profile = profile or HardwareProfile.read(ordered[0].device)
+        self.plan: OffloadPlan = make_plan([p.numel() for p in ordered], element_size=element_size,
+                                           config=self.config, profile=profile)
+        fp32_values = None
+        if converted:
+            # fp32 model: the exact fp32 values seed the masters, then the model keeps bf16 copies.
+            fp32_values = [p.detach().clone() if p.dtype == torch.float32 else None for p in ordered]
+            with torch.no_grad():
+                for p in ordered:
+                    if p.dtype == torch.float32:
+                        p.data = p.data.to(torch.bfloat16)
+            logger.warning("hf_superoffload: converted %d fp32 parameters to bf16; the fp32 values are the "
+                           "master weights on the host", converted)
+        self._engine = OffloadEngine(
+            params=ordered,
+            param_group=groups,
+            hyper_fn=self._hyper,
+            plan=self.plan,
+            modules=list(model.modules()),
+            check_finite=self.config.check_finite,
+            timeout_s=self.config.worker_timeout_s,
+            governor=SpeculationGovernor(enabled=self.plan.speculation, max_redo_rate=self.config.max_redo_rate,
+                                         window=self.config.redo_window, cooldown=self.config.redo_cooldown),
+        )
+        if fp32_values is not None:
+            self._engine.seed_masters(fp32_values)
+        self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
+        logger.info("%s", self.plan.summary())
+
+    # ------------------------------------------------------------------------------------------------
+    def _arrival_order(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[int]]:
+        """Trainable parameters of the groups, deduplicated, in expected gradient-arrival order
+        (reverse registration order) with their group index."""
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) in group_of:
+                    raise ValueError("a parameter appears in more than one param group")
+                group_of[id(p)] = g
+        seen: set[int] = set()
+        order: list[torch.nn.Parameter] = []
+        for p in model.parameters():
+            if id(p) in group_of and id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+        if len(order) != len(group_of):
+            raise ValueError("every parameter passed in params must belong to the model")
+        order.reverse()
+        return order, [group_of[id(p)] for p in order]
+
+    @staticmethod
+    def _check_params(params: list[torch.nn.Parameter]) -> None:
+        if not params:
+            raise ValueError("the model has no trainable parameters (requires_grad=True)")
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"trainable parameters span devices {sorted(map(str, devices))}; move the model to one device")
+        for p in params:
+            if not p.requires_grad:
+                raise ValueError("frozen parameters (requires_grad=False) must not be passed in params")
+            if p.dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(
+                    f"parameter of dtype {p.dtype} is not supported: load the model in bfloat16 (or float32, which is "
+                    "converted to bf16 weights with fp32 masters). fp16 needs loss scaling, which SuperOffload does not do."
+                )
+
+    def _hyper(self) -> Hyper:
+        return tuple(
+            (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
+            for g in self.param_groups
+        )
+
+    # ------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            stats = self._engine.step(self.max_grad_norm)
+        except BaseException:
+            self._engine.abort_step()
+            raise
+        self.last_grad_norm = stats.grad_norm
+        if stats.verdict == StepVerdict.SKIP.value:
+            self.skipped_steps += 1
+            logger.warning("hf_superoffload: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
+        elif stats.clip_coef < 1.0:
+            self.clipped_steps += 1
+        return loss
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last step was skipped for a non-finite gradient (Accelerate reads this)."""
+        return self._engine.stats.verdict == StepVerdict.SKIP.value
+
+    @property
+    def last_step_stats(self) -> StepStats:
+        return self._engine.stats
+
+    @property
+    def engine(self) -> OffloadEngine:
+        return self._engine
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._engine.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients on the device without offloading (non-final micro-batches)."""
+        with self._engine.no_sync():
+            yield
+
+    def set_sync_predicate(self, predicate: Callable[[], bool] | None) -> None:
+        """Tell the engine whether the current backward is an accumulation boundary (used by integrations)."""
+        self._engine.sync_predicate = predicate
+
+    def synchronize(self) -> None:
+        """Block until every parameter on the device holds its final value for the last step."""
+        self._engine.synchronize()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_engine", None) is not None:
+            raise ValueError("SuperOffloadOptimizer cannot add param groups after construction; build a new optimizer "
+                             "with every group")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        base = super().state_dict()
+        self._engine.synchronize()
+        return {
+            "state": {},
+            "param_groups": base["param_groups"],
+            "superoffload": engine_state_dict(self._engine, skipped_steps=self.skipped_steps,
+                                              clipped_steps=self.clipped_steps),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "superoffload" not in state_dict:
+            raise ValueError("this state dict was not saved by SuperOffloadOptimizer (no 'superoffload' entry); "
+                             "a plain torch optimizer's state cannot seed the offloaded masters")
+        self._engine.synchronize()
+        counters = load_engine_state(self._engine, state_dict["superoffload"])
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self.skipped_steps = counters.get("skipped_steps", 0)
+        self.clipped_steps = counters.get("clipped_steps", 0)
+
+    def close(self) -> None:
+        """Stop the worker and remove hooks. The optimizer cannot step afterwards."""
+        self._state_hook.remove()
+        self._engine.close()
+
+    def __del__(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()

@@ -1,0 +1,116 @@
+"""The offload plan: a frozen value the runtime executes. Policy lives in the planner, never here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["BucketSpec", "CastSide", "OffloadPlan", "Placement", "Rollback", "WeightMode"]
+
+
+class Placement(enum.Enum):
+    """Where a bucket's fp32 master and Adam state live and where its step runs."""
+
+    HOST = "host"
+    """fp32 master, exp_avg, exp_avg_sq in host RAM; CPU Adam, overlapped with the GPU."""
+    DEVICE = "device"
+    """Optimizer state on the model's device; stepped there right after validation (the GPU-resident tail)."""
+
+
+class WeightMode(enum.Enum):
+    STATIONARY = "stationary"
+    """bf16 weights stay on the GPU."""
+    FLOW = "flow"
+    """bf16 weights live on the host and stream in per layer."""
+
+
+class CastSide(enum.Enum):
+    CPU = "cpu"
+    """bf16 crosses the link; fp32<->bf16 casts are fused into the CPU Adam pass (PCIe)."""
+    GPU = "gpu"
+    """fp32 crosses the link; the GPU casts (fast chip-to-chip links)."""
+
+
+class Rollback(enum.Enum):
+    SNAPSHOT = "snapshot"
+    """The speculative pass writes the pre-step state aside: bit-exact undo, +12 B/param host RAM."""
+    INVERSE = "inverse"
+    """Algebraic inverse of AdamW: no extra memory, fp32-rounding-exact undo."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSpec:
+    """One bucket: consecutive trainable parameters in gradient-arrival (backward) order.
+
+    Attributes:
+        index: position in arrival order (0 arrives first in backward: the last layers).
+        param_indices: indices into the engine's parameter list, in arrival order.
+        numel: total elements.
+        placement: where its optimizer state lives.
+        offset: element offset of the bucket inside its placement's flat arenas.
+    """
+
+    index: int
+    param_indices: tuple[int, ...]
+    numel: int
+    placement: Placement
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadPlan:
+    """Everything the runtime needs to know; nothing it may decide itself.
+
+    Attributes:
+        buckets: in gradient-arrival order. The next forward needs them in reverse order.
+        weight_mode: where the bf16 weights live between uses.
+        cast_side: which side of the link casts.
+        rollback: how a speculative step is undone.
+        speculation: whether CPU buckets may step before validation.
+        cpu_threads: threads of the CPU Adam.
+        pin_memory: page-lock the DMA buffers (exact size).
+        host_numel / device_numel: elements whose optimizer state lives on each side.
+        notes: human-readable reasons for the choices (printed with the summary).
+    """
+
+    buckets: tuple[BucketSpec, ...]
+    weight_mode: WeightMode
+    cast_side: CastSide
+    rollback: Rollback
+    speculation: bool
+    cpu_threads: int
+    pin_memory: bool
+    host_numel: int
+    device_numel: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def host_buckets(self) -> tuple[BucketSpec, ...]:
+        return tuple(b for b in self.buckets if b.placement is Placement.HOST)
+
+    @property
+    def device_buckets(self) -> tuple[BucketSpec, ...]:
+        return tuple(b for b in self.buckets if b.placement is Placement.DEVICE)
+
+    def host_bytes(self) -> int:
+        """Host RAM for optimizer state and staging (fp32 p/m/v, bf16 landing + staging, snapshot)."""
+        per = 12 + 4 + (12 if self.rollback is Rollback.SNAPSHOT else 0)
+        return self.host_numel * per
+
+    def device_bytes(self) -> int:
+        """Device memory for the GPU-resident tail's fp32 master and Adam state."""
+        return self.device_numel * 12
+
+    def summary(self) -> str:
+        gib = 1024**3
+        lines = [
+            "hf_superoffload plan:",
+            f"  buckets: {len(self.buckets)} ({len(self.host_buckets)} host, {len(self.device_buckets)} device tail)",
+            f"  optimizer state: {self.host_numel / 1e6:.1f}M params on host ({self.host_bytes() / gib:.2f} GiB), "
+            f"{self.device_numel / 1e6:.1f}M on device ({self.device_bytes() / gib:.2f} GiB)",
+            f"  weights: {self.weight_mode.value}; casts on {self.cast_side.value}; rollback: {self.rollback.value}; "
+            f"speculation: {'on' if self.speculation else 'off'}; cpu threads: {self.cpu_threads}; "
+            f"pinned: {self.pin_memory}",
+        ]
+        lines += [f"  - {n}" for n in self.notes]
+        return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""Turns a config, the parameter sizes and the hardware profile into a frozen :class:`OffloadPlan`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..config import SuperOffloadConfig
+from .hardware import HardwareProfile
+from .plan import BucketSpec, CastSide, OffloadPlan, Placement, Rollback, WeightMode
+
+__all__ = ["PlanError", "make_plan", "partition_buckets"]
+
+# Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
+_HOST_HEADROOM_BYTES = 4 * 1024**3
+# Fraction of free device memory the GPU-resident tail may take when chosen automatically.
+_DEVICE_TAIL_BUDGET = 0.25
+# Small models still get this many buckets, so the CPU work pipelines with backward.
+_MIN_BUCKETS = 8
+
+
+class PlanError(ValueError):
+    """The requested run cannot fit; the message gives the numbers and what to change."""
+
+
+def partition_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
+    """Greedy split of parameters (in arrival order) into buckets of about ``bucket_numel`` elements.
+
+    A parameter larger than a bucket gets a bucket of its own; parameters are never split.
+    """
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for i, n in enumerate(numels):
+        if current and size + n > bucket_numel:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _tail_count(
+    groups: list[list[int]], numels: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile
+) -> tuple[int, str]:
+    if config.gpu_resident_buckets != "auto":
+        n = min(int(config.gpu_resident_buckets), len(groups))
+        return n, f"device tail: {n} bucket(s), as configured"
+    total = sum(numels)
+    want = config.gpu_resident_fraction * total
+    budget = None
+    if profile.device_free_bytes is not None:
+        budget = _DEVICE_TAIL_BUDGET * profile.device_free_bytes / 12  # elements of fp32 p/m/v
+    count, covered = 0, 0
+    for g in reversed(groups):
+        size = sum(numels[i] for i in g)
+        if covered + size > want or (budget is not None and covered + size > budget):
+            break
+        count += 1
+        covered += size
+    note = f"device tail: {count} bucket(s) = {covered / max(total, 1):.0%} of parameters (auto, target {config.gpu_resident_fraction:.0%})"
+    return count, note
+
+
+def make_plan(
+    numels: Sequence[int],
+    *,
+    element_size: int,
+    config: SuperOffloadConfig,
+    profile: HardwareProfile,
+) -> OffloadPlan:
+    """Plan buckets, their placement and the runtime policies.
+
+    Args:
+        numels: trainable parameter sizes in gradient-arrival order.
+        element_size: bytes per element of the model's gradients (2 for bf16).
+    """
+    bucket_numel = max(1, int(config.bucket_size_mb * 1024 * 1024 / element_size))
+    bucket_numel = min(bucket_numel, max(1, -(-sum(numels) // _MIN_BUCKETS)))
+    groups = partition_buckets(numels, bucket_numel)
+    n_tail, tail_note = _tail_count(groups, numels, config, profile)
+    notes = [tail_note]
+
+    buckets: list[BucketSpec] = []
+    offsets = {Placement.HOST: 0, Placement.DEVICE: 0}
+    for k, g in enumerate(groups):
+        placement = Placement.DEVICE if k >= len(groups) - n_tail else Placement.HOST
+        size = sum(numels[i] for i in g)
+        buckets.append(BucketSpec(k, tuple(g), size, placement, offsets[placement]))
+        offsets[placement] += size
+    host_numel, device_numel = offsets[Placement.HOST], offsets[Placement.DEVICE]
+
+    if config.cast_side == "gpu":
+        raise PlanError(
+            "cast_side='gpu' (fp32 over the link, GPU cast) is not available yet; use cast_side='cpu' or 'auto'"
+        )
+    cast_side = CastSide.CPU
+    notes.append("casts fused into the CPU Adam; bf16 crosses the link both ways")
+
+    if config.weight_placement == "flow":
+        raise PlanError("weight_placement='flow' is not available yet; use 'stationary' or 'auto'")
+
+    avail = profile.host_available_bytes
+    base = host_numel * 16
+    if avail is not None and base + _HOST_HEADROOM_BYTES > avail:
+        gib = 1024**3
+        raise PlanError(
+            f"the host optimizer state needs {base / gib:.1f} GiB (16 B/param for {host_numel / 1e9:.2f}B "
+            f"parameters) plus {_HOST_HEADROOM_BYTES / gib:.0f} GiB headroom, but only {avail / gib:.1f} GiB of "
+            "host RAM is available. Keep more buckets on the GPU (gpu_resident_buckets), train fewer "
+            "parameters, or add ranks/RAM."
+        )
+    if config.rollback == "snapshot":
+        rollback = Rollback.SNAPSHOT
+    elif config.rollback == "inverse":
+        rollback = Rollback.INVERSE
+    elif avail is None or base + host_numel * 12 + _HOST_HEADROOM_BYTES <= avail:
+        rollback = Rollback.SNAPSHOT
+        notes.append("rollback: snapshot (bit-exact undo of speculative steps; host RAM allows it)")
+    else:
+        rollback = Rollback.INVERSE
+        notes.append("rollback: inverse (host RAM too small for snapshots; undo is exact to fp32 rounding)")
+    if rollback is Rollback.SNAPSHOT and avail is not None and base + host_numel * 12 + _HOST_HEADROOM_BYTES > avail:
+        raise PlanError(
+            f"rollback='snapshot' needs {host_numel * 28 / 1024**3:.1f} GiB of host RAM but "
+            f"{avail / 1024**3:.1f} GiB is available; use rollback='inverse' or 'auto'"
+        )
+
+    return OffloadPlan(
+        buckets=tuple(buckets),
+        weight_mode=WeightMode.STATIONARY,
+        cast_side=cast_side,
+        rollback=rollback,
+        speculation=config.speculation,
+        cpu_threads=config.cpu_threads or profile.cpu_threads,
+        pin_memory=config.pin_memory and profile.device_type == "cuda",
+        host_numel=host_numel,
+        device_numel=device_numel,
+        notes=tuple(notes),
+    )

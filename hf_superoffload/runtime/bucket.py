@@ -1,0 +1,177 @@
+"""Buckets: the unit of offload. Each owns its tensors and its lifecycle state.
+
+[Note: bucket lifecycle] in docs/design.md. A host bucket moves through
+
+    IDLE/UPLOADED --flush--> OFFLOADED --worker--> SPECULATED --verdict--> UPLOADED
+                                          \\-----> DEFERRED   --verdict--> UPLOADED
+                                          (SKIP: SPECULATED/DEFERRED --> IDLE, state restored)
+
+Transitions are methods that check the source state; nothing else assigns ``state``.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..planning.plan import BucketSpec
+from .streams import Handoff
+
+__all__ = ["BucketState", "DeviceBucket", "HostBucket", "Run"]
+
+
+class BucketState(enum.Enum):
+    IDLE = "idle"
+    """No step in flight; the parameters on the device are final. Landing/staging buffers free."""
+    OFFLOADED = "offloaded"
+    """Gradients flattened and copied toward the host (``d2h`` event); a CPU task is queued."""
+    RUNNING = "running"
+    """The worker is stepping it (fp32 p/m/v and staging are being written)."""
+    DEFERRED = "deferred"
+    """Gradients on the host, waiting for the verdict (speculation off or a non-finite gradient)."""
+    SPECULATED = "speculated"
+    """Stepped before validation; the undo data (snapshot or landing gradient) is still live."""
+    UPLOADED = "uploaded"
+    """Final; the bf16 weights were sent to the device (``h2d`` event). Staging is read by the DMA."""
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """A contiguous slice of a bucket that steps with one group's hyper-parameters and one step count."""
+
+    start: int
+    end: int
+    group: int
+    step: int
+
+
+class _BucketBase:
+    spec: BucketSpec
+    params: list[torch.nn.Parameter]
+    sizes: list[int]
+    runs: tuple[Run, ...]  # this step's stepped slices (parameters that received a gradient)
+
+    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]) -> None:
+        self.spec = spec
+        self.params = params
+        self.sizes = [p.numel() for p in params]
+        self.runs = ()
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    def plan_runs(self, has_grad: list[bool], groups: list[int], steps: list[int]) -> tuple[Run, ...]:
+        """Slices of the parameters that got a gradient, merged where group and step count agree."""
+        runs: list[Run] = []
+        offset = 0
+        for n, has, g, s in zip(self.sizes, has_grad, groups, steps, strict=True):
+            if has:
+                if runs and runs[-1].end == offset and runs[-1].group == g and runs[-1].step == s + 1:
+                    runs[-1] = Run(runs[-1].start, offset + n, g, s + 1)
+                else:
+                    runs.append(Run(offset, offset + n, g, s + 1))
+            offset += n
+        return tuple(runs)
+
+
+class HostBucket(_BucketBase):
+    """A bucket whose fp32 master and Adam state live in host RAM.
+
+    Attributes:
+        master, exp_avg, exp_avg_sq: fp32 ``[numel]`` views into the host arenas.
+        landing: ``[numel]`` model-dtype view into the page-locked gradient landing arena (D2H target).
+        staging: ``[numel]`` model-dtype view into the page-locked weight staging arena (H2D source).
+        backup: three fp32 ``[numel]`` views (snapshot rollback) or ``None``.
+        d2h: the landing gradient and the event after which the host may read it.
+        h2d_event: recorded after the weights were scattered into the parameters.
+        ready: set when the parameters on the device are final for the current step (or will be once a
+            stream waits on ``h2d_event``); the next forward blocks on it.
+        applied: (hyper-parameters, grad scale) of the step currently applied to the state, for undo.
+    """
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    landing: torch.Tensor
+    staging: torch.Tensor
+    backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    d2h: Handoff | None
+    h2d_event: torch.cuda.Event | None
+    ready: threading.Event
+    stream_waited: bool
+    applied: tuple[tuple, float] | None
+
+    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(spec, params)
+        self.state = BucketState.IDLE
+        self.d2h = None
+        self.h2d_event = None
+        self.ready = threading.Event()
+        self.ready.set()
+        self.stream_waited = True
+        self.applied = None
+        self.backup = None
+
+    def _expect(self, *states: BucketState) -> None:
+        if self.state not in states:
+            raise AssertionError(f"bucket {self.index}: in state {self.state.name}, expected one of "
+                                 f"{[s.name for s in states]}")
+
+    # -- transitions -------------------------------------------------------------------------------
+    def to_offloaded(self, runs: tuple[Run, ...], d2h: Handoff) -> None:
+        self._expect(BucketState.IDLE, BucketState.UPLOADED)
+        self.runs, self.d2h = runs, d2h
+        self.ready.clear()
+        self.stream_waited = False
+        self.applied = None
+        self.state = BucketState.OFFLOADED
+
+    def to_running(self) -> None:
+        self._expect(BucketState.OFFLOADED, BucketState.DEFERRED, BucketState.SPECULATED)
+        self.state = BucketState.RUNNING
+
+    def to_deferred(self) -> None:
+        self._expect(BucketState.OFFLOADED)
+        self.state = BucketState.DEFERRED
+
+    def to_speculated(self) -> None:
+        self._expect(BucketState.RUNNING)
+        self.state = BucketState.SPECULATED
+
+    def to_uploaded(self, h2d_event: torch.cuda.Event | None) -> None:
+        self._expect(BucketState.RUNNING)
+        self.h2d_event = h2d_event
+        self.state = BucketState.UPLOADED
+        self.ready.set()
+
+    def to_idle_skipped(self) -> None:
+        self._expect(BucketState.RUNNING, BucketState.DEFERRED, BucketState.SPECULATED)
+        self.h2d_event = None
+        self.stream_waited = True
+        self.state = BucketState.IDLE
+        self.ready.set()
+
+    def describe(self) -> str:
+        return f"bucket {self.index} ({len(self.params)} params, {self.spec.numel / 1e6:.1f}M elements, {self.state.name})"
+
+
+class DeviceBucket(_BucketBase):
+    """A bucket of the GPU-resident tail: fp32 master and Adam state on the model's device.
+
+    Attributes:
+        master, exp_avg, exp_avg_sq: fp32 ``[numel]`` views into the device arenas.
+        grad: this step's flattened gradient (model dtype), or ``None`` between steps.
+    """
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor | None
+
+    def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(spec, params)
+        self.grad = None

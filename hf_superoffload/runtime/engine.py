@@ -1,0 +1,616 @@
+"""OffloadEngine: executes an :class:`OffloadPlan` for one set of parameters.
+
+Schedule of one optimizer step (see docs/design.md for the notes named here):
+
+1. Backward. Each parameter's post-accumulate-grad hook counts towards its bucket. On the last
+   micro-batch of an accumulation (``sync_gradients``), a complete bucket is *flushed*: its gradients are
+   flattened on the compute stream together with their statistics (sum of squares, non-finite count),
+   copied to the page-locked landing buffer on the D2H stream, and released. A host bucket's CPU task is
+   queued; a device (tail) bucket keeps its flat gradient on the device.
+2. The CPU worker waits on exactly that bucket's D2H event and, if speculation is on and no non-finite
+   gradient was seen, steps AdamW speculatively (writing the bf16 weights into staging in the same pass).
+3. ``step()`` flushes the buckets that did not complete (parameters without gradients), reads the global
+   norm and non-finite count (the one host sync of the step), and decides COMMIT / REDO / SKIP
+   ([Note: speculation and rollback]).
+4. Each host bucket, once final, is copied host to device on the H2D stream and scattered into its
+   parameters; its ``ready`` flag and H2D event release the next forward of the layers that own it
+   ([Note: stream ordering]). Device-tail buckets step on the compute stream right after validation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import ops
+from ..cpu_ext import reference as _device_adam
+from ..planning.plan import OffloadPlan, Placement, Rollback
+from ..triton_kernels import flatten_grads_with_stats_, scatter_flat_
+from .bucket import BucketState, DeviceBucket, HostBucket
+from .cpu_worker import CpuWorker
+from .host_memory import HostBuffer
+from .streams import Handoff, StreamSet
+from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
+
+__all__ = ["OffloadEngine", "StepStats"]
+
+logger = logging.getLogger("hf_superoffload")
+
+
+@dataclass(slots=True)
+class _StepContext:
+    """What the CPU tasks of one optimizer step share. Guarded by the engine lock."""
+
+    speculative: bool
+    spec_hyper: Hyper
+    verdict: Verdict | None = None
+    saw_nonfinite: bool = False
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Per-step telemetry (host clock)."""
+
+    grad_norm: float = float("nan")
+    verdict: str = ""
+    clip_coef: float = 1.0
+    speculative: bool = False
+    cpu_step_s: float = 0.0
+    """Seconds the worker spent in CPU Adam (incl. undo/redo) for this step."""
+    wait_s: float = 0.0
+    """Seconds the training thread blocked on buckets (the GPU waiting for the CPU)."""
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+
+
+class OffloadEngine:
+    """Wires plan, buckets, hooks, streams and the CPU worker for one optimizer."""
+
+    def __init__(
+        self,
+        *,
+        params: Sequence[torch.nn.Parameter],
+        param_group: Sequence[int],
+        hyper_fn: Callable[[], Hyper],
+        plan: OffloadPlan,
+        modules: Sequence[torch.nn.Module],
+        check_finite: bool,
+        timeout_s: float,
+        governor: SpeculationGovernor,
+    ) -> None:
+        """
+        Args:
+            params: trainable parameters, deduplicated, in gradient-arrival order (plan indices refer to it).
+            param_group: the optimizer param group of each parameter.
+            hyper_fn: reads the live per-group hyper-parameters (LR schedulers change them).
+            modules: modules whose forward must wait for their parameters (every module of the model).
+        """
+        self.params = list(params)
+        self.param_group = list(param_group)
+        self.param_steps = [0] * len(self.params)
+        self.plan = plan
+        self.hyper_fn = hyper_fn
+        self.check_finite = check_finite
+        self.timeout_s = timeout_s
+        self.governor = governor
+        self.device = self.params[0].device
+        self.dtype = self.params[0].dtype
+        self.streams = StreamSet.create(self.device)
+        self._lock = threading.Lock()
+        self._ctx: _StepContext | None = None
+        self._no_sync_depth = 0
+        self.sync_predicate: Callable[[], bool] | None = None
+        self.stats = StepStats()
+        self._stats_cur = StepStats()
+        self._closed = False
+        self.consistent = True
+        """False once a worker failure left a validated step half applied (the state must not be saved)."""
+
+        self._build_buckets()
+        self._install_hooks(modules)
+        self._worker = CpuWorker(device=self.device, on_error=self._wake_all)
+
+    # ------------------------------------------------------------------------------------------------
+    # construction
+    def _build_buckets(self) -> None:
+        plan, dev = self.plan, self.device
+        pin = plan.pin_memory and dev.type == "cuda"
+        n_host, n_dev = plan.host_numel, plan.device_numel
+        self._arenas = {
+            "master": HostBuffer(n_host, torch.float32, pin=False, name="fp32 master"),
+            "exp_avg": HostBuffer(n_host, torch.float32, pin=False, name="exp_avg"),
+            "exp_avg_sq": HostBuffer(n_host, torch.float32, pin=False, name="exp_avg_sq"),
+            "landing": HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing"),
+            "staging": HostBuffer(n_host, self.dtype, pin=pin, name="weight staging"),
+        }
+        if plan.rollback is Rollback.SNAPSHOT:
+            for k in ("backup_p", "backup_m", "backup_v"):
+                self._arenas[k] = HostBuffer(n_host, torch.float32, pin=False, name=k)
+        self._dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
+        self._dev_exp_avg = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        self._dev_exp_avg_sq = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        a = {k: v.tensor for k, v in self._arenas.items()}
+        a["exp_avg"].zero_()
+        a["exp_avg_sq"].zero_()
+
+        self.host_buckets: list[HostBucket] = []
+        self.device_buckets: list[DeviceBucket] = []
+        self.buckets: list[HostBucket | DeviceBucket] = []
+        self._bucket_of: list[HostBucket | DeviceBucket] = [None] * len(self.params)  # type: ignore[list-item]
+        for spec in plan.buckets:
+            ps = [self.params[i] for i in spec.param_indices]
+            sl = slice(spec.offset, spec.offset + spec.numel)
+            if spec.placement is Placement.HOST:
+                b = HostBucket(spec, ps)
+                b.master, b.exp_avg, b.exp_avg_sq = a["master"][sl], a["exp_avg"][sl], a["exp_avg_sq"][sl]
+                b.landing, b.staging = a["landing"][sl], a["staging"][sl]
+                if plan.rollback is Rollback.SNAPSHOT:
+                    b.backup = (a["backup_p"][sl], a["backup_m"][sl], a["backup_v"][sl])
+                self.host_buckets.append(b)
+            else:
+                b = DeviceBucket(spec, ps)
+                b.master = self._dev_master[sl]
+                b.exp_avg, b.exp_avg_sq = self._dev_exp_avg[sl], self._dev_exp_avg_sq[sl]
+                self.device_buckets.append(b)
+            self.buckets.append(b)
+            for i in spec.param_indices:
+                self._bucket_of[i] = b
+        self._arrived = [0] * len(self.buckets)
+        self._flushed = [False] * len(self.buckets)
+        # Per-bucket [sum of squares, non-finite count]; host buckets' rows are also copied to the host
+        # with their gradients so the worker can refuse to speculate on a non-finite bucket.
+        self._grad_stats = torch.zeros(len(self.buckets), 2, dtype=torch.float32, device=self.device)
+        self._grad_stats_host = (
+            HostBuffer(len(self.buckets) * 2, torch.float32, pin=pin, name="stats").tensor.view(-1, 2)
+            if self.streams.is_cuda else self._grad_stats
+        )
+        with torch.no_grad():
+            self._load_masters_from_params()
+
+    def _load_masters_from_params(self) -> None:
+        """fp32 master := the parameters' current values (exact for fp32 models); staging := bf16 of it."""
+        for b in self.buckets:
+            offset = 0
+            for p, n in zip(b.params, b.sizes):
+                b.master[offset : offset + n].copy_(p.detach().reshape(-1))
+                offset += n
+            if isinstance(b, HostBucket):
+                b.staging.copy_(b.master)
+
+    def _install_hooks(self, modules: Sequence[torch.nn.Module]) -> None:
+        self._handles: list[Any] = []
+        for i, p in enumerate(self.params):
+            self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+        owner: dict[int, HostBucket] = {id(p): b for b in self.host_buckets for p in b.params}
+        for m in modules:
+            own = {owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
+            if own:
+                ordered = sorted(own, key=lambda b: b.index)
+                self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(ordered)))
+        self._unwaited: set[int] = set()
+
+    def _make_grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(i)
+
+        return hook
+
+    def _make_pre_forward(self, buckets: list[HostBucket]) -> Callable[..., None]:
+        def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            if not self._unwaited:
+                return
+            for b in buckets:
+                if b.index in self._unwaited:
+                    self.wait_bucket(b)
+
+        return pre_forward
+
+    # ------------------------------------------------------------------------------------------------
+    # gradient accumulation boundary
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates gradients on the device without offloading them."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _is_sync(self) -> bool:
+        if self._no_sync_depth:
+            return False
+        return self.sync_predicate() if self.sync_predicate is not None else True
+
+    # ------------------------------------------------------------------------------------------------
+    # backward: flush
+    def _on_grad(self, i: int) -> None:
+        if not self._is_sync():
+            return
+        b = self._bucket_of[i]
+        if self._flushed[b.index]:
+            raise RuntimeError(
+                f"parameter {i} received a gradient after its bucket was offloaded in this step. "
+                "For gradient accumulation, run the non-final micro-batches inside `with optimizer.no_sync():` "
+                "(Trainer and Accelerate do this for you); call optimizer.step() before the next backward."
+            )
+        self._arrived[b.index] += 1
+        if self._arrived[b.index] == len(b.params):
+            try:
+                self._flush(b)
+            except BaseException:
+                self.abort_step()
+                raise
+
+    def _ensure_ctx(self) -> _StepContext:
+        if self._ctx is None:
+            self._worker.raise_if_failed()
+            self._grad_stats.zero_()
+            self._stats_cur = StepStats()
+            self._ctx = _StepContext(speculative=self.plan.speculation and self.governor.speculate_next(),
+                                     spec_hyper=self.hyper_fn())
+        return self._ctx
+
+    def _flush(self, b: HostBucket | DeviceBucket) -> None:
+        ctx = self._ensure_ctx()
+        self._flushed[b.index] = True
+        grads = [p.grad for p in b.params]
+        has = [g is not None for g in grads]
+        runs = b.plan_runs(has, [self.param_group[i] for i in b.spec.param_indices],
+                           [self.param_steps[i] for i in b.spec.param_indices])
+        stats_row = self._grad_stats[b.index]
+        with torch.profiler.record_function("superoffload::flush"):
+            if isinstance(b, DeviceBucket):
+                flat = torch.empty(b.spec.numel, dtype=self.dtype, device=self.device)
+                flatten_grads_with_stats_(grads, b.sizes, flat, stats_row)
+                b.grad, b.runs = flat, runs
+            else:
+                self.wait_bucket(b, for_stream=False)  # last step's H2D must be done with staging/landing
+                d2h = self._offload_grads(b, grads, stats_row)
+                b.to_offloaded(runs, d2h)
+                self._unwaited.add(b.index)
+                self._stats_cur.d2h_bytes += b.landing.numel() * b.landing.element_size()
+                self._worker.submit(self._need_order(b), f"CPU Adam of {b.describe()}", lambda: self._run_host(b, ctx))
+        for p in b.params:
+            p.grad = None
+
+    def _offload_grads(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor) -> Handoff:
+        s = self.streams
+        if not s.is_cuda:
+            flatten_grads_with_stats_(grads, b.sizes, b.landing, stats_row)
+            return Handoff(b.landing, None)
+        compute = torch.cuda.current_stream(self.device)
+        flat = torch.empty(b.spec.numel, dtype=self.dtype, device=self.device)
+        flatten_grads_with_stats_(grads, b.sizes, flat, stats_row)
+        s.d2h.wait_stream(compute)
+        if b.h2d_event is not None:  # the previous upload still reads staging/landing's neighbours
+            s.d2h.wait_event(b.h2d_event)
+        with torch.cuda.stream(s.d2h):
+            b.landing.copy_(flat, non_blocking=True)
+            self._grad_stats_host[b.index].copy_(stats_row, non_blocking=True)
+            event = s.record(s.d2h)
+        flat.record_stream(s.d2h)
+        return Handoff(b.landing, event)
+
+    def _need_order(self, b: HostBucket | DeviceBucket) -> int:
+        """Priority: the next forward needs the last-arriving bucket first."""
+        return len(self.buckets) - 1 - b.index
+
+    # ------------------------------------------------------------------------------------------------
+    # worker side
+    def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
+        assert b.d2h is not None
+        b.d2h.wait_host()
+        nonfinite = bool(self._grad_stats_host[b.index, 1].item() > 0)
+        with self._lock:
+            verdict = ctx.verdict
+            if verdict is None:
+                ctx.saw_nonfinite |= nonfinite
+                if not ctx.speculative or ctx.saw_nonfinite:
+                    b.to_deferred()
+                    return
+            b.to_running()
+        if verdict is not None:
+            self._finish(b, verdict, speculated=False)
+            return
+        self._cpu_step(b, ctx.spec_hyper, 1.0, snapshot=self.plan.rollback is Rollback.SNAPSHOT)
+        with self._lock:
+            verdict = ctx.verdict
+            if verdict is None:
+                b.to_speculated()
+                return
+        self._finish(b, verdict, speculated=True)
+
+    def _finish(self, b: HostBucket, verdict: Verdict, *, speculated: bool) -> None:
+        """Bring a RUNNING bucket to its final state for ``verdict``."""
+        try:
+            self._finish_unguarded(b, verdict, speculated=speculated)
+        except BaseException:
+            if verdict.kind is not StepVerdict.SKIP:
+                self.consistent = False  # a validated step is half applied: refuse to checkpoint it
+            raise
+
+    def _finish_unguarded(self, b: HostBucket, verdict: Verdict, *, speculated: bool) -> None:
+        if verdict.kind is StepVerdict.SKIP:
+            if speculated:
+                self._undo(b)
+            with self._lock:
+                b.to_idle_skipped()
+            self._unwaited.discard(b.index)
+            return
+        if not (speculated and b.applied == (verdict.hyper, verdict.grad_scale)):
+            if speculated:
+                self._undo(b)
+            self._cpu_step(b, verdict.hyper, verdict.grad_scale, snapshot=False)
+        self._upload(b)
+
+    def _finish_task(self, b: HostBucket, verdict: Verdict, speculated: bool) -> None:
+        with self._lock:
+            b.to_running()
+        self._finish(b, verdict, speculated=speculated)
+
+    def _cpu_step(self, b: HostBucket, hyper: Hyper, scale: float, *, snapshot: bool) -> None:
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("superoffload::cpu_adam"):
+            for r in b.runs:
+                lr, beta1, beta2, eps, wd = hyper[r.group]
+                sl = slice(r.start, r.end)
+                ops.cpu_adamw_step_(
+                    b.master[sl], b.landing[sl], b.exp_avg[sl], b.exp_avg_sq[sl],
+                    step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
+                    param_bf16_out=b.staging[sl] if self.dtype == torch.bfloat16 else None,
+                    backup=tuple(t[sl] for t in b.backup) if snapshot and b.backup is not None else None,
+                    num_threads=self.plan.cpu_threads,
+                )
+                if self.dtype != torch.bfloat16:
+                    b.staging[sl].copy_(b.master[sl])
+        b.applied = (hyper, scale)
+        self._stats_cur.cpu_step_s += time.perf_counter() - t0
+
+    def _undo(self, b: HostBucket) -> None:
+        assert b.applied is not None
+        hyper, scale = b.applied
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("superoffload::undo"):
+            for r in b.runs:
+                sl = slice(r.start, r.end)
+                if b.backup is not None and self.plan.rollback is Rollback.SNAPSHOT:
+                    for dst, src in zip((b.master, b.exp_avg, b.exp_avg_sq), b.backup):
+                        dst[sl].copy_(src[sl])
+                    b.staging[sl].copy_(b.master[sl])
+                else:
+                    lr, beta1, beta2, eps, wd = hyper[r.group]
+                    ops.cpu_adamw_undo_(
+                        b.master[sl], b.landing[sl], b.exp_avg[sl], b.exp_avg_sq[sl],
+                        step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
+                        param_bf16_out=None, num_threads=self.plan.cpu_threads,
+                    )
+                    b.staging[sl].copy_(b.master[sl])
+        b.applied = None
+        self._stats_cur.cpu_step_s += time.perf_counter() - t0
+
+    def _upload(self, b: HostBucket) -> None:
+        s = self.streams
+        with torch.profiler.record_function("superoffload::upload"):
+            if not s.is_cuda:
+                scatter_flat_(b.staging, b.params)
+                event = None
+            else:
+                with torch.cuda.stream(s.h2d):
+                    assert b.d2h is not None
+                    b.d2h.wait_stream(s.h2d)
+                    flat = torch.empty(b.spec.numel, dtype=self.dtype, device=self.device)
+                    flat.copy_(b.staging, non_blocking=True)
+                    scatter_flat_(flat, b.params)
+                    event = s.record(s.h2d)
+        self._stats_cur.h2d_bytes += b.staging.numel() * b.staging.element_size()
+        with self._lock:
+            b.to_uploaded(event)
+
+    def _wake_all(self) -> None:
+        for b in self.host_buckets:
+            b.ready.set()
+
+    # ------------------------------------------------------------------------------------------------
+    # training thread: waits
+    @property
+    def step_in_progress(self) -> bool:
+        """Between the first offloaded gradient of a step and its ``step()``."""
+        return self._ctx is not None
+
+    def wait_bucket(self, b: HostBucket, *, for_stream: bool = True) -> None:
+        """Block until ``b``'s parameters are final; then order the current stream after its upload.
+
+        Before the verdict the device still holds the previous, valid weights (nothing is uploaded before
+        validation), so a forward in the middle of a step does not wait.
+        """
+        if self._ctx is not None and self._ctx.verdict is None and for_stream:
+            return
+        if not b.ready.is_set():
+            t0 = time.perf_counter()
+            with torch.profiler.record_function("superoffload::wait_cpu"):
+                finished = b.ready.wait(self.timeout_s)
+            self._stats_cur.wait_s += time.perf_counter() - t0
+            self._worker.raise_if_failed()
+            if not finished:
+                raise TimeoutError(
+                    f"hf_superoffload: {b.describe()} was not ready after {self.timeout_s:.0f}s "
+                    f"(worker alive: {self._worker.alive}). Raise SuperOffloadConfig.worker_timeout_s if the "
+                    "CPU is this slow, or report a bug."
+                )
+        self._worker.raise_if_failed()
+        if for_stream and not b.stream_waited:
+            if b.h2d_event is not None:
+                torch.cuda.current_stream(self.device).wait_event(b.h2d_event)
+            b.stream_waited = True
+            self._unwaited.discard(b.index)
+
+    def synchronize(self) -> None:
+        """Wait until every bucket's parameters on the device are final (before saving or reading weights).
+
+        In the middle of a step (before ``step()``) the device weights are the previous step's, already final.
+        """
+        if self.step_in_progress:
+            return
+        self._worker.drain(self.timeout_s)
+        for b in self.host_buckets:
+            self.wait_bucket(b)
+
+    # ------------------------------------------------------------------------------------------------
+    # step
+    def step(self, max_grad_norm: float | None) -> StepStats:
+        """Validate this step's gradients and finish the update. Returns the step's telemetry."""
+        self._worker.raise_if_failed()
+        ctx = self._ensure_ctx()
+        for b in self.buckets:
+            if not self._flushed[b.index]:
+                self._flush(b)
+        with torch.profiler.record_function("superoffload::validate"):
+            sumsq, nonfinite = self._grad_stats.sum(dim=0).tolist()  # the one host sync of the step
+        verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hyper=self.hyper_fn(),
+                         spec_hyper=ctx.spec_hyper, check_finite=self.check_finite)
+        with self._lock:
+            ctx.verdict = verdict
+            pending = [b for b in self.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
+            states = {b.index: b.state for b in pending}
+        for b in pending:
+            self._worker.submit(self._need_order(b), f"finishing {b.describe()}",
+                                lambda b=b: self._finish_task(b, verdict, states[b.index] is BucketState.SPECULATED))
+        with torch.profiler.record_function("superoffload::device_adam"):
+            self._step_device(verdict)
+        if verdict.kind is not StepVerdict.SKIP:
+            for b in self.buckets:
+                for r in b.runs:
+                    offset = 0
+                    for i, n in zip(b.spec.param_indices, b.sizes):
+                        if r.start <= offset < r.end:
+                            self.param_steps[i] = r.step
+                        offset += n
+        self.governor.record(speculated=ctx.speculative, verdict=verdict.kind)
+        st = self._stats_cur
+        st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, ctx.speculative
+        st.clip_coef = verdict.grad_scale
+        self.stats = st
+        self._ctx = None
+        self._arrived = [0] * len(self.buckets)
+        self._flushed = [False] * len(self.buckets)
+        return st
+
+    def _step_device(self, verdict: Verdict) -> None:
+        for b in self.device_buckets:
+            if verdict.kind is not StepVerdict.SKIP:
+                assert b.grad is not None
+                for r in b.runs:
+                    lr, beta1, beta2, eps, wd = verdict.hyper[r.group]
+                    sl = slice(r.start, r.end)
+                    _device_adam.adamw_step_(
+                        b.master[sl], b.grad[sl], b.exp_avg[sl], b.exp_avg_sq[sl], step=r.step, lr=lr,
+                        beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=verdict.grad_scale,
+                    )
+                if b.runs:
+                    scatter_flat_(b.master, b.params)
+            b.grad = None
+
+    # ------------------------------------------------------------------------------------------------
+    # lifecycle
+    def abort_step(self) -> None:
+        """Drop a step in progress (after an error): speculative updates are undone, nothing is applied.
+
+        If the worker itself failed, the undo runs here, in the calling thread. A bucket whose CPU step
+        raised part-way (state RUNNING) cannot be restored and is named in the log.
+        """
+        if self._ctx is None:
+            return
+        skip = Verdict(StepVerdict.SKIP, 1.0, self._ctx.spec_hyper, float("nan"))
+        with self._lock:
+            self._ctx.verdict = skip
+            pending = [(b, b.state is BucketState.SPECULATED) for b in self.host_buckets
+                       if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
+            broken = [b for b in self.host_buckets if b.state is BucketState.RUNNING]
+        if self._worker.failed:
+            for b, spec in pending:
+                self._finish_task(b, skip, spec)
+            for b in broken:
+                logger.error("hf_superoffload: %s failed inside its CPU step; its state may be partly updated", b.describe())
+                b.ready.set()
+        else:
+            for b, spec in pending:
+                self._worker.submit(self._need_order(b), f"aborting {b.describe()}",
+                                    lambda b=b, spec=spec: self._finish_task(b, skip, spec))
+            self._worker.drain(self.timeout_s)
+        for b in self.device_buckets:
+            b.grad = None
+        self._ctx = None
+        self._arrived = [0] * len(self.buckets)
+        self._flushed = [False] * len(self.buckets)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self._worker.close()
+
+    # ------------------------------------------------------------------------------------------------
+    # state
+    def param_location(self, i: int) -> tuple[Placement, int]:
+        """(placement, element offset in that placement's arenas) of parameter ``i``."""
+        b = self._bucket_of[i]
+        offset = b.spec.offset
+        for j, n in zip(b.spec.param_indices, b.sizes):
+            if j == i:
+                return b.spec.placement, offset
+            offset += n
+        raise AssertionError(i)
+
+    def flat_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live flat arenas: ``{"host": {...}, "device": {...}}`` with master, exp_avg, exp_avg_sq."""
+        return {
+            "host": {k: self._arenas[k].tensor for k in ("master", "exp_avg", "exp_avg_sq")},
+            "device": {"master": self._dev_master, "exp_avg": self._dev_exp_avg, "exp_avg_sq": self._dev_exp_avg_sq},
+        }
+
+    def seed_masters(self, values: Sequence[torch.Tensor | None]) -> None:
+        """Overwrite the masters of parameters with exact values (fp32 models), then refresh the weights."""
+        flat = self.flat_state()
+        with torch.no_grad():
+            for i, v in enumerate(values):
+                if v is not None:
+                    pl, off = self.param_location(i)
+                    side = "host" if pl is Placement.HOST else "device"
+                    flat[side]["master"][off : off + v.numel()].copy_(v.reshape(-1))
+        self.refresh_params_from_masters()
+
+    def refresh_params_from_masters(self) -> None:
+        """After loading state: staging := bf16(master) and parameters := bf16(master)."""
+        with torch.no_grad():
+            for b in self.buckets:
+                if isinstance(b, HostBucket):
+                    b.staging.copy_(b.master)
+                scatter_flat_(b.master, b.params)
+        if self.streams.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(a.nbytes for a in self._arenas.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(a.nbytes for a in self._arenas.values() if a.pinned)
+
+    def is_bucket_param(self, p: torch.Tensor) -> bool:
+        return any(p is q for q in self.params)
+
+    @staticmethod
+    def finite(x: float) -> bool:
+        return math.isfinite(x)

@@ -1,0 +1,89 @@
+"""Speculation-then-validation: the verdict at the end of backward, and when to speculate at all.
+
+[Note: speculation and rollback] in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["Hyper", "SpeculationGovernor", "StepVerdict", "Verdict", "decide"]
+
+Hyper = tuple[tuple[float, float, float, float, float], ...]
+"""Per param group: (lr, beta1, beta2, eps, weight_decay)."""
+
+
+class StepVerdict(enum.Enum):
+    COMMIT = "commit"
+    """Finite gradients, no clipping, same hyper-parameters: speculative results stand."""
+    REDO = "redo"
+    """Clipping fired (or the hyper-parameters changed): undo and step again with the final values."""
+    SKIP = "skip"
+    """A gradient is non-finite: undo everything; the step never happened."""
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: StepVerdict
+    grad_scale: float
+    hyper: Hyper
+    grad_norm: float
+
+
+def decide(
+    *, sumsq: float, nonfinite: bool, max_grad_norm: float | None, hyper: Hyper, spec_hyper: Hyper | None,
+    check_finite: bool,
+) -> Verdict:
+    """The verdict, matching ``clip_grad_norm_(max_norm)`` (coef = max_norm / (norm + 1e-6), clamped to 1)."""
+    norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
+    if (nonfinite or not math.isfinite(norm)) and check_finite:
+        return Verdict(StepVerdict.SKIP, 1.0, hyper, float("nan") if nonfinite else norm)
+    scale = 1.0
+    if max_grad_norm is not None and max_grad_norm > 0:
+        coef = max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            scale = coef
+    if scale != 1.0 or (spec_hyper is not None and hyper != spec_hyper):
+        return Verdict(StepVerdict.REDO, scale, hyper, norm)
+    return Verdict(StepVerdict.COMMIT, 1.0, hyper, norm)
+
+
+class SpeculationGovernor:
+    """Pauses speculation when redo (clipping) fires too often, then probes again after a cooldown.
+
+    A redo costs an undo plus a second, exposed CPU pass; a synchronous step costs only the exposed pass.
+    """
+
+    def __init__(self, *, enabled: bool, max_redo_rate: float, window: int, cooldown: int) -> None:
+        self.enabled = enabled
+        self.max_redo_rate = max_redo_rate
+        self.cooldown = cooldown
+        self._recent: deque[bool] = deque(maxlen=window)
+        self._paused_for = 0
+        self.redo_steps = 0
+        self.speculative_steps = 0
+        self.pauses = 0
+
+    def speculate_next(self) -> bool:
+        return self.enabled and self._paused_for == 0
+
+    def record(self, *, speculated: bool, verdict: StepVerdict) -> None:
+        redo = verdict is StepVerdict.REDO
+        if speculated:
+            self.speculative_steps += 1
+            self.redo_steps += int(redo)
+            self._recent.append(redo)
+            window = self._recent.maxlen or 1
+            if len(self._recent) == window and sum(self._recent) / window > self.max_redo_rate:
+                self._paused_for = self.cooldown
+                self._recent.clear()
+                self.pauses += 1
+        elif self._paused_for > 0:
+            self._paused_for -= 1
+
+    @property
+    def redo_rate(self) -> float:
+        return self.redo_steps / self.speculative_steps if self.speculative_steps else 0.0

@@ -1,0 +1,170 @@
+"""Non-finite steps are skipped bit-exactly; state round-trips; worker errors surface at once."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import pytest
+import torch
+
+from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload import ops as ops_module
+from hf_superoffload.runtime.cpu_worker import WorkerError
+from hf_superoffload.testing import tiny_llama
+
+CFG = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=2)
+
+
+def data(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 128, (2, 16), generator=g) for _ in range(n)]
+
+
+def train(model, opt, batches, poison=None):
+    for k, ids in enumerate(batches):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+
+
+def snapshot(model, opt):
+    opt.synchronize()
+    flat = opt.engine.flat_state()
+    return (
+        {side: {k: v.detach().clone().cpu() for k, v in d.items()} for side, d in flat.items()},
+        list(opt.engine.param_steps),
+        [p.detach().clone() for p in model.parameters()],
+    )
+
+
+def assert_bitwise_equal(a, b):
+    (fa, sa, pa), (fb, sb, pb) = a, b
+    assert sa == sb
+    for side in fa:
+        for k in fa[side]:
+            assert torch.equal(fa[side][k], fb[side][k]), f"{side}/{k} changed"
+    for x, y in zip(pa, pb):
+        assert torch.equal(x, y), "model weights changed"
+
+
+@pytest.mark.parametrize("rollback", ["snapshot", "inverse"])
+@pytest.mark.parametrize("where", ["loss", "one_param_late"])
+def test_nan_step_is_skipped_bit_exactly(rollback, where):
+    model = tiny_llama()
+    opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=1.0,
+                                config=CFG.replace(rollback=rollback))
+    train(model, opt, data(3))
+    before = snapshot(model, opt)
+    ids = data(1, seed=7)[0]
+    if where == "loss":
+        loss = model(input_ids=ids, labels=ids).loss * float("nan")
+        handle = None
+    else:
+        # only the first layer's q_proj gradient is NaN: it arrives late, after other buckets were speculated
+        target = model.model.layers[0].self_attn.q_proj.weight
+        handle = target.register_hook(lambda g: torch.full_like(g, float("nan")))
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    after = snapshot(model, opt)
+    assert opt.skipped_steps == 1
+    assert opt.step_was_skipped
+    if rollback == "snapshot" or where == "loss":
+        assert_bitwise_equal(before, after)
+    else:
+        # inverse rollback: buckets speculated before the NaN arrived are restored to fp32 rounding
+        for side in before[0]:
+            for k in before[0][side]:
+                torch.testing.assert_close(after[0][side][k], before[0][side][k], rtol=1e-5, atol=1e-6)
+        assert before[1] == after[1]
+    # training goes on normally afterwards
+    train(model, opt, data(2, seed=3))
+    assert not opt.step_was_skipped
+
+
+def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
+    batches = data(8)
+    model_a = tiny_llama()
+    opt_a = SuperOffloadOptimizer(model_a, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=CFG)
+    train(model_a, opt_a, batches)  # uninterrupted
+
+    model_b = tiny_llama()
+    opt_b = SuperOffloadOptimizer(model_b, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=CFG)
+    train(model_b, opt_b, batches[:4])
+    buf = io.BytesIO()
+    torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict()}, buf)
+    opt_b.close()
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+
+    model_c = tiny_llama(seed=123)  # different init: everything must come from the checkpoint
+    model_c.load_state_dict(ckpt["model"])
+    # resume into a different plan (no device tail): converted parameter by parameter
+    opt_c = SuperOffloadOptimizer(model_c, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0,
+                                  config=CFG.replace(gpu_resident_buckets=0))
+    opt_c.load_state_dict(ckpt["opt"])
+    train(model_c, opt_c, batches[4:])
+    for x, y in zip(model_a.parameters(), model_c.parameters()):
+        assert torch.equal(x, y)
+    assert opt_a.engine.param_steps == opt_c.engine.param_steps
+    fa, fc = opt_a.engine.flat_state(), opt_c.engine.flat_state()
+    for i in range(len(opt_a.engine.params)):
+        (pa, oa), (pc, oc) = opt_a.engine.param_location(i), opt_c.engine.param_location(i)
+        n = opt_a.engine.params[i].numel()
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            a = fa["host" if pa.value == "host" else "device"][k][oa : oa + n]
+            c = fc["host" if pc.value == "host" else "device"][k][oc : oc + n]
+            assert torch.equal(a, c), f"param {i} {k} differs after resume"
+
+
+def test_load_refuses_other_model():
+    model = tiny_llama()
+    opt = SuperOffloadOptimizer(model, lr=1e-3, config=CFG)
+    other = tiny_llama(hidden_size=48, intermediate_size=96)
+    opt2 = SuperOffloadOptimizer(other, lr=1e-3, config=CFG)
+    with pytest.raises(ValueError, match="different set of trainable parameters"):
+        opt2.load_state_dict(opt.state_dict())
+    with pytest.raises(ValueError, match="not saved by SuperOffloadOptimizer"):
+        opt2.load_state_dict(torch.optim.AdamW(other.parameters()).state_dict())
+
+
+def test_worker_exception_surfaces_quickly_and_state_is_unchanged(monkeypatch):
+    model = tiny_llama()
+    opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=1.0, config=CFG.replace(worker_timeout_s=30))
+    train(model, opt, data(2))
+    before = snapshot(model, opt)
+
+    calls = {"n": 0}
+    real = ops_module.cpu_adamw_step_
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected CPU Adam failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops_module, "cpu_adamw_step_", flaky)
+    ids = data(1, seed=9)[0]
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerError, match="injected CPU Adam failure") as info:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert time.perf_counter() - t0 < 10
+    assert isinstance(info.value.__cause__, RuntimeError)
+    # the failed step left masters and Adam state as they were (snapshot rollback of speculated buckets)
+    flat_before, steps_before, _ = before
+    flat_now = {side: {k: v.detach().clone().cpu() for k, v in d.items()} for side, d in opt.engine.flat_state().items()}
+    assert opt.engine.param_steps == steps_before
+    for side in ("host", "device"):
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(flat_now[side][k], flat_before[side][k]), f"{side}/{k} changed by the failed step"
+    # the optimizer refuses to go on with a dead worker, with the original cause
+    with pytest.raises(WorkerError):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()

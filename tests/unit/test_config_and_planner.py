@@ -1,0 +1,109 @@
+"""Config validation and the planner's pure decisions (no CUDA, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.planning.hardware import HardwareProfile, default_cpu_threads
+from hf_superoffload.planning.plan import Placement, Rollback
+from hf_superoffload.planning.planner import PlanError, make_plan, partition_buckets
+
+GiB = 1024**3
+
+
+def profile(**kw):
+    base = dict(device_type="cuda", device_free_bytes=80 * GiB, host_available_bytes=120 * GiB, cpu_threads=15)
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("bucket_size_mb", 0, "positive"),
+        ("gpu_resident_buckets", -1, "integer >= 0"),
+        ("gpu_resident_buckets", "many", "'auto' or an integer"),
+        ("gpu_resident_fraction", 1.5, r"\[0, 1\]"),
+        ("rollback", "magic", "'snapshot' or 'inverse'"),
+        ("cast_side", "north", "'cpu' or 'gpu'"),
+        ("weight_placement", "x", "'stationary' or 'flow'"),
+        ("cpu_threads", 0, ">= 1"),
+        ("worker_timeout_s", 0, "positive"),
+        ("redo_window", 0, ">= 1"),
+    ],
+)
+def test_config_rejects_bad_values_with_the_fix(field, value, match):
+    with pytest.raises(ValueError, match=f"SuperOffloadConfig.{field}=.*{match}"):
+        SuperOffloadConfig(**{field: value})
+
+
+def test_config_is_frozen_and_replace_validates():
+    cfg = SuperOffloadConfig()
+    with pytest.raises(AttributeError):
+        cfg.bucket_size_mb = 1  # type: ignore[misc]
+    assert cfg.replace(bucket_size_mb=4).bucket_size_mb == 4
+    with pytest.raises(ValueError):
+        cfg.replace(bucket_size_mb=-1)
+
+
+def test_partition_keeps_order_and_gives_big_params_their_own_bucket():
+    assert partition_buckets([3, 3, 3, 10, 1], 6) == [[0, 1], [2], [3], [4]]
+    assert partition_buckets([1] * 5, 100) == [[0, 1, 2, 3, 4]]
+
+
+def test_plan_tail_is_the_last_arriving_buckets():
+    numels = [1_000_000] * 40
+    plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(bucket_size_mb=4, gpu_resident_buckets=3),
+                     profile=profile())
+    placements = [b.placement for b in plan.buckets]
+    assert placements[-3:] == [Placement.DEVICE] * 3
+    assert all(p is Placement.HOST for p in placements[:-3])
+    assert plan.host_numel + plan.device_numel == sum(numels)
+    # offsets are contiguous per placement
+    for pl in Placement:
+        off = 0
+        for b in plan.buckets:
+            if b.placement is pl:
+                assert b.offset == off
+                off += b.numel
+
+
+def test_auto_tail_respects_fraction_and_device_budget():
+    numels = [1_000_000] * 100
+    cfg = SuperOffloadConfig(bucket_size_mb=2, gpu_resident_fraction=0.2)
+    plan = make_plan(numels, element_size=2, config=cfg, profile=profile())
+    assert plan.device_numel == 20_000_000
+    # a 24 GB-class card with little free memory: the tail shrinks to what fits in a quarter of it
+    small = make_plan(numels, element_size=2, config=cfg, profile=profile(device_free_bytes=200 * 1024**2))
+    assert small.device_numel * 12 <= 0.25 * 200 * 1024**2
+
+
+def test_rollback_auto_falls_back_to_inverse_when_host_ram_is_short():
+    numels = [100_000_000] * 10  # 1B params: 16 GB base, +12 GB for snapshots
+    cfg = SuperOffloadConfig(gpu_resident_buckets=0)
+    assert make_plan(numels, element_size=2, config=cfg, profile=profile()).rollback is Rollback.SNAPSHOT
+    tight = make_plan(numels, element_size=2, config=cfg, profile=profile(host_available_bytes=25 * GiB))
+    assert tight.rollback is Rollback.INVERSE
+    with pytest.raises(PlanError, match="rollback='snapshot' needs"):
+        make_plan(numels, element_size=2, config=cfg.replace(rollback="snapshot"),
+                  profile=profile(host_available_bytes=25 * GiB))
+
+
+def test_plan_refuses_what_cannot_fit_before_allocating():
+    with pytest.raises(PlanError, match=r"needs .* GiB .* available.*gpu_resident_buckets"):
+        make_plan([1_000_000_000] * 8, element_size=2, config=SuperOffloadConfig(gpu_resident_buckets=0),
+                  profile=profile(host_available_bytes=64 * GiB))
+
+
+def test_cpu_threads_ignore_omp_num_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    import os
+
+    assert default_cpu_threads() == max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def test_summary_mentions_the_decisions():
+    plan = make_plan([1000] * 20, element_size=2, config=SuperOffloadConfig(gpu_resident_buckets=1), profile=profile())
+    text = plan.summary()
+    assert "device tail" in text and "rollback" in text and "bf16" in text

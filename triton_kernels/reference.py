@@ -1,0 +1,150 @@
+"""Eager-torch twins of the GPU kernels: the test oracle and the fallback without Triton or CUDA.
+
+Layouts shared with the Triton kernels:
+
+* a *bucket* is a flat 1-D tensor; entry ``i`` occupies ``flat[sum(sizes[:i]) : sum(sizes[:i+1])]``;
+* *stats* is a float32 tensor of shape ``[2]`` on the bucket's device: ``[sum of squares, non-finite count]``,
+  accumulated (``+=``) so several buckets or chunks can share one.
+
+The Triton kernels match these twins bit for bit on every value except NaN bit patterns (torch's own
+fp32 -> bf16 NaN encoding depends on which CPU code path runs), the AdamW arithmetic (same operation order,
+fp32 rounding tolerance: contraction into FMAs may differ) and the stochastic-rounding random stream (same
+distribution, different generator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["adamw_flat_", "flatten_grads_with_stats_", "scatter_flat_", "stochastic_round_to_bf16", "upcast_"]
+
+
+def flatten_grads_with_stats_(
+    grads: Sequence[torch.Tensor | None],
+    sizes: Sequence[int],
+    out: torch.Tensor,
+    stats: torch.Tensor | None = None,
+) -> None:
+    """Copy ``grads`` back to back into ``out`` (``None`` writes zeros) and add their statistics to ``stats``.
+
+    Args:
+        grads: per-parameter gradients of any shape, ``grads[i].numel() == sizes[i]``.
+        sizes: element count of each entry.
+        out: flat destination of ``sum(sizes)`` elements, usually bf16.
+        stats: float32 ``[2]`` on ``out``'s device, accumulated in place; ``None`` skips the statistics.
+    """
+    if sum(sizes) != out.numel():
+        raise ValueError(f"entries hold {sum(sizes)} elements but the bucket has {out.numel()}")
+    offset = 0
+    for g, n in zip(grads, sizes, strict=True):
+        dst = out[offset : offset + n]
+        if g is None:
+            dst.zero_()
+        else:
+            if g.numel() != n:
+                raise ValueError(f"gradient has {g.numel()} elements, expected {n}")
+            dst.copy_(g.reshape(-1))
+        offset += n
+    if stats is not None:
+        f = out.to(torch.float32)
+        stats[0] += torch.sum(f * f)
+        stats[1] += (~torch.isfinite(f)).sum().to(torch.float32)
+
+
+def scatter_flat_(
+    flat: torch.Tensor,
+    params: Sequence[torch.Tensor],
+    *,
+    stochastic_rounding: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+) -> None:
+    """Copy consecutive slices of ``flat`` into ``params``, casting to each one's dtype (round to nearest even).
+
+    With ``stochastic_rounding``, fp32 -> bf16 slices are rounded stochastically instead (see
+    :func:`stochastic_round_to_bf16`; ``seed`` and ``offset`` select the random stream); other casts are
+    unaffected.
+    """
+    total = sum(p.numel() for p in params)
+    if total != flat.numel():
+        raise ValueError(f"parameters hold {total} elements but the flat buffer has {flat.numel()}")
+    rounded = None
+    if stochastic_rounding and flat.dtype == torch.float32 and any(p.dtype == torch.bfloat16 for p in params):
+        rounded = stochastic_round_to_bf16(flat.reshape(-1), seed=seed, offset=offset)  # keyed by flat index
+    offset_el = 0
+    for p in params:
+        n = p.numel()
+        src = rounded if (rounded is not None and p.dtype == torch.bfloat16) else flat
+        p.copy_(src[offset_el : offset_el + n].view(p.shape))
+        offset_el += n
+
+
+def stochastic_round_to_bf16(x: torch.Tensor, *, seed: int = 0, offset: int = 0) -> torch.Tensor:
+    """fp32 -> bf16 by stochastic rounding: add uniform random low 16 bits to the pattern, then truncate.
+
+    Unbiased (the expectation is ``x``), always one of the two bf16 neighbours of ``x``; exact values,
+    +-Inf and NaN pass through. The random stream comes from a ``torch.Generator`` seeded with
+    ``(seed, offset)``, so it is reproducible but not the Triton kernel's Philox stream.
+    """
+    if x.dtype != torch.float32:
+        raise ValueError(f"expected float32, got {x.dtype}")
+    gen = torch.Generator(device=x.device)
+    gen.manual_seed((int(seed) * 1_000_003 + int(offset)) & 0x7FFF_FFFF_FFFF_FFFF)
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFF_FFFF
+    rnd = torch.randint(0, 1 << 16, bits.shape, generator=gen, device=x.device, dtype=torch.int64)
+    finite = torch.isfinite(x).reshape(bits.shape)
+    hi = torch.where(finite, (bits + rnd) >> 16, bits >> 16)
+    hi = torch.where(hi >= 1 << 15, hi - (1 << 16), hi)  # to signed int16 range
+    out = hi.to(torch.int16).view(torch.bfloat16)
+    return torch.where(torch.isnan(x), x.to(torch.bfloat16), out)
+
+
+def upcast_(src: torch.Tensor, dst: torch.Tensor, scale: float | torch.Tensor = 1.0) -> None:
+    """``dst[:] = float32(src) * scale`` on flat buffers; ``scale`` a float or a 0-dim device tensor."""
+    if src.numel() != dst.numel():
+        raise ValueError(f"src has {src.numel()} elements but dst has {dst.numel()}")
+    d = dst.view(-1)
+    d.copy_(src.reshape(-1))
+    if isinstance(scale, torch.Tensor) or scale != 1.0:
+        d.mul_(scale)
+
+
+def adamw_flat_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float | torch.Tensor = 1.0,
+    param_out_bf16: torch.Tensor | None = None,
+) -> None:
+    """One ``torch.optim.AdamW`` step (single-tensor path, same operation order) on flat fp32 buffers.
+
+    ``g = grad * grad_scale`` (``grad_scale`` a float or a 0-dim fp32 tensor on the device, so a clip
+    coefficient needs no host sync); ``step`` is the 1-based count after this update. ``param_out_bf16``
+    receives the updated parameters rounded to bf16.
+    """
+    if step < 1:
+        raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
+    g = grad.view(-1).to(torch.float32)
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+        g = g * grad_scale
+    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+    if weight_decay != 0:
+        p.mul_(1.0 - lr * weight_decay)
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bc1 = 1.0 - beta1**step
+    bc2_sqrt = (1.0 - beta2**step) ** 0.5
+    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+    p.addcdiv_(m, denom, value=-(lr / bc1))
+    if param_out_bf16 is not None:
+        param_out_bf16.view(-1).copy_(p)
