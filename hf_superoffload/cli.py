@@ -67,7 +67,7 @@ def _train(args: argparse.Namespace) -> int:
             span = args.log_every if step > 1 else 1
             st = opt.last_step_stats
             print(f"step {step:5d}  loss {loss_val:.4f}  grad_norm {opt.last_grad_norm:.3f}  "
-                  f"tokens/s {span * tokens / (now - t_last):,.0f}  cpu_adam {st.cpu_step_s * 1e3:.1f} ms  "
+                  f"tokens/s {span * tokens / (now - t_last):,.0f}  cpu_adam {st.cpu_s * 1e3:.1f} ms  "
                   f"gpu_wait {st.wait_s * 1e3:.1f} ms  {st.verdict}")
             t_last = now
     opt.synchronize()

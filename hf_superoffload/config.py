@@ -29,8 +29,11 @@ class SuperOffloadConfig:
             the next forward needs first) keep fp32 master and Adam state on the device and step there after
             validation. ``"auto"`` lets the planner choose from the measured hardware; ``0`` puts every
             optimizer state on the host.
-        gpu_resident_fraction: Used by ``"auto"`` when no hardware profile is available: the fraction of
-            trainable parameters (counted from the last bucket backwards) kept on the device.
+        gpu_resident_fraction: Used by ``"auto"`` when the device's free memory is unknown (CPU runs): the
+            fraction of trainable parameters (counted from the last bucket backwards) kept on the device.
+        device_memory_fraction: Used by ``"auto"`` on a GPU: the share of the device memory free at
+            construction that the GPU-resident tail may fill (16 B/param: fp32 master, m, v and the bf16
+            gradient). Spare HBM holds optimizer state; the rest of the free memory is left to activations.
         speculation: Start each bucket's CPU Adam as soon as its gradients are on the host, before the
             global gradient norm is known, and validate afterwards (speculation-then-validation).
         rollback: How a speculative step is undone when validation says clip-and-redo or skip.
@@ -38,10 +41,10 @@ class SuperOffloadConfig:
             ``"inverse"`` inverts the AdamW update algebraically (no extra memory; redo within fp32
             rounding); ``"auto"`` takes ``"snapshot"`` when host RAM allows it. [Note: speculation and
             rollback].
-        max_redo_rate: When more than this fraction of the last ``redo_window`` steps had to be redone
-            (clipping fired), speculation pauses for ``redo_cooldown`` steps: a redo costs a second pass.
+        max_redo_rate: Speculation pauses while more than this fraction of the last ``redo_window`` steps
+            needed a redo (clipping fired): a redo costs a second, exposed CPU pass. It resumes by itself once
+            clipping becomes rarer (every step's verdict is known, speculative or not).
         redo_window: Window (in optimizer steps) for ``max_redo_rate``.
-        redo_cooldown: Steps to run synchronously after speculation was paused, before trying again.
         cast_side: Where the fp32<->bf16 casts happen. ``"cpu"``: bf16 crosses the link and the casts are fused
             into the CPU Adam pass (right for PCIe). ``"gpu"``: fp32 crosses the link and the GPU casts (right
             for a fast chip-to-chip link). ``"auto"``: the planner decides from the measured link.
@@ -58,11 +61,11 @@ class SuperOffloadConfig:
     bucket_size_mb: float = 32.0
     gpu_resident_buckets: int | Literal["auto"] = "auto"
     gpu_resident_fraction: float = 0.15
+    device_memory_fraction: float = 0.25
     speculation: bool = True
     rollback: Rollback = "auto"
     max_redo_rate: float = 0.5
-    redo_window: int = 20
-    redo_cooldown: int = 50
+    redo_window: int = 8
     cast_side: CastSide = "auto"
     weight_placement: WeightPlacement = "auto"
     cpu_threads: int | None = None
@@ -82,14 +85,14 @@ class SuperOffloadConfig:
             raise bad("gpu_resident_buckets", self.gpu_resident_buckets, "use 'auto' or an integer >= 0")
         if not (0.0 <= self.gpu_resident_fraction <= 1.0):
             raise bad("gpu_resident_fraction", self.gpu_resident_fraction, "use a fraction in [0, 1]")
+        if not (0.0 <= self.device_memory_fraction <= 0.9):
+            raise bad("device_memory_fraction", self.device_memory_fraction, "use a fraction in [0, 0.9]")
         if self.rollback not in ("auto", "snapshot", "inverse"):
             raise bad("rollback", self.rollback, "use 'auto', 'snapshot' or 'inverse'")
         if not (0.0 <= self.max_redo_rate <= 1.0):
             raise bad("max_redo_rate", self.max_redo_rate, "use a fraction in [0, 1]")
         if self.redo_window < 1:
             raise bad("redo_window", self.redo_window, "use an integer >= 1")
-        if self.redo_cooldown < 0:
-            raise bad("redo_cooldown", self.redo_cooldown, "use an integer >= 0")
         if self.cast_side not in ("auto", "cpu", "gpu"):
             raise bad("cast_side", self.cast_side, "use 'auto', 'cpu' or 'gpu'")
         if self.weight_placement not in ("auto", "stationary", "flow"):

@@ -123,7 +123,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             check_finite=self.config.check_finite,
             timeout_s=self.config.worker_timeout_s,
             governor=SpeculationGovernor(enabled=self.plan.speculation, max_redo_rate=self.config.max_redo_rate,
-                                         window=self.config.redo_window, cooldown=self.config.redo_cooldown),
+                                         window=self.config.redo_window),
         )
         if fp32_values is not None:
             self._engine.seed_masters(fp32_values)

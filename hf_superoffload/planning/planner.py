@@ -12,8 +12,8 @@ __all__ = ["PlanError", "make_plan", "partition_buckets"]
 
 # Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
 _HOST_HEADROOM_BYTES = 4 * 1024**3
-# Fraction of free device memory the GPU-resident tail may take when chosen automatically.
-_DEVICE_TAIL_BUDGET = 0.25
+# Device bytes per tail parameter: fp32 master, exp_avg, exp_avg_sq, and its flat bf16 gradient.
+_DEVICE_BYTES_PER_PARAM = 16
 # Small models still get this many buckets, so the CPU work pipelines with backward.
 _MIN_BUCKETS = 8
 
@@ -44,23 +44,30 @@ def partition_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int
 def _tail_count(
     groups: list[list[int]], numels: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile
 ) -> tuple[int, str]:
+    """How many of the last-arriving buckets keep their optimizer on the device.
+
+    On a GPU, ``"auto"`` fills ``device_memory_fraction`` of the free memory (16 B per parameter: fp32
+    master, exp_avg, exp_avg_sq and the flat bf16 gradient): every bucket kept there is one the CPU need not
+    step and the next forward need not wait for. Without device information, ``gpu_resident_fraction``.
+    """
     if config.gpu_resident_buckets != "auto":
         n = min(int(config.gpu_resident_buckets), len(groups))
         return n, f"device tail: {n} bucket(s), as configured"
     total = sum(numels)
-    want = config.gpu_resident_fraction * total
-    budget = None
     if profile.device_free_bytes is not None:
-        budget = _DEVICE_TAIL_BUDGET * profile.device_free_bytes / 12  # elements of fp32 p/m/v
+        limit = config.device_memory_fraction * profile.device_free_bytes / _DEVICE_BYTES_PER_PARAM
+        why = f"{config.device_memory_fraction:.0%} of {profile.device_free_bytes / 1024**3:.0f} GiB free device memory"
+    else:
+        limit = config.gpu_resident_fraction * total
+        why = f"target {config.gpu_resident_fraction:.0%} of parameters"
     count, covered = 0, 0
     for g in reversed(groups):
         size = sum(numels[i] for i in g)
-        if covered + size > want or (budget is not None and covered + size > budget):
+        if covered + size > limit:
             break
         count += 1
         covered += size
-    note = f"device tail: {count} bucket(s) = {covered / max(total, 1):.0%} of parameters (auto, target {config.gpu_resident_fraction:.0%})"
-    return count, note
+    return count, f"device tail: {count} bucket(s) = {covered / max(total, 1):.0%} of parameters (auto: {why})"
 
 
 def make_plan(

@@ -58,18 +58,35 @@ class _StepContext:
 
 @dataclass(slots=True)
 class StepStats:
-    """Per-step telemetry (host clock)."""
+    """Telemetry of one training iteration (from one ``step()`` to the next, host clock)."""
 
     grad_norm: float = float("nan")
     verdict: str = ""
     clip_coef: float = 1.0
     speculative: bool = False
-    cpu_step_s: float = 0.0
-    """Seconds the worker spent in CPU Adam (incl. undo/redo) for this step."""
+    cpu_s: float = 0.0
+    """Seconds the CPU worker spent in Adam (incl. undo/redo) during this iteration."""
     wait_s: float = 0.0
-    """Seconds the training thread blocked on buckets (the GPU waiting for the CPU)."""
+    """Seconds the training thread blocked on buckets during this iteration (the GPU waiting for the CPU)."""
+    iteration_s: float = 0.0
+    """Wall time of the iteration."""
     d2h_bytes: int = 0
     h2d_bytes: int = 0
+
+    @property
+    def overlap(self) -> float:
+        """Share of the CPU Adam time hidden behind GPU work (1.0: fully hidden)."""
+        return 1.0 - min(self.wait_s, self.cpu_s) / self.cpu_s if self.cpu_s > 0 else 1.0
+
+    def as_log(self, prefix: str = "superoffload/") -> dict[str, float]:
+        return {
+            f"{prefix}cpu_adam_s": round(self.cpu_s, 4),
+            f"{prefix}gpu_wait_s": round(self.wait_s, 4),
+            f"{prefix}overlap": round(self.overlap, 4),
+            f"{prefix}link_gb": round((self.d2h_bytes + self.h2d_bytes) / 1e9, 4),
+            f"{prefix}clip_coef": round(self.clip_coef, 6),
+            f"{prefix}speculative": float(self.speculative),
+        }
 
 
 class OffloadEngine:
@@ -110,7 +127,8 @@ class OffloadEngine:
         self._no_sync_depth = 0
         self.sync_predicate: Callable[[], bool] | None = None
         self.stats = StepStats()
-        self._stats_cur = StepStats()
+        self._acc = StepStats()  # accumulates from the last step() on; guarded by self._lock
+        self._last_step_t = time.perf_counter()
         self._closed = False
         self.consistent = True
         """False once a worker failure left a validated step half applied (the state must not be saved)."""
@@ -254,7 +272,6 @@ class OffloadEngine:
         if self._ctx is None:
             self._worker.raise_if_failed()
             self._grad_stats.zero_()
-            self._stats_cur = StepStats()
             self._ctx = _StepContext(speculative=self.plan.speculation and self.governor.speculate_next(),
                                      spec_hyper=self.hyper_fn())
         return self._ctx
@@ -277,7 +294,7 @@ class OffloadEngine:
                 d2h = self._offload_grads(b, grads, stats_row)
                 b.to_offloaded(runs, d2h)
                 self._unwaited.add(b.index)
-                self._stats_cur.d2h_bytes += b.landing.numel() * b.landing.element_size()
+                self._acc.d2h_bytes += b.landing.numel() * b.landing.element_size()
                 self._worker.submit(self._need_order(b), f"CPU Adam of {b.describe()}", lambda: self._run_host(b, ctx))
         for p in b.params:
             p.grad = None
@@ -373,7 +390,8 @@ class OffloadEngine:
                 if self.dtype != torch.bfloat16:
                     b.staging[sl].copy_(b.master[sl])
         b.applied = (hyper, scale)
-        self._stats_cur.cpu_step_s += time.perf_counter() - t0
+        with self._lock:
+            self._acc.cpu_s += time.perf_counter() - t0
 
     def _undo(self, b: HostBucket) -> None:
         assert b.applied is not None
@@ -395,7 +413,8 @@ class OffloadEngine:
                     )
                     b.staging[sl].copy_(b.master[sl])
         b.applied = None
-        self._stats_cur.cpu_step_s += time.perf_counter() - t0
+        with self._lock:
+            self._acc.cpu_s += time.perf_counter() - t0
 
     def _upload(self, b: HostBucket) -> None:
         s = self.streams
@@ -411,8 +430,8 @@ class OffloadEngine:
                     flat.copy_(b.staging, non_blocking=True)
                     scatter_flat_(flat, b.params)
                     event = s.record(s.h2d)
-        self._stats_cur.h2d_bytes += b.staging.numel() * b.staging.element_size()
         with self._lock:
+            self._acc.h2d_bytes += b.staging.numel() * b.staging.element_size()
             b.to_uploaded(event)
 
     def _wake_all(self) -> None:
@@ -438,7 +457,8 @@ class OffloadEngine:
             t0 = time.perf_counter()
             with torch.profiler.record_function("superoffload::wait_cpu"):
                 finished = b.ready.wait(self.timeout_s)
-            self._stats_cur.wait_s += time.perf_counter() - t0
+            with self._lock:
+                self._acc.wait_s += time.perf_counter() - t0
             self._worker.raise_if_failed()
             if not finished:
                 raise TimeoutError(
@@ -495,9 +515,12 @@ class OffloadEngine:
                             self.param_steps[i] = r.step
                         offset += n
         self.governor.record(speculated=ctx.speculative, verdict=verdict.kind)
-        st = self._stats_cur
+        now = time.perf_counter()
+        with self._lock:
+            st, self._acc = self._acc, StepStats()
         st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, ctx.speculative
-        st.clip_coef = verdict.grad_scale
+        st.clip_coef, st.iteration_s = verdict.grad_scale, now - self._last_step_t
+        self._last_step_t = now
         self.stats = st
         self._ctx = None
         self._arrived = [0] * len(self.buckets)

@@ -52,38 +52,39 @@ def decide(
 
 
 class SpeculationGovernor:
-    """Pauses speculation when redo (clipping) fires too often, then probes again after a cooldown.
+    """Decides whether the next step speculates, from how often recent steps *needed* a redo.
 
-    A redo costs an undo plus a second, exposed CPU pass; a synchronous step costs only the exposed pass.
+    Every step's verdict is known (speculative or not), so the governor sees the true clip rate even while
+    speculation is paused and resumes as soon as clipping becomes rare again, with no probing. A redo costs an
+    undo plus an exposed CPU pass; a synchronous step costs only the exposed pass. [Note: speculation and
+    rollback] in docs/design.md.
     """
 
-    def __init__(self, *, enabled: bool, max_redo_rate: float, window: int, cooldown: int) -> None:
+    def __init__(self, *, enabled: bool, max_redo_rate: float, window: int) -> None:
         self.enabled = enabled
         self.max_redo_rate = max_redo_rate
-        self.cooldown = cooldown
         self._recent: deque[bool] = deque(maxlen=window)
-        self._paused_for = 0
         self.redo_steps = 0
+        self.steps = 0
         self.speculative_steps = 0
         self.pauses = 0
+        self._paused = False
 
     def speculate_next(self) -> bool:
-        return self.enabled and self._paused_for == 0
+        return self.enabled and not self._paused
 
     def record(self, *, speculated: bool, verdict: StepVerdict) -> None:
         redo = verdict is StepVerdict.REDO
-        if speculated:
-            self.speculative_steps += 1
-            self.redo_steps += int(redo)
-            self._recent.append(redo)
-            window = self._recent.maxlen or 1
-            if len(self._recent) == window and sum(self._recent) / window > self.max_redo_rate:
-                self._paused_for = self.cooldown
-                self._recent.clear()
-                self.pauses += 1
-        elif self._paused_for > 0:
-            self._paused_for -= 1
+        self.steps += 1
+        self.redo_steps += int(redo)
+        self.speculative_steps += int(speculated)
+        self._recent.append(redo)
+        rate = sum(self._recent) / len(self._recent)
+        paused = rate > self.max_redo_rate
+        self.pauses += int(paused and not self._paused)
+        self._paused = paused
 
     @property
     def redo_rate(self) -> float:
-        return self.redo_steps / self.speculative_steps if self.speculative_steps else 0.0
+        """Fraction of all steps whose verdict needed a redo (clipping fired or hyper-parameters changed)."""
+        return self.redo_steps / self.steps if self.steps else 0.0

