@@ -12,7 +12,7 @@ export PYTHONPATH=$STAGE HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
   python3 -c "import torch, transformers, accelerate, triton; print(torch.__version__, transformers.__version__, accelerate.__version__, triton.__version__)"
 } > "$OUT/hw.txt" 2>&1
 if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout 300 python3 -m pytest -p no:cacheprovider --import-mode=importlib -q -x ${TEST_PATHS:-tests/runtime tests/unit} \
+  timeout ${TEST_TIMEOUT:-300} python3 -P -m pytest -p no:cacheprovider --import-mode=importlib -q -x ${TEST_PATHS:-tests/runtime tests/unit} \
     > "$OUT/tests.txt" 2>&1; echo "tests rc=$?" >> "$OUT/tests.txt"; tail -5 "$OUT/tests.txt"
 fi
 for mode in ${MODES:-gpu ours ours_host}; do
