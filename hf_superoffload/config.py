@@ -61,7 +61,7 @@ class SuperOffloadConfig:
     bucket_size_mb: float = 32.0
     gpu_resident_buckets: int | Literal["auto"] = "auto"
     gpu_resident_fraction: float = 0.15
-    device_memory_fraction: float = 0.25
+    device_memory_fraction: float = 0.4
     speculation: bool = True
     rollback: Rollback = "auto"
     max_redo_rate: float = 0.5

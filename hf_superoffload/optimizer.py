@@ -125,6 +125,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             governor=SpeculationGovernor(enabled=self.plan.speculation, max_redo_rate=self.config.max_redo_rate,
                                          window=self.config.redo_window),
         )
+        self._engine.max_grad_norm_fn = lambda: self.max_grad_norm
         if fp32_values is not None:
             self._engine.seed_masters(fp32_values)
         self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())

@@ -51,8 +51,13 @@ class _StepContext:
 
     speculative: bool
     spec_hyper: Hyper
+    max_grad_norm: float | None
     verdict: Verdict | None = None
     saw_nonfinite: bool = False
+    partial_sumsq: float = 0.0
+    """Sum of squares of the host buckets the worker has seen: a lower bound of the global norm."""
+    clip_certain: bool = False
+    """The partial norm already exceeds max_grad_norm: clipping will fire, so speculating is wasted work."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -72,6 +77,10 @@ class StepStats:
     """Wall time of the iteration."""
     d2h_bytes: int = 0
     h2d_bytes: int = 0
+    speculated_buckets: int = 0
+    """Host buckets stepped before validation."""
+    wasted_buckets: int = 0
+    """Speculated buckets that had to be undone (redo or skip)."""
 
     @property
     def overlap(self) -> float:
@@ -126,6 +135,7 @@ class OffloadEngine:
         self._ctx: _StepContext | None = None
         self._no_sync_depth = 0
         self.sync_predicate: Callable[[], bool] | None = None
+        self.max_grad_norm_fn: Callable[[], float | None] = lambda: None
         self.stats = StepStats()
         self._acc = StepStats()  # accumulates from the last step() on; guarded by self._lock
         self._last_step_t = time.perf_counter()
@@ -273,7 +283,7 @@ class OffloadEngine:
             self._worker.raise_if_failed()
             self._grad_stats.zero_()
             self._ctx = _StepContext(speculative=self.plan.speculation and self.governor.speculate_next(),
-                                     spec_hyper=self.hyper_fn())
+                                     spec_hyper=self.hyper_fn(), max_grad_norm=self.max_grad_norm_fn())
         return self._ctx
 
     def _flush(self, b: HostBucket | DeviceBucket) -> None:
@@ -326,12 +336,15 @@ class OffloadEngine:
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
         assert b.d2h is not None
         b.d2h.wait_host()
-        nonfinite = bool(self._grad_stats_host[b.index, 1].item() > 0)
+        sumsq, nonfinite_count = self._grad_stats_host[b.index].tolist()
         with self._lock:
             verdict = ctx.verdict
             if verdict is None:
-                ctx.saw_nonfinite |= nonfinite
-                if not ctx.speculative or ctx.saw_nonfinite:
+                ctx.saw_nonfinite |= nonfinite_count > 0
+                ctx.partial_sumsq += sumsq
+                if ctx.max_grad_norm and math.sqrt(ctx.partial_sumsq) + 1e-6 > ctx.max_grad_norm:
+                    ctx.clip_certain = True
+                if not ctx.speculative or ctx.saw_nonfinite or ctx.clip_certain:
                     b.to_deferred()
                     return
             b.to_running()
@@ -340,6 +353,7 @@ class OffloadEngine:
             return
         self._cpu_step(b, ctx.spec_hyper, 1.0, snapshot=self.plan.rollback is Rollback.SNAPSHOT)
         with self._lock:
+            self._acc.speculated_buckets += 1
             verdict = ctx.verdict
             if verdict is None:
                 b.to_speculated()
@@ -356,6 +370,9 @@ class OffloadEngine:
             raise
 
     def _finish_unguarded(self, b: HostBucket, verdict: Verdict, *, speculated: bool) -> None:
+        if speculated and not (verdict.kind is StepVerdict.COMMIT and b.applied == (verdict.hyper, verdict.grad_scale)):
+            with self._lock:
+                self._acc.wasted_buckets += 1
         if verdict.kind is StepVerdict.SKIP:
             if speculated:
                 self._undo(b)
@@ -501,6 +518,7 @@ class OffloadEngine:
             ctx.verdict = verdict
             pending = [b for b in self.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
             states = {b.index: b.state for b in pending}
+        pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
         for b in pending:
             self._worker.submit(self._need_order(b), f"finishing {b.describe()}",
                                 lambda b=b: self._finish_task(b, verdict, states[b.index] is BucketState.SPECULATED))
