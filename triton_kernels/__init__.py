@@ -19,6 +19,7 @@ Layering per op: private ``@triton.jit`` kernel and its launcher (block sizes, w
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import threading
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 # The banned-api rule resolves `.` to the bare folder name; relative is what the ban asks for
-from . import reference as _ref  # noqa: TID251
+from . import reference as _ref
 
 __all__ = [
     "adamw_flat_",
@@ -88,14 +89,21 @@ def triton_status() -> dict[str, Any]:
     }
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` current for a launch (Triton launches on the current CUDA device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _smoke_ok(k: ModuleType, device: torch.device) -> bool:
+    """Run the kernels' self-test once per device (it synchronises once); ``True`` when it passed."""
     key = str(device)
     if key in _smoke:
         return _smoke[key] is None
     with _lock:
         if key not in _smoke:
             try:
-                k.smoke_test(device)
+                with _on(device):
+                    k.smoke_test(device)
                 _smoke[key] = None
             except Exception as e:
                 _smoke[key] = f"{type(e).__name__}: {e}"
@@ -143,8 +151,11 @@ def _record(op: str, backend: Backend) -> Backend:
 
 
 def _supported(*tensors: torch.Tensor | None) -> bool:
+    """Dtypes the kernels handle, at addresses that are whole elements (the work tables use offsets)."""
     k = _kmod
-    return k is not None and all(t is None or t.dtype in k.SUPPORTED_DTYPES for t in tensors)
+    return k is not None and all(
+        t is None or (t.dtype in k.SUPPORTED_DTYPES and t.data_ptr() % t.element_size() == 0) for t in tensors
+    )
 
 
 # ----------------------------------------------------------------------------------------- public ops
@@ -161,9 +172,9 @@ def flatten_grads_with_stats_(
     Semantics are those of :func:`.reference.flatten_grads_with_stats_`: ``stats`` (float32 ``[2]`` on
     ``out``'s device) gets ``+= [sum of squares, non-finite count]`` of the values *as stored in* ``out``
     (so after rounding to ``out``'s dtype), with no host synchronisation. The Triton path does it in one
-    launch per distinct gradient dtype plus one tiny deterministic reduction launch, from a cached
-    device-side table of (address, offset, count) rows. Non-contiguous gradients are first made contiguous
-    (a temporary copy); gradients on another device than ``out`` are an error on either path.
+    launch per distinct gradient dtype plus one tiny deterministic reduction launch, over a cached
+    device-side work table of (source offset, bucket offset, flags, count) rows. Non-contiguous gradients
+    are first made contiguous (a temporary copy); a call mixing devices goes to the twin.
 
     Args:
         grads: per-parameter gradients of any shape, ``grads[i].numel() == sizes[i]``.
@@ -192,7 +203,8 @@ def flatten_grads_with_stats_(
         return
     assert _kmod is not None
     prepared = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
-    _kmod.launch_flatten(prepared, sizes, out.view(-1), stats)
+    with _on(out.device):
+        _kmod.launch_flatten(prepared, sizes, out.view(-1), stats)
 
 
 def scatter_flat_(
@@ -226,9 +238,10 @@ def scatter_flat_(
     targets = [
         p if p.is_contiguous() else torch.empty_like(p, memory_format=torch.contiguous_format) for p in params
     ]
-    _kmod.launch_scatter(
-        flat.view(-1), targets, stochastic_rounding=stochastic_rounding, seed=seed, offset=offset
-    )
+    with _on(flat.device):
+        _kmod.launch_scatter(
+            flat.view(-1), targets, stochastic_rounding=stochastic_rounding, seed=seed, offset=offset
+        )
     for p, t in zip(params, targets):
         if t is not p:
             p.copy_(t)
@@ -256,7 +269,8 @@ def upcast_(src: torch.Tensor, dst: torch.Tensor, scale: float | torch.Tensor = 
     assert _kmod is not None
     if scale_t is not None and scale_t.dtype != torch.float32:
         scale_t = scale_t.to(torch.float32)  # device-side cast, no sync
-    _kmod.launch_upcast(src.view(-1), dst.view(-1), scale_t if scale_t is not None else float(scale))
+    with _on(src.device):
+        _kmod.launch_upcast(src.view(-1), dst.view(-1), scale_t if scale_t is not None else float(scale))
 
 
 def adamw_flat_(
@@ -311,8 +325,9 @@ def adamw_flat_(
     assert _kmod is not None
     if gs_t is not None and gs_t.dtype != torch.float32:
         gs_t = gs_t.to(torch.float32)
-    _kmod.launch_adamw(
-        param_fp32.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
-        grad_scale=gs_t if gs_t is not None else float(grad_scale),
-        param_out_bf16=param_out_bf16.view(-1) if param_out_bf16 is not None else None, **kw,
-    )  # fmt: skip
+    with _on(param_fp32.device):
+        _kmod.launch_adamw(
+            param_fp32.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
+            grad_scale=gs_t if gs_t is not None else float(grad_scale),
+            param_out_bf16=param_out_bf16.view(-1) if param_out_bf16 is not None else None, **kw,
+        )  # fmt: skip

@@ -1,10 +1,12 @@
 """Host-side work tables for the multi-tensor kernels (pure torch + numpy, no Triton).
 
 The multi-tensor kernels (flatten, scatter) take one small int64 *work table* per launch: one row per
-program, each naming a raw address, an offset in the flat bucket and an element count. Building it is a
-vectorised numpy computation over the tensor list; the device copy is cached by the exact contents that
-determine it (addresses, sizes, dtypes), so a step that sees the same gradient / parameter storage again
-(the usual case with PyTorch's caching allocator) launches without any host-to-device copy.
+program, each naming an element offset from the launch's base tensor (the lowest-addressed tensor of a
+dtype group), an offset in the flat bucket and an element count. Building it is a
+vectorised numpy computation over the tensor list; the plan (tables on the device, grouping) is cached by
+the exact contents that determine it (addresses, sizes, dtypes), so a step that sees the same gradient /
+parameter storage again (the usual case with PyTorch's caching allocator) launches without rebuilding
+anything and without a host-to-device copy.
 
 Rows are *chunks* of at most :data:`CHUNK` elements so that one huge tensor is spread over many programs
 and many tiny tensors each get their own program: the grouped-launch scheme of torch's
@@ -15,37 +17,40 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
-import torch
 
-__all__ = ["CHUNK", "TableCache", "chunk_rows", "common_alignment"]
+__all__ = ["CHUNK", "PlanCache", "aligned16", "chunk_rows"]
 
 # NOTE: 16 Ki elements per program. A 16 MB bf16 bucket is then 512 programs (about 4 per SM on a
 # 132-SM H200) and a 256 MB one 8192, while the table stays at 32 B per 16 Ki elements (256 KiB for
-# 256 MB). Larger chunks under-fill the GPU on the smallest bucket the engine uses; smaller ones add
-# table bytes and per-program prologue work for no bandwidth gain (each program still loops over
-# BLOCK-sized tiles). Under the CPU interpreter this also bounds one program's Python work.
+# 256 MB). Measured on one H200 (bench_triton.py --sweep, 256 MB, one run per config): with the chosen
+# 1024-element x 4-warp tiles 16 Ki beats 64 Ki for both ops and layouts (scatter fp32 -> bf16 96% vs 87%
+# of the device-copy ceiling aligned, 95% vs 73% with odd sizes; flatten 81% vs 79%); 64 Ki only wins
+# with 4096-element tiles, which are slower overall. Under the CPU interpreter it also bounds one
+# program's Python work. Must stay a multiple of 8 (rows keep their
+# entry's 16-byte alignment).
 CHUNK = 1 << 14
 
 
 def chunk_rows(
-    addr: np.ndarray,
+    entry_off: np.ndarray,
     flat_off: np.ndarray,
     numel: np.ndarray,
-    elem_size: np.ndarray,
-    has_src: np.ndarray | None = None,
+    flags: np.ndarray,
     chunk: int = CHUNK,
 ) -> np.ndarray:
-    """Split entries into chunk rows ``[addr_of_chunk, flat_offset_of_chunk, n_valid, n]`` (int64).
+    """Split entries into chunk rows ``[entry_offset, flat_offset, flags, n]`` (int64, offsets in elements).
 
     Args:
-        addr: byte address of each entry's first element (int64; anything for entries without a source).
+        entry_off: element offset of each entry's first element from its group's base tensor.
         flat_off: element offset of each entry in the flat bucket.
         numel: element count of each entry.
-        elem_size: bytes per element of each entry's *addressed* tensor (for ``addr`` arithmetic).
-        has_src: per-entry flag; entries without a source get ``n_valid = 0`` (the kernel writes zeros).
+        flags: per-entry bit field copied to every row of the entry (the kernels define the bits; a chunk
+            of ``chunk`` elements starts at the same 16-byte alignment as its entry when ``chunk`` is a
+            multiple of 8).
         chunk: elements per row.
 
     Returns:
@@ -59,66 +64,56 @@ def chunk_rows(
         return out
     ent = np.repeat(np.arange(len(numel)), k)
     first_row = np.cumsum(k) - k
-    j = np.arange(rows, dtype=np.int64) - first_row[ent]
-    start = j * chunk
-    n = np.minimum(chunk, numel[ent] - start)
-    out[:, 0] = addr.astype(np.int64)[ent] + start * elem_size.astype(np.int64)[ent]
+    start = (np.arange(rows, dtype=np.int64) - first_row[ent]) * chunk
+    out[:, 0] = entry_off.astype(np.int64)[ent] + start
     out[:, 1] = flat_off.astype(np.int64)[ent] + start
-    out[:, 2] = n if has_src is None else np.where(has_src[ent], n, 0)
-    out[:, 3] = n
+    out[:, 2] = flags.astype(np.int64)[ent]
+    out[:, 3] = np.minimum(chunk, numel[ent] - start)
     return out
 
 
-def common_alignment(byte_values: np.ndarray, cap: int = 16) -> int:
-    """Largest power of two ``<= cap`` that divides every value (``cap`` for an empty array)."""
-    a = cap
-    vals = np.asarray(byte_values, dtype=np.int64)
-    while a > 1 and vals.size and bool(np.any(vals % a)):
-        a //= 2
-    return a
+def aligned16(byte_addr: np.ndarray) -> np.ndarray:
+    """Per-element: is this byte address a multiple of 16?"""
+    return (np.asarray(byte_addr, dtype=np.int64) % 16) == 0
 
 
-class TableCache:
-    """A small thread-safe LRU of device work tables keyed by everything that determines their contents.
+class PlanCache:
+    """A small thread-safe LRU of launch plans (device work tables + grouping) keyed by everything that
+    determines them: device, CUDA stream, chunk size, and every tensor's address, dtype and size.
 
-    A hit is always correct (same key, same bytes); stale entries are merely unused device memory. Callers
-    put the current CUDA stream in the key: the table's upload is ordered on the stream that built it, so
-    a launch on another stream builds (and waits on) its own copy.
+    A hit is always correct (same key, same contents); stale entries are merely unused device memory.
+    The stream is in the key because a table's upload is ordered on the stream that built it, so a
+    launch on another stream builds (and waits on) its own copy. Plans hold no tensor other than their
+    tables: base pointers are taken from the caller's tensors at each launch.
     """
 
     def __init__(self, capacity: int = 64) -> None:
         self.capacity = capacity
-        self._d: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._d: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get_or_build(
-        self, key: Hashable, build: Callable[[], np.ndarray], device: torch.device
-    ) -> torch.Tensor:
-        """Return the cached device table for ``key``, building ``build() -> np.ndarray`` on a miss."""
+    def get(self, key: Hashable) -> Any:
+        """The cached plan for ``key`` or ``None`` (counts a hit or a miss)."""
         with self._lock:
-            t = self._d.get(key)
-            if t is not None:
-                self._d.move_to_end(key)
+            plan = self._d.get(key)
+            if plan is None:
+                self.misses += 1
+            else:
                 self.hits += 1
-                return t
-        host = torch.from_numpy(np.ascontiguousarray(build()))
-        if device.type == "cuda":
-            # Pinned + non_blocking: the copy is ordered on the current stream, no host sync; the
-            # caching host allocator keeps the pinned block alive until the copy has run.
-            t = host.pin_memory().to(device, non_blocking=True)
-        else:
-            t = host.to(device)
+                self._d.move_to_end(key)
+            return plan
+
+    def put(self, key: Hashable, plan: Any) -> None:
+        """Store ``plan``, evicting the least recently used beyond ``capacity``."""
         with self._lock:
-            self.misses += 1
-            self._d[key] = t
+            self._d[key] = plan
             self._d.move_to_end(key)
             while len(self._d) > self.capacity:
                 self._d.popitem(last=False)
-        return t
 
     def clear(self) -> None:
-        """Drop every cached table."""
+        """Drop every cached plan."""
         with self._lock:
             self._d.clear()

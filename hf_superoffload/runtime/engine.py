@@ -31,9 +31,8 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..cpu_ext import reference as _device_adam
 from ..planning.plan import OffloadPlan, Placement, Rollback
-from ..triton_kernels import flatten_grads_with_stats_, scatter_flat_
+from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
 from .bucket import BucketState, DeviceBucket, HostBucket
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
@@ -552,7 +551,7 @@ class OffloadEngine:
                 for r in b.runs:
                     lr, beta1, beta2, eps, wd = verdict.hyper[r.group]
                     sl = slice(r.start, r.end)
-                    _device_adam.adamw_step_(
+                    adamw_flat_(
                         b.master[sl], b.grad[sl], b.exp_avg[sl], b.exp_avg_sq[sl], step=r.step, lr=lr,
                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=verdict.grad_scale,
                     )

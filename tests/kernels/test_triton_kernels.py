@@ -1,0 +1,564 @@
+"""Triton kernels vs torch and their eager twins, on CPU through the interpreter and on CUDA natively.
+
+Triton picks interpreter-or-compiler once per process, when ``triton`` is first imported, so this module
+sets ``TRITON_INTERPRET=1`` before anything imports it -- unless a GPU is present, where the compiled
+kernels are the thing worth testing (then :class:`TestInterpreter` is skipped and :class:`TestCuda` runs the
+same checks natively). The variable is given back right after the import and set again only while this
+module's tests run (the dispatcher reads it per call), so other test modules in the same pytest process
+keep running the twins on CPU.
+
+Every check asserts that the Triton path was actually taken (:func:`last_backend`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+_INTERPRETER = not torch.cuda.is_available()  # torch does not import triton
+if _INTERPRETER:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import triton  # noqa: E402,F401  -- imported here on purpose: after TRITON_INTERPRET is set
+from hf_superoffload.triton_kernels import reference as ref  # noqa: E402
+
+from hf_superoffload import triton_kernels as tk  # noqa: E402
+
+_STATUS = tk.triton_status()  # imports the kernels now, in the mode chosen above
+if _PREV_INTERPRET is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+BIG = 2**20 + 3  # the large odd size; keep the interpreter time sane (~1 s per kernel call)
+
+
+@pytest.fixture(autouse=True)
+def _interpret_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_SUPEROFFLOAD_DISABLE_TRITON", raising=False)
+    if _INTERPRETER:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _bits_to_f32(bits: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) -> fp32 with those bit patterns."""
+    b = bits & 0xFFFF_FFFF
+    b = torch.where(b >= 2**31, b - 2**32, b)
+    return b.to(torch.int32).view(torch.float32)
+
+
+def special_f32(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` fp32 values stressing fp32 -> bf16 rounding: random bit patterns (denormals, NaN payloads,
+    huge values), exact ties with even and odd kept bits, near-ties, denormals, +-0, +-Inf, NaNs, values
+    that round up to Inf, plus ordinary normals at many scales."""
+    k = n // 6
+
+    def rint(lo: int, hi: int, size: int) -> torch.Tensor:
+        return torch.randint(lo, hi, (size,), generator=gen, dtype=torch.int64)
+
+    parts = [
+        rint(0, 2**32, k),  # any pattern at all
+        (rint(0, 2**16, k) << 16) | 0x8000,  # exact ties, kept LSB even or odd
+        (rint(0, 2**16, k) << 16) | torch.tensor([0x7FFF, 0x8001, 0x0000, 0xFFFF, 0x0001])[rint(0, 5, k)],
+        rint(0, 2, k) << 31 | rint(0, 2**23, k),  # denormals (and zeros), both signs
+    ]
+    specials = torch.tensor(
+        [0x0, 0x8000_0000, 0x7F80_0000, 0xFF80_0000, 0x7FC0_0000, 0xFFC0_0000, 0x7F80_0001, 0xFFBF_FFFF,
+         0x7FFF_FFFF, 0x7F7F_FFFF, 0xFF7F_FFFF, 0x7F7F_8000, 0x7F7F_7FFF, 0x0080_0000, 0x007F_FFFF,
+         0x0000_8000, 0x0001_8000, 0x3F80_8000, 0x3F81_8000],
+        dtype=torch.int64,
+    )  # fmt: skip
+    parts.append(specials.repeat(max(1, k // len(specials))))
+    out = torch.cat([_bits_to_f32(p) for p in parts])
+    scales = torch.pow(10.0, torch.randint(-40, 38, (n - out.numel(),), generator=gen).double())
+    normals = (torch.randn(n - out.numel(), generator=gen, dtype=torch.float64) * scales).float()
+    return torch.cat([out, normals])[torch.randperm(n, generator=gen)]
+
+
+def assert_bf16_bitwise(out: torch.Tensor, src: torch.Tensor, expected: torch.Tensor) -> None:
+    """Non-NaN values bit for bit; NaN inputs give a quiet NaN of the same sign."""
+    a = out.view(torch.int16).cpu().to(torch.int64) & 0xFFFF
+    b = expected.view(torch.int16).cpu().to(torch.int64) & 0xFFFF
+    nan = torch.isnan(src).cpu()
+    mism = (a != b) & ~nan
+    assert not mism.any(), (
+        f"{int(mism.sum())} mismatches, first src bits "
+        f"{hex(int(src.cpu().view(torch.int32)[mism][0]) & 0xFFFFFFFF)}: got {hex(int(a[mism][0]))} "
+        f"want {hex(int(b[mism][0]))}"
+    )
+    assert torch.isnan(out.float().cpu()[nan]).all()
+    assert ((a[nan] & 0x40) != 0).all(), "NaN not quiet"
+    src_sign = src.cpu().view(torch.int32)[nan] < 0
+    assert torch.equal((a[nan] & 0x8000) != 0, src_sign), "NaN sign not kept"
+
+
+def assert_stats(stats: torch.Tensor, expected: torch.Tensor) -> None:
+    s, e = stats.cpu(), expected.cpu()
+    torch.testing.assert_close(s[0], e[0], rtol=1e-5, atol=0.0, equal_nan=True)
+    assert s[1].item() == e[1].item(), (s, e)
+
+
+def random_shapes(n: int, gen: torch.Generator) -> list[tuple[int, ...]]:
+    shapes = []
+    for _ in range(n):
+        nd = int(torch.randint(1, 4, (1,), generator=gen))
+        shapes.append(tuple(int(d) for d in torch.randint(1, 24, (nd,), generator=gen)))
+    return shapes
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+class _KernelChecks:
+    """The checks; subclasses pick the device. Every test asserts the Triton path was taken."""
+
+    device = "cpu"
+
+    def gen(self, seed: int = 0) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)
+
+    def t(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device)
+
+    # ---- flatten
+
+    @pytest.mark.parametrize("n", [1, 127, BIG])
+    @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+    def test_flatten_odd_sizes(self, n: int, src_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+        gen = self.gen(n)
+        sizes = [n, 3]
+        grads = [self.t(torch.randn(n, generator=gen).to(src_dtype)), self.t(torch.randn(3, generator=gen))]
+        out = self.t(torch.full((n + 3,), 7.0, dtype=out_dtype))
+        stats = self.t(torch.zeros(2))
+        tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+        assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+        exp_out = torch.empty_like(out)
+        exp_stats = torch.zeros_like(stats)
+        ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+        assert torch.equal(out.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                           exp_out.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32))  # fmt: skip
+        assert_stats(stats, exp_stats)
+        f = torch.cat([g.reshape(-1).to(out_dtype).double() for g in grads])
+        torch.testing.assert_close(stats[0].double().cpu(), (f * f).sum().cpu(), rtol=1e-5, atol=0.0)
+
+    def test_flatten_many_small_mixed(self) -> None:
+        gen = self.gen(1)
+        shapes = random_shapes(50, gen)
+        dtypes = [torch.float32, torch.bfloat16, torch.float16]
+        grads: list[torch.Tensor | None] = []
+        for i, s in enumerate(shapes):
+            if i % 7 == 3:
+                grads.append(None)
+                continue
+            g = torch.randn(s, generator=gen).to(dtypes[i % 3])
+            if i % 5 == 0 and len(s) >= 2:
+                g = torch.randn(tuple(reversed(s)), generator=gen).to(dtypes[i % 3]).transpose(0, -1)
+                assert not g.is_contiguous()
+            grads.append(self.t(g))
+        sizes = [int(np.prod(s)) for s in shapes]
+        for out_dtype in (torch.bfloat16, torch.float32):
+            out = self.t(torch.full((sum(sizes),), float("nan"), dtype=out_dtype))
+            stats = self.t(torch.tensor([1.5, 2.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+            assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+            exp_out = torch.empty_like(out)
+            exp_stats = self.t(torch.tensor([1.5, 2.0]))
+            ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+            assert torch.equal(out, exp_out)
+            assert_stats(stats, exp_stats)
+
+    def test_flatten_none_grads_and_no_stats(self) -> None:
+        out = self.t(torch.full((10,), 3.0, dtype=torch.bfloat16))
+        stats = self.t(torch.tensor([4.0, 1.0]))
+        tk.flatten_grads_with_stats_([None, None], [4, 6], out, stats)
+        assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+        assert torch.equal(out.float().cpu(), torch.zeros(10))
+        assert stats.cpu().tolist() == [4.0, 1.0]
+        g = self.t(torch.randn(6, generator=self.gen()))
+        out.fill_(3.0)
+        tk.flatten_grads_with_stats_([None, g], [4, 6], out, None)
+        assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+        assert torch.equal(out[4:], g.to(torch.bfloat16)) and not out[:4].any()
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the interpreter
+    def test_flatten_nonfinite_and_accumulation(self) -> None:
+        gen = self.gen(2)
+        a = torch.randn(1000, generator=gen)
+        a[[3, 500, 999]] = torch.tensor([float("inf"), float("-inf"), float("inf")])
+        b = torch.randn(77, generator=gen).bfloat16()
+        b[10] = float("nan")
+        c = torch.tensor([3.4e38, -3.39e38, 1.0])  # the first rounds to bf16 inf: counted, like torch
+        grads = [self.t(a), self.t(b), self.t(c)]
+        sizes = [1000, 77, 3]
+        out = self.t(torch.empty(1080, dtype=torch.bfloat16))
+        stats = self.t(torch.zeros(2))
+        exp_out, exp_stats = torch.empty_like(out), torch.zeros_like(stats)
+        for _ in range(2):  # accumulation across two calls
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+            assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+            ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+        assert torch.equal(out.view(torch.int16), exp_out.view(torch.int16))
+        assert torch.isnan(stats[0]) and stats[1].item() == 2 * 5
+        assert_stats(stats, exp_stats)
+        # inf only (no NaN): the sum of squares is +inf, the count exact
+        stats.zero_()
+        tk.flatten_grads_with_stats_(grads[:1], sizes[:1], out[:1000], stats)
+        assert stats.cpu().tolist() == [float("inf"), 3.0]
+        # finite only, accumulated onto a non-zero start
+        stats.copy_(torch.tensor([10.0, 1.0]))
+        g = self.t(torch.randn(BIG // 8, generator=gen))
+        tk.flatten_grads_with_stats_([g], [g.numel()], self.t(torch.empty(g.numel())), stats)
+        exp = 10.0 + float((g.double() ** 2).sum())
+        assert stats[1].item() == 1.0
+        assert abs(stats[0].item() - exp) <= 1e-5 * exp
+
+    def test_flatten_table_cache_and_errors(self) -> None:
+        from hf_superoffload.triton_kernels import _kernels
+
+        grads = [self.t(torch.randn(5)), self.t(torch.randn(9))]
+        out = self.t(torch.empty(14, dtype=torch.bfloat16))
+        tk.flatten_grads_with_stats_(grads, [5, 9], out, None)
+        hits = _kernels._flatten_plans.hits
+        tk.flatten_grads_with_stats_(grads, [5, 9], out, None)
+        assert _kernels._flatten_plans.hits == hits + 1
+        with pytest.raises(ValueError):
+            tk.flatten_grads_with_stats_(grads, [5, 8], out, None)
+        with pytest.raises(ValueError):
+            tk.flatten_grads_with_stats_(grads, [4, 10], out, None)
+
+    @pytest.mark.parametrize("bucket_start", [0, 3])
+    def test_flatten_scatter_misaligned_views(self, bucket_start: int) -> None:
+        """Sources and destinations at every mix of 16-byte (mis)alignment, each long enough to run whole
+        unmasked tiles (the kernels pick vector or scalar tiles per row from its alignment)."""
+        gen = self.gen(12)
+        store32 = self.t(torch.randn(40_000, generator=gen))
+        store16 = store32.to(torch.bfloat16)
+        # (start, numel); even entries view a bf16 storage, odd ones an fp32 one; no overlaps within one
+        spans = [(0, 4104), (1, 4100), (4113, 4099), (4108, 4096), (8232, 5000), (8211, 8200)]
+        grads = [(store32 if i % 2 else store16)[a : a + n] for i, (a, n) in enumerate(spans)]
+        sizes = [n for _, n in spans]
+        total = sum(sizes)
+        bucket = self.t(torch.empty(total + 8, dtype=torch.bfloat16))[bucket_start : bucket_start + total]
+        stats = self.t(torch.zeros(2))
+        tk.flatten_grads_with_stats_(grads, sizes, bucket, stats)
+        assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+        exp, exp_stats = torch.empty_like(bucket), torch.zeros_like(stats)
+        ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
+        assert torch.equal(bucket.view(torch.int16), exp.view(torch.int16))
+        assert_stats(stats, exp_stats)
+        # scatter back: params are views of one bf16 / fp32 storage at the same odd starts
+        flat = self.t(torch.randn(total + 8, generator=gen))[bucket_start : bucket_start + total]
+        p16 = self.t(torch.zeros(40_000, dtype=torch.bfloat16))
+        p32 = self.t(torch.zeros(40_000))
+        params = [(p32 if i % 2 else p16)[a : a + n] for i, (a, n) in enumerate(spans)]
+        tk.scatter_flat_(flat, params, stochastic_rounding=bucket_start == 3, seed=5)
+        assert tk.last_backend("scatter_flat_") == "triton"
+        off = 0
+        for p in params:
+            want = flat[off : off + p.numel()]
+            if p.dtype == torch.float32 or bucket_start == 0:
+                assert torch.equal(p, want.to(p.dtype))
+            else:  # stochastic: one of the two neighbours
+                assert ((p.double() - want.double()).abs() <= (want.abs().double() * 2**-7)).all()
+            off += p.numel()
+
+    # ---- scatter
+
+    def test_scatter_bf16_bitwise_vs_torch(self) -> None:
+        x = self.t(special_f32(100_000, self.gen(3)))
+        assert torch.isinf(x).any() and torch.isnan(x).any()
+        p = self.t(torch.empty(100_000, dtype=torch.bfloat16))
+        tk.scatter_flat_(x, [p])
+        assert tk.last_backend("scatter_flat_") == "triton"
+        assert_bf16_bitwise(p, x, x.to(torch.bfloat16))
+        # and through flatten (fp32 grads into a bf16 bucket): same rounding
+        out = self.t(torch.empty(100_000, dtype=torch.bfloat16))
+        tk.flatten_grads_with_stats_([x], [x.numel()], out, None)
+        assert_bf16_bitwise(out, x, x.to(torch.bfloat16))
+
+    @pytest.mark.parametrize("n", [1, 127, BIG])
+    @pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16])
+    def test_scatter_odd_sizes(self, n: int, flat_dtype: torch.dtype) -> None:
+        gen = self.gen(n)
+        flat = self.t(torch.randn(n + 2 + 3, generator=gen).to(flat_dtype))
+        params = [
+            self.t(torch.empty(n, dtype=torch.bfloat16)),
+            self.t(torch.empty(2, dtype=torch.float32)),
+            self.t(torch.empty(3, dtype=torch.float16)),
+        ]
+        tk.scatter_flat_(flat, params)
+        assert tk.last_backend("scatter_flat_") == "triton"
+        off = 0
+        for p in params:
+            assert torch.equal(p, flat[off : off + p.numel()].to(p.dtype)), p.dtype
+            off += p.numel()
+
+    def test_scatter_many_small_noncontiguous(self) -> None:
+        gen = self.gen(4)
+        shapes = random_shapes(50, gen)
+        dtypes = [torch.bfloat16, torch.float32, torch.float16]
+        params = []
+        for i, s in enumerate(shapes):
+            p = torch.empty(s, dtype=dtypes[i % 3])
+            if i % 6 == 0 and len(s) >= 2:
+                p = torch.empty(tuple(reversed(s)), dtype=dtypes[i % 3]).transpose(0, -1)
+            params.append(self.t(p))
+        total = sum(p.numel() for p in params)
+        flat = self.t(torch.randn(total, generator=gen))
+        tk.scatter_flat_(flat, params)
+        assert tk.last_backend("scatter_flat_") == "triton"
+        exp = [torch.empty_like(p) for p in params]
+        ref.scatter_flat_(flat, exp)
+        for p, e in zip(params, exp):
+            assert torch.equal(p, e)
+        with pytest.raises(ValueError):
+            tk.scatter_flat_(flat[1:], params)
+
+    def test_scatter_bf16_to_bf16_is_a_bit_copy(self) -> None:
+        bits = torch.randint(-(2**15), 2**15, (4099,), generator=self.gen(5), dtype=torch.int64)
+        bits[:4] = torch.tensor([0x7F81, -0x7F, 0x7FA0, -1])  # signalling / odd-payload NaNs survive a copy
+        flat = self.t(bits.to(torch.int16).view(torch.bfloat16))
+        p = self.t(torch.empty(4099, dtype=torch.bfloat16))
+        tk.scatter_flat_(flat, [p])
+        assert tk.last_backend("scatter_flat_") == "triton"
+        assert torch.equal(p.view(torch.int16), flat.view(torch.int16))
+
+    def test_stochastic_rounding_neighbours(self) -> None:
+        x = self.t(special_f32(60_000, self.gen(6)))
+        p = self.t(torch.empty(60_000, dtype=torch.bfloat16))
+        tk.scatter_flat_(x, [p], stochastic_rounding=True, seed=1234, offset=7)
+        assert tk.last_backend("scatter_flat_") == "triton"
+        xb = x.cpu().view(torch.int32).to(torch.int64) & 0xFFFF_FFFF
+        got = p.cpu().view(torch.int16).to(torch.int64) & 0xFFFF
+        nan = torch.isnan(x.cpu())
+        down = xb >> 16  # truncation toward zero
+        exact = (xb & 0xFFFF) == 0
+        ok = (got == down) | ((got == down + 1) & ~exact)
+        assert ok[~nan].all()
+        assert torch.isnan(p.float().cpu()[nan]).all()
+        inf = torch.isinf(x.cpu())
+        assert torch.equal(p.float().cpu()[inf], x.cpu()[inf])
+        # both neighbours actually occur, and a different seed gives a different stream
+        inexact = ~exact & ~nan & ~inf
+        assert (got[inexact] == down[inexact]).any() and (got[inexact] == down[inexact] + 1).any()
+        q = torch.empty_like(p)
+        tk.scatter_flat_(x, [q], stochastic_rounding=True, seed=1234, offset=7)
+        assert torch.equal(q.view(torch.int16), p.view(torch.int16))  # reproducible
+        tk.scatter_flat_(x, [q], stochastic_rounding=True, seed=99, offset=7)
+        assert not torch.equal(q.view(torch.int16), p.view(torch.int16))
+
+    @pytest.mark.parametrize("value", [1.0 + 2.0**-9 + 2.0**-12, -3.0e-3, 1.0 + 2.0**-16, 7.7e5])
+    def test_stochastic_rounding_unbiased(self, value: float) -> None:
+        n = 1 << 16
+        x = self.t(torch.full((n,), value))
+        v = float(x[0])  # the fp32 value actually rounded
+        p = self.t(torch.empty(n, dtype=torch.bfloat16))
+        tk.scatter_flat_(x, [p], stochastic_rounding=True, seed=42)
+        assert tk.last_backend("scatter_flat_") == "triton"
+        r = p.double().cpu()
+        lo, hi = r.min().item(), r.max().item()
+        ulp = hi - lo
+        assert ulp > 0 and lo <= v <= hi and set(r.unique().tolist()) == {lo, hi}
+        frac = (v - lo) / ulp
+        sigma = ulp * (frac * (1 - frac) / n) ** 0.5
+        assert abs(r.mean().item() - v) <= 5 * sigma + 1e-12 * abs(v), (r.mean().item(), v, sigma)
+        # RNE would be biased here by construction (it always picks the nearer neighbour)
+        assert abs(x.to(torch.bfloat16).double().mean().item() - v) > 5 * sigma
+
+    # ---- upcast
+
+    @pytest.mark.parametrize("n", [1, 127, BIG])
+    @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
+    def test_upcast(self, n: int, src_dtype: torch.dtype) -> None:
+        gen = self.gen(n)
+        src = self.t(torch.randn(n, generator=gen).to(src_dtype))
+        src[0] = float("inf")
+        for scale in (1.0, 0.37, self.t(torch.tensor(1.0 / 3.0))):
+            dst = self.t(torch.full((n,), float("nan")))
+            tk.upcast_(src, dst, scale)
+            assert tk.last_backend("upcast_") == "triton"
+            exp = src.float()
+            if isinstance(scale, torch.Tensor) or scale != 1.0:
+                exp = exp * scale
+            assert torch.equal(dst, exp)
+            if n == BIG:
+                break  # the big size once: interpreter time
+
+    # ---- AdamW
+
+    @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+    @pytest.mark.parametrize("beta1", [0.9, 0.3])
+    def test_adamw_vs_torch(self, grad_dtype: torch.dtype, weight_decay: float, beta1: float) -> None:
+        gen = self.gen(7)
+        n = 4099
+        p0 = torch.randn(n, generator=gen)
+        param, m, v = self.t(p0.clone()), self.t(torch.zeros(n)), self.t(torch.zeros(n))
+        out_bf16 = self.t(torch.empty(n, dtype=torch.bfloat16))
+        tp = torch.nn.Parameter(self.t(p0.clone()))
+        kw = dict(lr=3e-3, betas=(beta1, 0.999), eps=1e-8, weight_decay=weight_decay)
+        opt = torch.optim.AdamW([tp], **kw, foreach=False)
+        for step in range(1, 6):
+            g = self.t(torch.randn(n, generator=gen).to(grad_dtype))
+            scale: float | torch.Tensor = 0.75 if step % 2 else self.t(torch.tensor(0.5))
+            tp.grad = g.float() * scale
+            opt.step()
+            tk.adamw_flat_(param, g, m, v, step=step, lr=3e-3, beta1=beta1, beta2=0.999, eps=1e-8,
+                           weight_decay=weight_decay, grad_scale=scale, param_out_bf16=out_bf16)  # fmt: skip
+            assert tk.last_backend("adamw_flat_") == "triton"
+        st = opt.state[tp]
+        torch.testing.assert_close(param, tp.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        assert torch.equal(out_bf16.view(torch.int16), param.to(torch.bfloat16).view(torch.int16))
+
+    def test_adamw_big_odd_vs_twin(self) -> None:
+        gen = self.gen(8)
+        n = BIG
+        state = [self.t(torch.randn(n, generator=gen)), self.t(torch.randn(n, generator=gen).abs() * 1e-2),
+                 self.t(torch.rand(n, generator=gen) * 1e-3)]  # fmt: skip
+        g = self.t(torch.randn(n, generator=gen).bfloat16())
+        twin = [s.clone() for s in state]
+        kw = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        tk.adamw_flat_(*state[:1], g, *state[1:], grad_scale=self.t(torch.tensor(0.25)), **kw)
+        assert tk.last_backend("adamw_flat_") == "triton"
+        ref.adamw_flat_(*twin[:1], g, *twin[1:], grad_scale=self.t(torch.tensor(0.25)), **kw)
+        for a, b in zip(state, twin):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+    def test_adamw_rejects_bad_args(self) -> None:
+        t = self.t(torch.zeros(4))
+        with pytest.raises(ValueError):
+            tk.adamw_flat_(t, t, t, t, step=0, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+        with pytest.raises(ValueError):
+            tk.adamw_flat_(t.double(), t, t, t, step=1, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8,
+                           weight_decay=0.0)  # fmt: skip
+
+
+@pytest.mark.skipif(not _INTERPRETER, reason="a GPU is present: Triton compiles natively here (see TestCuda)")
+class TestInterpreter(_KernelChecks):
+    """The kernels on CPU tensors through ``TRITON_INTERPRET=1`` (what CI runs)."""
+
+    device = "cpu"
+
+    @pytest.fixture(autouse=True)
+    def _require_interpreter(self) -> None:
+        assert _STATUS["mode"] == "interpreter", f"Triton is not in interpreter mode here: {_STATUS}"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+class TestCuda(_KernelChecks):
+    """The same checks with the natively compiled kernels."""
+
+    device = "cuda"
+
+    @pytest.fixture(autouse=True)
+    def _require_native(self) -> None:
+        if _STATUS["mode"] != "native":
+            pytest.skip(f"Triton is not compiling natively in this process: {_STATUS}")
+
+    def test_no_host_sync(self) -> None:
+        """No op synchronises with the host once warm (tables cached, grad_scale/scale as device tensors)."""
+        n = 10_000
+        grads = [self.t(torch.randn(n)), None, self.t(torch.randn(7).bfloat16())]
+        out = self.t(torch.empty(n + 3 + 7, dtype=torch.bfloat16))
+        stats = self.t(torch.zeros(2))
+        params = [self.t(torch.empty(n, dtype=torch.bfloat16)), self.t(torch.empty(10))]
+        flat = self.t(torch.randn(n + 10))
+        p, m, v = self.t(torch.randn(n)), self.t(torch.zeros(n)), self.t(torch.zeros(n))
+        scale = self.t(torch.tensor(0.5))
+
+        def run() -> None:
+            tk.flatten_grads_with_stats_(grads, [n, 3, 7], out, stats)
+            tk.scatter_flat_(flat, params, stochastic_rounding=True, seed=3)
+            tk.upcast_(out[:n], m, scale)
+            tk.adamw_flat_(p, out[:n], m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.0, grad_scale=scale)  # fmt: skip
+
+        run()  # warm: compile, self-test, tables
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------ dispatch, twins
+
+
+def test_disable_env_forces_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DISABLE_TRITON", "1")
+    x = torch.randn(10)
+    p = torch.empty(10, dtype=torch.bfloat16)
+    tk.scatter_flat_(x, [p])
+    assert tk.last_backend("scatter_flat_") == "reference"
+    assert torch.equal(p, x.bfloat16())
+    assert tk.backend_for(x) == "reference"
+
+
+def test_cpu_without_interpret_env_uses_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    out = torch.empty(4)
+    stats = torch.zeros(2)
+    tk.flatten_grads_with_stats_([torch.ones(4)], [4], out, stats)
+    assert tk.last_backend("flatten_grads_with_stats_") == "reference"
+    assert stats.tolist() == [4.0, 0.0]
+
+
+@pytest.mark.skipif(not _INTERPRETER, reason="CPU tensors use the twins when Triton compiles natively")
+def test_unsupported_dtype_falls_back() -> None:
+    g = torch.randn(5, dtype=torch.float64)
+    out = torch.empty(5)
+    stats = torch.zeros(2)
+    tk.flatten_grads_with_stats_([g], [5], out, stats)
+    assert tk.last_backend("flatten_grads_with_stats_") == "reference"
+    assert torch.equal(out, g.float())
+    assert tk.backend_for(torch.zeros(1), torch.zeros(1, device="meta")) == "reference"
+
+
+def test_status_reports_mode() -> None:
+    st = tk.triton_status()
+    assert st["importable"] and st["mode"] == ("interpreter" if _INTERPRETER else "native")
+    assert all(err is None for err in st["smoke"].values()), st
+
+
+def test_twin_stochastic_rounding() -> None:
+    x = torch.full((1 << 16,), 1.0 + 2.0**-9 + 2.0**-12)
+    r = ref.stochastic_round_to_bf16(x, seed=5).double()
+    v = float(x[0])
+    lo, hi = r.min().item(), r.max().item()
+    assert lo < v < hi and len(r.unique()) == 2
+    frac = (v - lo) / (hi - lo)
+    sigma = (hi - lo) * (frac * (1 - frac) / x.numel()) ** 0.5
+    assert abs(r.mean().item() - v) <= 5 * sigma
+    s = special_f32(6000, torch.Generator().manual_seed(9))
+    got = ref.stochastic_round_to_bf16(s).view(torch.int16).to(torch.int64) & 0xFFFF
+    down = (s.view(torch.int32).to(torch.int64) & 0xFFFF_FFFF) >> 16
+    nan = torch.isnan(s)
+    assert ((got == down) | (got == down + 1))[~nan].all()
+
+
+def test_twin_adamw_matches_torch() -> None:
+    gen = torch.Generator().manual_seed(11)
+    p0 = torch.randn(300, generator=gen)
+    p, m, v = p0.clone(), torch.zeros(300), torch.zeros(300)
+    tp = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([tp], lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05, foreach=False)
+    for step in range(1, 4):
+        g = torch.randn(300, generator=gen)
+        tp.grad = g * 0.5
+        opt.step()
+        ref.adamw_flat_(p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.05,
+                        grad_scale=torch.tensor(0.5))  # fmt: skip
+    assert torch.equal(p, tp.detach())
