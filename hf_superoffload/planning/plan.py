@@ -93,7 +93,8 @@ class OffloadPlan:
         return tuple(b for b in self.buckets if b.placement is Placement.DEVICE)
 
     def host_bytes(self) -> int:
-        """Host RAM for optimizer state and staging (fp32 p/m/v, bf16 landing + staging, snapshot)."""
+        """Host RAM for optimizer state and the DMA buffers."""
+        # p/m/v, then bf16 landing + bf16 staging (CPU cast) or an fp32 landing (GPU cast): 4 B either way
         per = 12 + 4 + (12 if self.rollback is Rollback.SNAPSHOT else 0)
         return self.host_numel * per
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..planning.plan import OffloadPlan, Placement, Rollback
+from ..planning.plan import CastSide, OffloadPlan, Placement, Rollback
 from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
 from .bucket import BucketState, DeviceBucket, HostBucket
 from .cpu_worker import CpuWorker
@@ -152,13 +152,18 @@ class OffloadEngine:
         plan, dev = self.plan, self.device
         pin = plan.pin_memory and dev.type == "cuda"
         n_host, n_dev = plan.host_numel, plan.device_numel
+        # [Note: casts]: CPU cast -> bf16 landing and a bf16 staging arena written by the Adam pass;
+        # GPU cast -> fp32 landing, and the fp32 master itself is the (pinned) upload source.
+        self._cast_on_cpu = plan.cast_side is CastSide.CPU
+        link_dtype = self.dtype if self._cast_on_cpu else torch.float32
         self._arenas = {
-            "master": HostBuffer(n_host, torch.float32, pin=False, name="fp32 master"),
+            "master": HostBuffer(n_host, torch.float32, pin=pin and not self._cast_on_cpu, name="fp32 master"),
             "exp_avg": HostBuffer(n_host, torch.float32, pin=False, name="exp_avg"),
             "exp_avg_sq": HostBuffer(n_host, torch.float32, pin=False, name="exp_avg_sq"),
-            "landing": HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing"),
-            "staging": HostBuffer(n_host, self.dtype, pin=pin, name="weight staging"),
+            "landing": HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing"),
         }
+        if self._cast_on_cpu:
+            self._arenas["staging"] = HostBuffer(n_host, self.dtype, pin=pin, name="weight staging")
         if plan.rollback is Rollback.SNAPSHOT:
             for k in ("backup_p", "backup_m", "backup_v"):
                 self._arenas[k] = HostBuffer(n_host, torch.float32, pin=False, name=k)
@@ -179,7 +184,8 @@ class OffloadEngine:
             if spec.placement is Placement.HOST:
                 b = HostBucket(spec, ps)
                 b.master, b.exp_avg, b.exp_avg_sq = a["master"][sl], a["exp_avg"][sl], a["exp_avg_sq"][sl]
-                b.landing, b.staging = a["landing"][sl], a["staging"][sl]
+                b.landing = a["landing"][sl]
+                b.staging = a["staging"][sl] if self._cast_on_cpu else b.master
                 if plan.rollback is Rollback.SNAPSHOT:
                     b.backup = (a["backup_p"][sl], a["backup_m"][sl], a["backup_v"][sl])
                 self.host_buckets.append(b)
@@ -210,7 +216,7 @@ class OffloadEngine:
             for p, n in zip(b.params, b.sizes):
                 b.master[offset : offset + n].copy_(p.detach().reshape(-1))
                 offset += n
-            if isinstance(b, HostBucket):
+            if isinstance(b, HostBucket) and self._cast_on_cpu:
                 b.staging.copy_(b.master)
 
     def _install_hooks(self, modules: Sequence[torch.nn.Module]) -> None:
@@ -314,7 +320,7 @@ class OffloadEngine:
             flatten_grads_with_stats_(grads, b.sizes, b.landing, stats_row)
             return Handoff(b.landing, None)
         compute = torch.cuda.current_stream(self.device)
-        flat = torch.empty(b.spec.numel, dtype=self.dtype, device=self.device)
+        flat = torch.empty(b.spec.numel, dtype=b.landing.dtype, device=self.device)  # GPU cast: upcast here
         flatten_grads_with_stats_(grads, b.sizes, flat, stats_row)
         s.d2h.wait_stream(compute)
         if b.h2d_event is not None:  # the previous upload still reads staging/landing's neighbours
@@ -399,12 +405,10 @@ class OffloadEngine:
                 ops.cpu_adamw_step_(
                     b.master[sl], b.landing[sl], b.exp_avg[sl], b.exp_avg_sq[sl],
                     step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
-                    param_bf16_out=b.staging[sl] if self.dtype == torch.bfloat16 else None,
+                    param_bf16_out=b.staging[sl] if self._cast_on_cpu else None,
                     backup=tuple(t[sl] for t in b.backup) if snapshot and b.backup is not None else None,
                     num_threads=self.plan.cpu_threads,
                 )
-                if self.dtype != torch.bfloat16:
-                    b.staging[sl].copy_(b.master[sl])
         b.applied = (hyper, scale)
         with self._lock:
             self._acc.cpu_s += time.perf_counter() - t0
@@ -419,7 +423,6 @@ class OffloadEngine:
                 if b.backup is not None and self.plan.rollback is Rollback.SNAPSHOT:
                     for dst, src in zip((b.master, b.exp_avg, b.exp_avg_sq), b.backup):
                         dst[sl].copy_(src[sl])
-                    b.staging[sl].copy_(b.master[sl])
                 else:
                     lr, beta1, beta2, eps, wd = hyper[r.group]
                     ops.cpu_adamw_undo_(
@@ -427,6 +430,7 @@ class OffloadEngine:
                         step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
                         param_bf16_out=None, num_threads=self.plan.cpu_threads,
                     )
+                if self._cast_on_cpu:
                     b.staging[sl].copy_(b.master[sl])
         b.applied = None
         with self._lock:
@@ -442,7 +446,7 @@ class OffloadEngine:
                 with torch.cuda.stream(s.h2d):
                     assert b.d2h is not None
                     b.d2h.wait_stream(s.h2d)
-                    flat = torch.empty(b.spec.numel, dtype=self.dtype, device=self.device)
+                    flat = torch.empty(b.spec.numel, dtype=b.staging.dtype, device=self.device)
                     flat.copy_(b.staging, non_blocking=True)
                     scatter_flat_(flat, b.params)
                     event = s.record(s.h2d)
@@ -634,7 +638,7 @@ class OffloadEngine:
         """After loading state: staging := bf16(master) and parameters := bf16(master)."""
         with torch.no_grad():
             for b in self.buckets:
-                if isinstance(b, HostBucket):
+                if isinstance(b, HostBucket) and self._cast_on_cpu:
                     b.staging.copy_(b.master)
                 scatter_flat_(b.master, b.params)
         if self.streams.is_cuda:

@@ -117,6 +117,17 @@ def test_parity_30_steps(rollback, speculation, tail):
     assert_parity(*res)
 
 
+@pytest.mark.parametrize("cast_side", ["cpu", "gpu"])
+def test_cast_side_parity(cast_side, device):
+    """bf16 over the link with the cast fused in the CPU Adam, or fp32 over the link with the GPU cast."""
+    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=1, cast_side=cast_side)
+    res = run_pair(config=cfg, device=device, steps=12)
+    opt = res[2]
+    assert opt.plan.cast_side.value == cast_side
+    assert opt.engine.host_buckets[0].landing.dtype == (torch.bfloat16 if cast_side == "cpu" else torch.float32)
+    assert_parity(*res)
+
+
 @pytest.mark.parametrize("max_norm", [0.05, 1.2])
 def test_clipping_forced_to_fire(max_norm):
     # governor off (max_redo_rate=1): every step speculates. At 0.05 the partial norm of the first bucket
@@ -211,8 +222,8 @@ def test_fp32_model_is_converted_with_exact_masters():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("delay", ["none", "compute_before_flush", "h2d_before_scatter", "slow_cpu"])
-@pytest.mark.parametrize("tail", [0, 2])
-def test_cuda_parity_with_injected_delays(delay, tail, monkeypatch):
+@pytest.mark.parametrize("tail,cast_side", [(0, "cpu"), (2, "cpu"), (0, "gpu")])
+def test_cuda_parity_with_injected_delays(delay, tail, cast_side, monkeypatch):
     """On CUDA, stalls injected before each stage must not change results: every wait is in place."""
     import time
 
@@ -244,7 +255,7 @@ def test_cuda_parity_with_injected_delays(delay, tail, monkeypatch):
             return real_step(*a, **k)
 
         monkeypatch.setattr(ops, "cpu_adamw_step_", slow_step)
-    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=tail)
+    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=tail, cast_side=cast_side)
     res = run_pair(config=cfg, device="cuda", steps=12)
     assert_parity(*res)
     assert res[2].engine.plan.pin_memory
