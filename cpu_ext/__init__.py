@@ -1,9 +1,10 @@
 """CPU Adam kernels (installed as ``hf_superoffload.cpu_ext``).
 
-The compiled op library lives in ``csrc/``; ``reference`` is its eager-torch twin.
-Use the typed entry points in :mod:`hf_superoffload.ops`.
+The compiled op library lives in ``csrc/`` and is built just in time on first use (see ``_build``);
+``reference`` is its eager-torch twin. Use the typed entry points in :mod:`hf_superoffload.ops`.
 """
 
 from . import reference
+from ._build import DISABLE_ENV, ISA_ENV, LoadState, load_library, load_state
 
-__all__ = ["reference"]
+__all__ = ["DISABLE_ENV", "ISA_ENV", "LoadState", "load_library", "load_state", "reference"]

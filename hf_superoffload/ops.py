@@ -1,21 +1,56 @@
 """Typed entry points of the CPU Adam kernels.
 
-The engine calls only these. They dispatch to the compiled ``cpu_ext`` op library when it is
-available and to the eager-torch twin (:mod:`hf_superoffload.cpu_ext.reference`) otherwise.
+The engine calls only these. They dispatch to the compiled ``cpu_ext`` op library (built on first use,
+see [Note: CPU Adam build] in ``cpu_ext/_build.py``) and to a torch fallback when it cannot be built.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from .cpu_ext import reference as _reference
+from .cpu_ext import _fallback
+from .cpu_ext._build import load_library
 
-__all__ = ["backend", "cpu_adamw_step_", "cpu_adamw_undo_"]
+__all__ = [
+    "backend",
+    "cpu_adamw_step_",
+    "cpu_adamw_undo_",
+    "default_num_threads",
+    "grad_sumsq_nonfinite",
+]
+
+
+def default_num_threads() -> int:
+    """Library default thread count: cores in this process's affinity mask minus one, at least one.
+
+    Deliberately not ``OMP_NUM_THREADS``: ``accelerate launch`` sets it to 1 for every worker.
+    """
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        n = os.cpu_count() or 1
+    return max(1, n - 1)
+
+
+def _threads(num_threads: int | None) -> int:
+    if num_threads is None:
+        return default_num_threads()
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1 or None (library default), got {num_threads}")
+    return int(num_threads)
 
 
 def backend() -> str:
-    """Name of the implementation the ops dispatch to."""
-    return "reference"
+    """Name of the implementation the ops dispatch to.
+
+    One of ``avx512_bf16``, ``avx512``, ``avx2``, ``neon``, ``sve``, ``scalar`` (compiled library; honours
+    ``HF_SUPEROFFLOAD_CPU_ADAM_ISA``) or ``torch-fallback``.
+    """
+    if not load_library():
+        return "torch-fallback"
+    return str(torch.ops.hf_superoffload.cpu_adam_isa())
 
 
 def cpu_adamw_step_(
@@ -37,15 +72,27 @@ def cpu_adamw_step_(
 ) -> None:
     """One ``torch.optim.AdamW`` step, in place, on contiguous fp32 ``param``/``exp_avg``/``exp_avg_sq``.
 
+    One fused pass: reads the gradient (bf16 upcast in registers), updates p/m/v, and writes the optional
+    outputs. Equal to ``torch.optim.AdamW`` up to fp32 rounding.
+
     Args:
         grad: fp32 or bf16 gradient, multiplied by ``grad_scale`` inside the pass (the clip coefficient).
         step: the step count *after* this update (1 on the first step).
-        param_bf16_out: receives the bf16 copy of the updated parameter in the same pass.
+        param_bf16_out: receives the bf16 copy (round to nearest even) of the updated parameter.
         backup: three fp32 tensors that receive the pre-step (param, exp_avg, exp_avg_sq).
-        num_threads: threads for this call; ``None`` uses the library default.
+        num_threads: threads for this call; ``None`` uses :func:`default_num_threads`.
     """
-    del num_threads
-    _reference.adamw_step_(
+    if backup is not None and len(backup) != 3:
+        raise ValueError(f"backup must be three tensors (param, exp_avg, exp_avg_sq), got {len(backup)}")
+    threads = _threads(num_threads)
+    if load_library():
+        bk_p, bk_m, bk_v = backup if backup is not None else (None, None, None)
+        torch.ops.hf_superoffload.cpu_adamw_step(
+            param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps),
+            float(weight_decay), float(grad_scale), param_bf16_out, bk_p, bk_m, bk_v, threads,
+        )
+        return
+    _fallback.adamw_step_(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, backup=backup,
     )
@@ -67,9 +114,30 @@ def cpu_adamw_undo_(
     param_bf16_out: torch.Tensor | None = None,
     num_threads: int | None = None,
 ) -> None:
-    """Algebraic inverse of :func:`cpu_adamw_step_` with the same arguments (fp32-rounding exact)."""
-    del num_threads
-    _reference.adamw_undo_(
+    """Algebraic inverse of :func:`cpu_adamw_step_` with the same arguments (fp32-rounding exact).
+
+    ``param_bf16_out``, when given, receives the bf16 copy of the restored parameter.
+    """
+    threads = _threads(num_threads)
+    if load_library():
+        torch.ops.hf_superoffload.cpu_adamw_undo(
+            param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps),
+            float(weight_decay), float(grad_scale), param_bf16_out, threads,
+        )
+        return
+    _fallback.adamw_undo_(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out,
     )
+
+
+def grad_sumsq_nonfinite(grad: torch.Tensor, *, num_threads: int | None = None) -> tuple[float, int]:
+    """Sum of squares (fp64 accumulation) and number of inf/NaN elements of a bf16/fp32 host tensor.
+
+    One pass over ``grad``. With non-finite elements the sum is inf or NaN, as in torch.
+    """
+    threads = _threads(num_threads)
+    if load_library():
+        sumsq, nonfinite = torch.ops.hf_superoffload.grad_sumsq_nonfinite(grad, threads)
+        return float(sumsq), int(nonfinite)
+    return _fallback.grad_sumsq_nonfinite(grad)

@@ -1,0 +1,244 @@
+"""Throughput of the CPU AdamW step: hf_superoffload's fused kernel against torch and DeepSpeed.
+
+Implementations (one fp32 tensor of N params each; p/m/v are fp32):
+
+* ``ours_bf16``        bf16 grad in, bf16 weights out, one fused pass (what the engine runs);
+* ``ours_fp32``        fp32 grad in, no bf16 copy;
+* ``torch_pipeline``   torch's equivalent of ours_bf16: bf16->fp32 grad upcast, ``torch._fused_adamw_``,
+                       fp32->bf16 weight cast (three passes);
+* ``torch_fused_fp32`` ``torch._fused_adamw_`` alone on an fp32 grad;
+* ``deepspeed_fp32`` / ``deepspeed_pipeline``  DeepSpeed CPUAdam alone / with the two casts (if importable);
+* ``inplace3``         STREAM-like read+write of three fp32 arrays (the p/m/v pattern): the host roofline.
+
+Effective GB/s counts 28 B/param for every Adam variant (12 B read + 12 B written for p/m/v, plus 2 B bf16
+grad in and 2 B bf16 weights out; the fp32 variants move 4 B of grad and no copy, also 28 B) and 24 B/element
+for ``inplace3``. ``roofline`` is an implementation's effective GB/s over ``inplace3``'s at the same thread
+count.
+
+    python benchmarks/bench_cpu_adam.py --quick --out /tmp/bench.json
+    python benchmarks/bench_cpu_adam.py --numel 268435456 --threads 8 15 16 --out results/cpu_adam.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hf_superoffload import ops
+
+BYTES_PER_PARAM = 28
+BYTES_INPLACE3 = 24
+HYPER = {"lr": 1e-6, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """One (implementation, thread count) measurement."""
+
+    impl: str
+    threads: int
+    numel: int
+    seconds: float | None
+    """Median over the timed repeats; None when the implementation is absent or failed."""
+    best_seconds: float | None
+    """Fastest repeat (what STREAM reports; less sensitive to other load on the host)."""
+    mparam_s: float | None
+    """From the median."""
+    gb_s: float | None
+    """Effective GB/s from the median."""
+    note: str = ""
+
+
+@dataclass(slots=True)
+class Buffers:
+    p: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    g16: torch.Tensor
+    g32: torch.Tensor
+    out: torch.Tensor
+    step: int = 0
+
+
+def _alloc(numel: int) -> Buffers:
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(numel, generator=gen)
+    g32 = torch.randn(numel, generator=gen) * 1e-2
+    return Buffers(p, torch.zeros(numel), torch.zeros(numel), g32.to(torch.bfloat16), g32,
+                   torch.empty(numel, dtype=torch.bfloat16))
+
+
+def _time(fn: Callable[[], None], repeats: int, warmup: int) -> tuple[float, float]:
+    """(median, best) seconds per call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times)
+
+
+def _impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
+    """Callables per implementation, or a string saying why it is absent."""
+
+    def next_step() -> int:
+        b.step += 1
+        return b.step
+
+    def ours_bf16() -> None:
+        ops.cpu_adamw_step_(b.p, b.g16, b.m, b.v, step=next_step(), param_bf16_out=b.out, num_threads=threads,
+                            **HYPER)
+
+    def ours_fp32() -> None:
+        ops.cpu_adamw_step_(b.p, b.g32, b.m, b.v, step=next_step(), num_threads=threads, **HYPER)
+
+    state_step = torch.tensor(1.0)
+
+    def torch_fused(grad: torch.Tensor) -> None:
+        state_step.fill_(next_step())
+        torch._fused_adamw_(
+            [b.p], [grad], [b.m], [b.v], [], [state_step], lr=HYPER["lr"], beta1=HYPER["beta1"],
+            beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"], eps=HYPER["eps"], amsgrad=False,
+            maximize=False,
+        )
+
+    def torch_pipeline() -> None:
+        b.g32.copy_(b.g16)  # the separate upcast pass
+        torch_fused(b.g32)
+        b.out.copy_(b.p)  # the separate cast pass
+
+    impls: dict[str, Callable[[], None] | str] = {
+        "ours_bf16": ours_bf16,
+        "ours_fp32": ours_fp32,
+        "torch_pipeline": torch_pipeline,
+        "torch_fused_fp32": lambda: torch_fused(b.g32),
+    }
+    impls.update(_deepspeed_impls(b, threads))
+    # Own arrays: the STREAM update grows the values without bound, which must not reach p/m/v.
+    abc = [torch.ones(b.p.numel()) for _ in range(3)]
+    impls["inplace3"] = lambda: torch.ops.hf_superoffload._cpu_bench_inplace3(*abc, threads)
+    return impls
+
+
+def _deepspeed_impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
+    """DeepSpeed CPUAdam on the same tensors (JIT-builds its op on first use)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # type: ignore[import-not-found]
+
+        param = torch.nn.Parameter(b.p)  # shares storage with b.p
+        opt = DeepSpeedCPUAdam(
+            [param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+            weight_decay=HYPER["weight_decay"], adamw_mode=True,
+        )
+    except Exception as exc:  # ImportError, or a failed JIT build
+        reason = f"absent ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        return {"deepspeed_fp32": reason, "deepspeed_pipeline": reason}
+
+    def ds_step() -> None:
+        param.grad = b.g32
+        opt.step()
+
+    def ds_pipeline() -> None:
+        b.g32.copy_(b.g16)
+        ds_step()
+        b.out.copy_(b.p)
+
+    return {"deepspeed_fp32": ds_step, "deepspeed_pipeline": ds_pipeline}
+
+
+def run(numel: int, thread_counts: list[int], repeats: int, warmup: int) -> list[Result]:
+    """Measures every implementation at every thread count on one set of buffers."""
+    b = _alloc(numel)
+    results: list[Result] = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)  # torch's and DeepSpeed's OpenMP threads; ours take num_threads
+        for name, fn in _impls(b, threads).items():
+            if isinstance(fn, str):
+                results.append(Result(name, threads, numel, None, None, None, None, fn))
+                continue
+            try:
+                sec, best = _time(fn, repeats, warmup)
+            except Exception as exc:
+                results.append(Result(name, threads, numel, None, None, None, None, f"failed: {exc!r}"[:200]))
+                continue
+            per = BYTES_INPLACE3 if name == "inplace3" else BYTES_PER_PARAM
+            results.append(Result(name, threads, numel, sec, best, numel / sec / 1e6, numel * per / sec / 1e9))
+    return results
+
+
+def _table(results: list[Result]) -> str:
+    by_key = {(r.impl, r.threads): r for r in results}
+    head = (f"{'impl':<20}{'threads':>8}{'ms':>8}{'best ms':>9}{'Mparam/s':>10}{'GB/s':>7}"
+            f"{'vs torch_pipe':>14}{'roofline':>10}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.seconds is None:
+            lines.append(f"{r.impl:<20}{r.threads:>8}  {r.note}")
+            continue
+        ref = by_key.get(("torch_pipeline", r.threads))
+        roof = by_key.get(("inplace3", r.threads))
+        vs = f"{ref.seconds / r.seconds:.2f}x" if ref and ref.seconds and r.impl != "inplace3" else ""
+        frac = f"{r.gb_s / roof.gb_s:.0%}" if roof and roof.gb_s and r.gb_s and r.impl != "inplace3" else ""
+        lines.append(
+            f"{r.impl:<20}{r.threads:>8}{r.seconds * 1e3:>8.1f}{(r.best_seconds or 0) * 1e3:>9.1f}"
+            f"{r.mparam_s:>10.0f}{r.gb_s:>7.1f}{vs:>14}{frac:>10}"
+        )
+    return "\n".join(lines)
+
+
+def _machine() -> dict[str, object]:
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "affinity_cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "backend": ops.backend(),
+        "default_threads": ops.default_num_threads(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--numel", type=int, default=None, help="params per tensor (default 256Mi; 16Mi with --quick)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="thread counts (default: the library default and all cores)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (median reported)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="small size and few repeats")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+
+    numel = args.numel or (2**24 if args.quick else 2**28)
+    repeats = args.repeats or (5 if args.quick else 10)
+    threads = args.threads or sorted({ops.default_num_threads(), len(os.sched_getaffinity(0))})
+    machine = _machine()
+    print(f"{machine}\nnumel={numel} ({numel / 2**20:.0f} Mi) repeats={repeats} warmup={args.warmup}")
+    results = run(numel, threads, repeats, args.warmup)
+    print(_table(results))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": machine, "numel": numel, "repeats": repeats, "results": [asdict(r) for r in results]}
+        args.out.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

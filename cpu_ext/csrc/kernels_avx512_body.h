@@ -1,0 +1,156 @@
+// AVX-512 AdamW body. Included twice by kernels_x86.h (no include guard, on purpose): once for plain
+// AVX-512 and once with AVX512_BF16 enabled, because a GCC target attribute is per function, and a helper
+// compiled without avx512bf16 may not inline the bf16 conversion intrinsic.
+//
+// Expects: HFSO_K_NS (namespace), HFSO_K_TARGET (target attribute), HFSO_K_CVT (fp32x16 -> bf16x16 bits).
+
+namespace HFSO_K_NS {
+
+struct Consts {
+  __m512 gscale, decay, omb1, omb2, beta2, neg_step, bc2, eps;
+};
+
+HFSO_K_TARGET HFSO_INLINE Consts make_consts(const AdamHyper& h) {
+  return {_mm512_set1_ps(h.grad_scale), _mm512_set1_ps(h.decay),      _mm512_set1_ps(h.one_minus_beta1),
+          _mm512_set1_ps(h.one_minus_beta2), _mm512_set1_ps(h.beta2), _mm512_set1_ps(-h.step_size),
+          _mm512_set1_ps(h.bc2_sqrt),      _mm512_set1_ps(h.eps)};
+}
+
+template <bool kMasked>
+HFSO_K_TARGET HFSO_INLINE __m512 load_f32(const float* p, __mmask16 k) {
+  if constexpr (kMasked) return _mm512_maskz_loadu_ps(k, p);
+  return _mm512_loadu_ps(p);
+}
+
+template <bool kBf16, bool kMasked>
+HFSO_K_TARGET HFSO_INLINE __m512 load_grad16(const void* g, int64_t i, __mmask16 k) {
+  if constexpr (kBf16) {
+    const uint16_t* src = static_cast<const uint16_t*>(g) + i;
+    __m256i h;
+    if constexpr (kMasked) {
+      h = _mm256_maskz_loadu_epi16(k, src);
+    } else {
+      h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    }
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return load_f32<kMasked>(static_cast<const float*>(g) + i, k);
+  }
+}
+
+template <bool kMasked>
+HFSO_K_TARGET HFSO_INLINE void store_f32(float* dst, __m512 x, __mmask16 k, bool stream) {
+  if constexpr (kMasked) {
+    _mm512_mask_storeu_ps(dst, k, x);
+  } else if (stream) {
+    _mm512_stream_ps(dst, x);
+  } else {
+    _mm512_storeu_ps(dst, x);
+  }
+}
+
+// Updates 16 lanes of p/m/v in place (and the backup) and returns the new p.
+template <bool kBf16Grad, bool kBackup, bool kMasked>
+HFSO_K_TARGET HFSO_INLINE __m512 step16(const AdamBuffers& b, const Consts& c, int64_t i, __mmask16 k,
+                                        bool stream_bk) {
+  __m512 p = load_f32<kMasked>(b.p + i, k);
+  __m512 m = load_f32<kMasked>(b.m + i, k);
+  __m512 v = load_f32<kMasked>(b.v + i, k);
+  __m512 g = load_grad16<kBf16Grad, kMasked>(b.grad, i, k);
+  if constexpr (kBackup) {
+    store_f32<kMasked>(b.bk_p + i, p, k, stream_bk);
+    store_f32<kMasked>(b.bk_m + i, m, k, stream_bk);
+    store_f32<kMasked>(b.bk_v + i, v, k, stream_bk);
+  }
+  g = _mm512_mul_ps(g, c.gscale);
+  p = _mm512_mul_ps(p, c.decay);
+  m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m), m);
+  v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v, c.beta2));
+  const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
+  p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, den), p);
+  store_f32<kMasked>(b.p + i, p, k, false);
+  store_f32<kMasked>(b.m + i, m, k, false);
+  store_f32<kMasked>(b.v + i, v, k, false);
+  return p;
+}
+
+template <bool kBf16Grad, bool kOut, bool kBackup>
+HFSO_K_TARGET HFSO_INLINE void step_masked(const AdamBuffers& b, const Consts& c, int64_t i, int64_t n) {
+  const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);  // 1 <= n <= 16
+  const __m512 p = step16<kBf16Grad, kBackup, true>(b, c, i, k, false);
+  if constexpr (kOut) _mm256_mask_storeu_epi16(b.p_bf16 + i, k, HFSO_K_CVT(p));
+}
+
+template <bool kBf16Grad, bool kOut, bool kBackup>
+struct Step {
+  HFSO_K_TARGET static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+    const Consts c = make_consts(h);
+    // Peel up to one cache line so the main loop's stores are 64-byte aligned (needed for streaming
+    // stores; loads and stores then never split a line when the buffers share an alignment).
+    const uintptr_t anchor = kOut      ? reinterpret_cast<uintptr_t>(b.p_bf16 + i)
+                             : kBackup ? reinterpret_cast<uintptr_t>(b.bk_p + i)
+                                       : reinterpret_cast<uintptr_t>(b.p + i);
+    const int64_t esize = kOut ? 2 : 4;
+    int64_t head = static_cast<int64_t>(((64 - (anchor & 63)) & 63) / esize);
+    head = head < end - i ? head : end - i;
+    while (head > 0) {
+      const int64_t n = head < 16 ? head : 16;
+      step_masked<kBf16Grad, kOut, kBackup>(b, c, i, n);
+      i += n;
+      head -= n;
+    }
+    const auto aligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 63) == 0; };
+    const bool stream_out = kOut && b.stream_stores && aligned(b.p_bf16 + i);
+    const bool stream_bk = kBackup && b.stream_stores && aligned(b.bk_p + i) && aligned(b.bk_m + i) &&
+                           aligned(b.bk_v + i);
+    // 32 elements per iteration: two fp32 lines per p/m/v stream and one full line of bf16 output.
+    for (; i + 32 <= end; i += 32) {
+      if constexpr (kPrefetchElems > 0) {
+        const int64_t j = i + kPrefetchElems;
+        _mm_prefetch(reinterpret_cast<const char*>(b.p + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.p + j + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.m + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.m + j + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.v + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.v + j + 16), _MM_HINT_T0);
+        if constexpr (kBf16Grad) {
+          _mm_prefetch(static_cast<const char*>(b.grad) + 2 * j, _MM_HINT_T0);
+        } else {
+          _mm_prefetch(static_cast<const char*>(b.grad) + 4 * j, _MM_HINT_T0);
+          _mm_prefetch(static_cast<const char*>(b.grad) + 4 * j + 64, _MM_HINT_T0);
+        }
+      }
+      const __m512 p0 = step16<kBf16Grad, kBackup, false>(b, c, i, 0, stream_bk);
+      const __m512 p1 = step16<kBf16Grad, kBackup, false>(b, c, i + 16, 0, stream_bk);
+      if constexpr (kOut) {
+        const __m512i o = _mm512_inserti64x4(_mm512_castsi256_si512(HFSO_K_CVT(p0)), HFSO_K_CVT(p1), 1);
+        if (stream_out) {
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(b.p_bf16 + i), o);
+        } else {
+          _mm512_storeu_si512(b.p_bf16 + i, o);
+        }
+      }
+    }
+    while (i < end) {
+      const int64_t n = end - i < 16 ? end - i : 16;
+      step_masked<kBf16Grad, kOut, kBackup>(b, c, i, n);
+      i += n;
+    }
+    if (stream_out || stream_bk) _mm_sfence();  // order the weakly-ordered streaming stores
+  }
+};
+
+HFSO_K_TARGET inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.bk_p != nullptr, b, h, begin, end);
+}
+
+HFSO_K_TARGET inline void undo_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  const bool out = b.p_bf16 != nullptr;
+  if (b.grad_bf16) {
+    out ? adamw_undo_loop<true, true>(b, h, begin, end) : adamw_undo_loop<true, false>(b, h, begin, end);
+  } else {
+    out ? adamw_undo_loop<false, true>(b, h, begin, end) : adamw_undo_loop<false, false>(b, h, begin, end);
+  }
+}
+
+}  // namespace HFSO_K_NS

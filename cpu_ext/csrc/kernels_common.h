@@ -1,0 +1,214 @@
+// Shared pieces of the CPU AdamW kernels: ISA names, call arguments, and the scalar element math that
+// every SIMD path reproduces bit for bit. No torch dependency (the standalone test includes this).
+//
+// [Note: one rounding sequence for every path]
+// Each path evaluates, per element and in fp32, exactly the same IEEE operations in the same order:
+//
+//   g   = grad * grad_scale
+//   p   = p * decay                               decay = 1 - lr * weight_decay
+//   m   = fma(1 - beta1, g - m, m)                torch's lerp_(g, 1 - beta1) for weights < 0.5
+//   v   = fma(1 - beta2, g * g, v * beta2)        torch's mul_(beta2).addcmul_(g, g, 1 - beta2)
+//   den = sqrt(v) / sqrt(1 - beta2**step) + eps   exact sqrt and division, as torch (no rsqrt)
+//   p   = fma(-lr / (1 - beta1**step), m / den, p)
+//
+// sqrt, division and fma are correctly rounded on every ISA, and the build uses -ffp-contract=off, so the
+// scalar reference, AVX2, AVX-512, NEON and SVE give identical fp32 results (the C++ test checks this).
+// torch itself rounds some steps differently (no fma in places), so parity with torch is up to fp32
+// rounding, not bitwise.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define HFSO_INLINE inline __attribute__((always_inline))
+
+namespace hfso {
+
+enum class Isa : int { kScalar = 0, kAvx2, kAvx512, kAvx512Bf16, kNeon, kSve };
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kNeon: return "neon";
+    case Isa::kSve: return "sve";
+  }
+  return "unknown";
+}
+
+// fp32 constants of one AdamW call. Derived in double from the Python scalars, then rounded once, as torch
+// does for its fp32 math.
+struct AdamHyper {
+  float decay;           // 1 - lr * weight_decay
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float step_size;       // lr / (1 - beta1**step)
+  float bc2_sqrt;        // sqrt(1 - beta2**step)
+  float eps;
+  float grad_scale;
+};
+
+inline AdamHyper make_hyper(int64_t step, double lr, double beta1, double beta2, double eps,
+                            double weight_decay, double grad_scale) {
+  AdamHyper h;
+  h.decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.beta1 = static_cast<float>(beta1);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  h.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  h.eps = static_cast<float>(eps);
+  h.grad_scale = static_cast<float>(grad_scale);
+  return h;
+}
+
+// Pointers of one call. Optional outputs are null when absent; the backup pointers are all set or all null.
+struct AdamBuffers {
+  float* p;
+  float* m;
+  float* v;
+  const void* grad;      // float* or uint16_t* (bf16 bits), see grad_bf16
+  bool grad_bf16;
+  uint16_t* p_bf16;      // bf16 bits of the updated param (optional)
+  float* bk_p;           // pre-step copies (optional)
+  float* bk_m;
+  float* bk_v;
+  bool stream_stores;    // write-only outputs may use non-temporal stores (large calls only)
+};
+
+// ---- bf16 <-> fp32 bit conversions ----------------------------------------------------------------------
+
+HFSO_INLINE float bf16_bits_to_f32(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as ATen's vectorised fp32->bf16 conversion: NaN -> 0xFFFF (ATen's scalar c10 path
+// gives 0x7FC0; both are NaN), denormals kept (no flush to zero), overflow rounds to +-inf.
+constexpr uint16_t kBf16NaN = 0xFFFF;
+
+HFSO_INLINE uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return kBf16NaN;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+template <bool kBf16>
+HFSO_INLINE float load_grad(const void* g, int64_t i) {
+  if constexpr (kBf16) {
+    return bf16_bits_to_f32(static_cast<const uint16_t*>(g)[i]);
+  } else {
+    return static_cast<const float*>(g)[i];
+  }
+}
+
+// ---- scalar element math (the reference every SIMD path matches) -----------------------------------------
+
+HFSO_INLINE void adamw_elem(const AdamHyper& h, float& p, float& m, float& v, float g) {
+  g = g * h.grad_scale;
+  p = p * h.decay;
+  m = std::fma(h.one_minus_beta1, g - m, m);
+  v = std::fma(h.one_minus_beta2, g * g, v * h.beta2);
+  const float den = std::sqrt(v) / h.bc2_sqrt + h.eps;
+  p = std::fma(-h.step_size, m / den, p);
+}
+
+// Algebraic inverse of adamw_elem on the post-step state (exact up to fp32 rounding, not bitwise).
+HFSO_INLINE void adamw_undo_elem(const AdamHyper& h, float& p, float& m, float& v, float g) {
+  g = g * h.grad_scale;
+  const float den = std::sqrt(v) / h.bc2_sqrt + h.eps;
+  p = std::fma(h.step_size, m / den, p);
+  p = p / h.decay;
+  m = std::fma(-h.one_minus_beta1, g, m) / h.beta1;
+  const float vv = std::fma(-h.one_minus_beta2, g * g, v) / h.beta2;
+  v = vv < 0.0f ? 0.0f : vv;  // NaN propagates (comparison is false)
+}
+
+// One element of the step, with the optional outputs. Used by the scalar path and by SIMD heads and tails.
+template <bool kBf16Grad, bool kOut, bool kBackup>
+HFSO_INLINE void adamw_step_one(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
+  float p = b.p[i], m = b.m[i], v = b.v[i];
+  if constexpr (kBackup) {
+    b.bk_p[i] = p;
+    b.bk_m[i] = m;
+    b.bk_v[i] = v;
+  }
+  adamw_elem(h, p, m, v, load_grad<kBf16Grad>(b.grad, i));
+  b.p[i] = p;
+  b.m[i] = m;
+  b.v[i] = v;
+  if constexpr (kOut) b.p_bf16[i] = f32_to_bf16_bits(p);
+}
+
+template <bool kBf16Grad, bool kOut, bool kBackup>
+HFSO_INLINE void adamw_step_scalar_loop(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+  for (; i < end; ++i) adamw_step_one<kBf16Grad, kOut, kBackup>(b, h, i);
+}
+
+// The undo loop is written once and compiled under each ISA's target attribute (the compiler vectorises
+// it there). Rollback is rare, so it carries no hand-written SIMD.
+template <bool kBf16Grad, bool kOut>
+HFSO_INLINE void adamw_undo_loop(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+  float* __restrict p = b.p;
+  float* __restrict m = b.m;
+  float* __restrict v = b.v;
+  uint16_t* __restrict out = b.p_bf16;
+  for (; i < end; ++i) {
+    float pp = p[i], mm = m[i], vv = v[i];
+    adamw_undo_elem(h, pp, mm, vv, load_grad<kBf16Grad>(b.grad, i));
+    p[i] = pp;
+    m[i] = mm;
+    v[i] = vv;
+    if constexpr (kOut) out[i] = f32_to_bf16_bits(pp);
+  }
+}
+
+// Sum of squares (fp64 accumulation; fp32 squares are exact in fp64) and count of inf/NaN elements.
+struct SumsqResult {
+  double sumsq = 0.0;
+  int64_t nonfinite = 0;
+};
+
+template <bool kBf16>
+HFSO_INLINE SumsqResult sumsq_loop(const void* grad, int64_t i, int64_t end) {
+  double acc = 0.0;
+  int64_t bad = 0;
+#pragma omp simd reduction(+ : acc, bad)
+  for (int64_t j = i; j < end; ++j) {
+    uint32_t u;
+    float f = load_grad<kBf16>(grad, j);
+    std::memcpy(&u, &f, sizeof u);
+    const double d = static_cast<double>(f);
+    acc += d * d;
+    bad += ((u & 0x7f800000u) == 0x7f800000u) ? 1 : 0;
+  }
+  return {acc, bad};
+}
+
+// Dispatches a runtime flag triple to a template instantiation.
+template <template <bool, bool, bool> class K, class... A>
+HFSO_INLINE void dispatch3(bool a, bool b, bool c, A&&... args) {
+  if (a) {
+    if (b) {
+      c ? K<true, true, true>::run(args...) : K<true, true, false>::run(args...);
+    } else {
+      c ? K<true, false, true>::run(args...) : K<true, false, false>::run(args...);
+    }
+  } else {
+    if (b) {
+      c ? K<false, true, true>::run(args...) : K<false, true, false>::run(args...);
+    } else {
+      c ? K<false, false, true>::run(args...) : K<false, false, false>::run(args...);
+    }
+  }
+}
+
+}  // namespace hfso

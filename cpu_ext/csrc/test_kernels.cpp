@@ -1,0 +1,301 @@
+// Standalone check of every compiled AdamW path against the scalar reference (no torch, no Python).
+//
+//   g++ -O2 -std=c++17 -ffp-contract=off -fopenmp-simd test_kernels.cpp -o test_kernels && ./test_kernels
+//   ./test_kernels --expect-best=neon      (also fail unless run-time dispatch picks that path)
+//   ./test_kernels --quick                 (fewer and smaller cases, for slow emulators such as qemu)
+//
+// fp32 state: within kUlpTol ulps of the scalar path (the paths are designed to agree bit for bit; the
+// report says whether they did). bf16 output: exactly the round-to-nearest-even of the path's own fp32
+// result, including NaN, infinities, ties and denormals. Backup: exactly the pre-step state.
+// Exit status 0 when every check passed.
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "adam_kernels.h"
+
+namespace {
+
+using hfso::AdamBuffers;
+using hfso::AdamHyper;
+using hfso::Isa;
+
+constexpr int64_t kUlpTol = 2;
+int g_failures = 0;
+int64_t g_max_ulp = 0;
+
+#define CHECK(cond, ...)                                     \
+  do {                                                       \
+    if (!(cond)) {                                           \
+      if (g_failures < 20) {                                 \
+        std::printf("FAIL %s:%d: ", __FILE__, __LINE__);     \
+        std::printf(__VA_ARGS__);                            \
+        std::printf("\n");                                   \
+      }                                                      \
+      ++g_failures;                                          \
+    }                                                        \
+  } while (0)
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+int64_t ulp_diff(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return (std::isnan(a) && std::isnan(b)) ? 0 : INT64_MAX;
+  auto key = [](float f) {
+    const int64_t u = bits(f);
+    return (u & 0x80000000) ? -(u & 0x7fffffff) : u;
+  };
+  const int64_t d = key(a) - key(b);
+  return d < 0 ? -d : d;
+}
+
+// A buffer whose data pointer sits `offset` elements past a 64-byte boundary.
+template <class T>
+struct Buf {
+  std::vector<unsigned char> raw;
+  T* data;
+  Buf(int64_t n, int offset) : raw(static_cast<size_t>((n + offset) * sizeof(T) + 128)) {
+    uintptr_t base = (reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t{63};
+    data = reinterpret_cast<T*>(base) + offset;
+  }
+};
+
+struct State {
+  Buf<float> p, m, v, g32, bp, bm, bv;
+  Buf<uint16_t> g16, out;
+  State(int64_t n, int off, int off_out)
+      : p(n, off), m(n, off), v(n, off), g32(n, off), bp(n, off_out), bm(n, off_out), bv(n, off_out),
+        g16(n, off), out(n, off_out) {}
+};
+
+void fill(State& s, int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    s.p.data[i] = nd(rng);
+    s.m.data[i] = 0.1f * nd(rng);
+    s.v.data[i] = std::fabs(0.01f * nd(rng));
+    s.g32.data[i] = nd(rng) * (i % 7 == 0 ? 100.0f : 1.0f);
+    s.g16.data[i] = hfso::f32_to_bf16_bits(s.g32.data[i]);
+    s.out.data[i] = 0xdead;
+  }
+}
+
+struct Options {
+  bool bf16_grad, out, backup, stream;
+};
+
+AdamBuffers buffers(State& s, const Options& o) {
+  return AdamBuffers{s.p.data,
+                     s.m.data,
+                     s.v.data,
+                     o.bf16_grad ? static_cast<const void*>(s.g16.data) : static_cast<const void*>(s.g32.data),
+                     o.bf16_grad,
+                     o.out ? s.out.data : nullptr,
+                     o.backup ? s.bp.data : nullptr,
+                     o.backup ? s.bm.data : nullptr,
+                     o.backup ? s.bv.data : nullptr,
+                     o.stream};
+}
+
+// Runs `steps` steps over [begin, end) with `isa` and with the scalar path and compares the results.
+void check_step(Isa isa, int64_t n, int64_t begin, int64_t end, int off, int off_out, const Options& o,
+                int steps, double wd, double grad_scale) {
+  State a(n, off, off_out), r(n, off, off_out);
+  fill(a, n, 1234 + static_cast<uint32_t>(n));
+  fill(r, n, 1234 + static_cast<uint32_t>(n));
+  std::vector<float> pre_p, pre_m, pre_v;
+  for (int step = 1; step <= steps; ++step) {
+    const AdamHyper h = hfso::make_hyper(step, 1e-2, 0.9, 0.999, 1e-8, wd, grad_scale);
+    pre_p.assign(a.p.data, a.p.data + n);
+    pre_m.assign(a.m.data, a.m.data + n);
+    pre_v.assign(a.v.data, a.v.data + n);
+    hfso::step_range(isa, buffers(a, o), h, begin, end);
+    hfso::step_range(Isa::kScalar, buffers(r, o), h, begin, end);
+  }
+  const char* name = hfso::isa_name(isa);
+  for (int64_t i = 0; i < n; ++i) {
+    const bool inside = i >= begin && i < end;
+    const int64_t d = std::max({ulp_diff(a.p.data[i], r.p.data[i]), ulp_diff(a.m.data[i], r.m.data[i]),
+                                ulp_diff(a.v.data[i], r.v.data[i])});
+    g_max_ulp = std::max(g_max_ulp, d);
+    CHECK(d <= kUlpTol, "%s n=%" PRId64 " i=%" PRId64 " p %.9g vs %.9g (%" PRId64 " ulp)", name, n, i,
+          a.p.data[i], r.p.data[i], d);
+    if (o.out) {
+      const uint16_t want = inside ? hfso::f32_to_bf16_bits(a.p.data[i]) : uint16_t{0xdead};
+      CHECK(a.out.data[i] == want, "%s n=%" PRId64 " i=%" PRId64 " bf16 %04x want %04x", name, n, i,
+            a.out.data[i], want);
+    }
+    if (o.backup && inside) {
+      CHECK(bits(a.bp.data[i]) == bits(pre_p[i]) && bits(a.bm.data[i]) == bits(pre_m[i]) &&
+                bits(a.bv.data[i]) == bits(pre_v[i]),
+            "%s n=%" PRId64 " i=%" PRId64 " backup differs from the pre-step state", name, n, i);
+    }
+    if (!inside) {
+      CHECK(bits(a.p.data[i]) == bits(r.p.data[i]), "%s wrote outside its range at %" PRId64, name, i);
+    }
+  }
+}
+
+// lr = 0, zero grad and zero moments leave p unchanged, so the bf16 output is the conversion of p itself.
+void check_bf16_rounding(Isa isa, int n_random) {
+  std::vector<uint32_t> specials = {
+      0x00000000, 0x80000000, 0x7f800000, 0xff800000, 0x7fc00000, 0xffc00000, 0x7f800001, 0xff800001,
+      0x7fbfffff, 0x7fffffff, 0xffffffff, 0x00000001, 0x80000001, 0x007fffff, 0x807fffff, 0x00400000,
+      0x00008000, 0x00018000, 0x00800000, 0x3f808000, 0x3f818000, 0x3f808001, 0x3f807fff, 0x7f7fffff,
+      0xff7fffff, 0x7f7f8000, 0x7f7f7fff, 0x3f800000, 0xbf808000, 0x40490fdb, 0x1,
+  };
+  std::mt19937 rng(7);
+  for (int i = 0; i < n_random; ++i) specials.push_back(rng());
+  const int64_t n = static_cast<int64_t>(specials.size());
+  for (int off : {0, 3}) {
+    State s(n, off, off);
+    for (int64_t i = 0; i < n; ++i) {
+      s.p.data[i] = from_bits(specials[i]);
+      s.m.data[i] = s.v.data[i] = s.g32.data[i] = 0.0f;
+      s.g16.data[i] = 0;
+    }
+    const AdamHyper h = hfso::make_hyper(1, 0.0, 0.9, 0.999, 1e-8, 0.0, 1.0);
+    hfso::step_range(isa, buffers(s, {true, true, false, false}), h, 0, n);
+    for (int64_t i = 0; i < n; ++i) {
+      CHECK(bits(s.p.data[i]) == specials[i] || (std::isnan(s.p.data[i]) && std::isnan(from_bits(specials[i]))),
+            "%s lr=0 changed p %08x -> %08x", hfso::isa_name(isa), specials[i], bits(s.p.data[i]));
+      const uint16_t want = hfso::f32_to_bf16_bits(from_bits(specials[i]));
+      CHECK(s.out.data[i] == want, "%s bf16(%08x) = %04x, want %04x", hfso::isa_name(isa), specials[i],
+            s.out.data[i], want);
+    }
+  }
+  // The scalar rule itself, against hand-computed values.
+  CHECK(hfso::f32_to_bf16_bits(from_bits(0x3f808000)) == 0x3f80, "tie to even (down)");
+  CHECK(hfso::f32_to_bf16_bits(from_bits(0x3f818000)) == 0x3f82, "tie to even (up)");
+  CHECK(hfso::f32_to_bf16_bits(from_bits(0x7f7fffff)) == 0x7f80, "overflow to inf");
+  CHECK(hfso::f32_to_bf16_bits(from_bits(0x00018000)) == 0x0002, "denormal kept");
+  CHECK(hfso::f32_to_bf16_bits(from_bits(0x7f800001)) == 0xffff, "NaN");
+}
+
+void check_undo(Isa isa, int64_t n, bool bf16_grad, bool out) {
+  State s(n, 1, 1);
+  fill(s, n, 99);
+  const std::vector<float> p0(s.p.data, s.p.data + n), m0(s.m.data, s.m.data + n), v0(s.v.data, s.v.data + n);
+  const AdamHyper h = hfso::make_hyper(3, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.5);
+  const Options o{bf16_grad, out, false, false};
+  hfso::step_range(isa, buffers(s, o), h, 0, n);
+  const std::vector<float> p1(s.p.data, s.p.data + n), m1(s.m.data, s.m.data + n), v1(s.v.data, s.v.data + n);
+  hfso::undo_range(isa, buffers(s, o), h, 0, n);
+  // The inverse cancels terms of the post-step value, so its error scales with that value.
+  const auto tol = [](float post, float orig) { return 16 * 1.1920929e-7f * (std::fabs(post) + std::fabs(orig)) / 0.9f; };
+  for (int64_t i = 0; i < n; ++i) {
+    CHECK(std::fabs(s.p.data[i] - p0[i]) <= tol(p1[i], p0[i]), "%s undo p[%" PRId64 "] %.9g vs %.9g",
+          hfso::isa_name(isa), i, s.p.data[i], p0[i]);
+    CHECK(std::fabs(s.m.data[i] - m0[i]) <= tol(m1[i], m0[i]), "%s undo m[%" PRId64 "]", hfso::isa_name(isa), i);
+    CHECK(std::fabs(s.v.data[i] - v0[i]) <= tol(v1[i], v0[i]) / 0.999f * 0.9f, "%s undo v[%" PRId64 "] %.9g vs %.9g",
+          hfso::isa_name(isa), i, s.v.data[i], v0[i]);
+    if (out) CHECK(s.out.data[i] == hfso::f32_to_bf16_bits(s.p.data[i]), "%s undo bf16 out", hfso::isa_name(isa));
+  }
+}
+
+void check_sumsq(Isa isa, int64_t n, bool bf16, int n_bad) {
+  State s(n, 1, 1);
+  fill(s, n, 5);
+  for (int k = 0; k < n_bad && n > 0; ++k) {
+    const int64_t i = (k * 7919) % n;
+    const float bad = (k % 2) ? INFINITY : NAN;
+    s.g32.data[i] = bad;
+    s.g16.data[i] = hfso::f32_to_bf16_bits(bad);
+  }
+  int64_t want_bad = 0;
+  double want = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = bf16 ? hfso::bf16_bits_to_f32(s.g16.data[i]) : s.g32.data[i];
+    want += static_cast<double>(f) * f;
+    want_bad += std::isfinite(f) ? 0 : 1;
+  }
+  const void* g = bf16 ? static_cast<const void*>(s.g16.data) : static_cast<const void*>(s.g32.data);
+  const hfso::SumsqResult r = hfso::sumsq_range(isa, g, bf16, 0, n);
+  CHECK(r.nonfinite == want_bad, "%s sumsq nonfinite %" PRId64 " want %" PRId64, hfso::isa_name(isa), r.nonfinite,
+        want_bad);
+  if (want_bad == 0) {
+    CHECK(std::fabs(r.sumsq - want) <= 1e-12 * want + 1e-300, "%s sumsq %.17g want %.17g", hfso::isa_name(isa),
+          r.sumsq, want);
+  } else {
+    CHECK(!std::isfinite(r.sumsq), "%s sumsq should be non-finite", hfso::isa_name(isa));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* expect_best = nullptr;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], "--expect-best=", 14) == 0) {
+      expect_best = argv[i] + 14;
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else {
+      std::printf("unknown argument %s\n", argv[i]);
+      return 2;
+    }
+  }
+  const Isa best = hfso::best_isa();
+  std::printf("best=%s supported:", hfso::isa_name(best));
+  std::vector<Isa> isas;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kNeon, Isa::kSve}) {
+    if (hfso::isa_supported(isa)) {
+      isas.push_back(isa);
+      std::printf(" %s", hfso::isa_name(isa));
+    }
+  }
+#if defined(__aarch64__)
+  if (hfso::isa_supported(Isa::kSve)) std::printf(" (sve vector length %d bits)", 8 * hfso::arm::sve_vector_bytes());
+#endif
+  std::printf("\n");
+  if (expect_best != nullptr) CHECK(std::strcmp(expect_best, hfso::isa_name(best)) == 0, "best=%s, expected %s",
+                                    hfso::isa_name(best), expect_best);
+
+  const std::vector<int64_t> sizes = quick ? std::vector<int64_t>{0, 1, 7, 17, 33, 100, 1029, 4099}
+                                           : std::vector<int64_t>{0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 100,
+                                                                  1023, 4099, 70001};
+  for (Isa isa : isas) {
+    for (int64_t n : sizes) {
+      for (int mask = 0; mask < 16; ++mask) {
+        const Options o{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0, (mask & 8) != 0};
+        const int off = (n + mask) % 5, off_out = (n + 3 * mask) % 3;
+        check_step(isa, n, 0, n, off, off_out, o, 1, 0.01, 1.0);
+        if (n > 10) check_step(isa, n, 3, n - 5, off, off_out, o, 1, 0.0, 0.37);  // a thread's interior share
+      }
+      check_step(isa, n, 0, n, 0, 0, {true, true, true, true}, 6, 0.1, 0.5);  // several steps
+      check_undo(isa, n, (n & 1) != 0, true);
+      check_undo(isa, n, (n & 1) == 0, false);
+      for (int bad : {0, 3}) {
+        check_sumsq(isa, n, true, bad);
+        check_sumsq(isa, n, false, bad);
+      }
+    }
+    check_bf16_rounding(isa, quick ? 300 : 4000);
+    std::printf("%-12s %s\n", hfso::isa_name(isa), g_failures == 0 ? "ok" : "FAILED");
+  }
+  std::printf("max fp32 difference to the scalar path: %" PRId64 " ulp (tolerance %" PRId64 ")\n", g_max_ulp,
+              kUlpTol);
+  if (g_failures != 0) {
+    std::printf("%d check(s) FAILED\n", g_failures);
+    return 1;
+  }
+  std::printf("ALL OK\n");
+  return 0;
+}

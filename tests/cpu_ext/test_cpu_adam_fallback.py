@@ -1,0 +1,91 @@
+"""The torch fallback used when the op library cannot be built: numerics and the one warning."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_superoffload import cpu_ext
+
+_fallback = importlib.import_module("hf_superoffload.cpu_ext._fallback")
+
+HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.25])
+def test_fallback_step_matches_reference(grad_dtype: torch.dtype, grad_scale: float) -> None:
+    n = 1023
+    gen = torch.Generator().manual_seed(1)
+    p, m, v = torch.randn(n, generator=gen), 0.1 * torch.randn(n, generator=gen), torch.rand(n, generator=gen)
+    g = torch.randn(n, generator=gen).to(grad_dtype)
+    g_before = g.clone()
+    ref = [p.clone(), m.clone(), v.clone()]
+    cpu_ext.reference.adamw_step_(ref[0], g, ref[1], ref[2], step=3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
+    before = (p.clone(), m.clone(), v.clone())
+    out = torch.empty(n, dtype=torch.bfloat16)
+    backup = (torch.empty(n), torch.empty(n), torch.empty(n))
+    _fallback.adamw_step_(
+        p, g, m, v, step=3, weight_decay=0.1, grad_scale=grad_scale, param_bf16_out=out, backup=backup, **HYPER
+    )
+    for got, want in zip((p, m, v), ref):
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    assert torch.equal(out, p.to(torch.bfloat16))
+    assert all(torch.equal(a, b) for a, b in zip(backup, before))
+    assert torch.equal(g, g_before)  # the caller's gradient is not scaled in place
+
+    _fallback.adamw_undo_(p, g, m, v, step=3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
+    torch.testing.assert_close(p, before[0], rtol=1e-5, atol=1e-6)
+
+
+def test_fallback_sumsq() -> None:
+    g = torch.randn(1000).bfloat16()
+    assert _fallback.grad_sumsq_nonfinite(g) == (pytest.approx(float(g.double().square().sum())), 0)
+    g[3] = float("nan")
+    assert _fallback.grad_sumsq_nonfinite(g)[1] == 1
+
+
+_SCRIPT = """
+import warnings, torch
+warnings.simplefilter("always")
+from hf_superoffload import ops
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    p, m, v = torch.randn(64), torch.zeros(64), torch.zeros(64)
+    for step in (1, 2):
+        ops.cpu_adamw_step_(p, torch.randn(64).bfloat16(), m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999,
+                            eps=1e-8, weight_decay=0.0, param_bf16_out=torch.empty(64, dtype=torch.bfloat16))
+    sumsq, bad = ops.grad_sumsq_nonfinite(torch.ones(10))
+    assert (sumsq, bad) == (10.0, 0)
+    print(ops.backend())
+runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+print(len(runtime))
+for w in runtime:
+    print(str(w.message).replace("\\n", " "))
+"""
+
+
+def _run(env_extra: dict[str, str]) -> list[str]:
+    env = {**os.environ, **env_extra}
+    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.strip().splitlines()
+
+
+def test_disable_env_forces_the_fallback_silently() -> None:
+    lines = _run({"HF_SUPEROFFLOAD_DISABLE_CPU_EXT": "1"})
+    assert lines[:2] == ["torch-fallback", "0"]
+
+
+def test_build_failure_falls_back_with_one_warning(tmp_path: Path) -> None:
+    lines = _run({"TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-compiler")})
+    assert lines[:2] == ["torch-fallback", "1"], lines
+    message = lines[2]
+    assert "could not build the CPU Adam extension" in message
+    assert "g++" in message and "ninja" in message

@@ -1,0 +1,134 @@
+"""Op-level behaviour of the CPU Adam library: schemas (opcheck), contracts, threads, sumsq, ISA choice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_superoffload import cpu_ext, ops
+
+HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+
+
+def _tensors(n: int, grad_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    return [
+        torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype),
+        torch.randn(n, generator=gen), torch.rand(n, generator=gen),
+    ]
+
+
+@pytest.mark.parametrize("with_optionals", [False, True])
+def test_opcheck_step(compiled: None, with_optionals: bool) -> None:
+    n = 37
+    p, g, m, v = _tensors(n)
+    out = torch.empty(n, dtype=torch.bfloat16) if with_optionals else None
+    bk = [torch.empty(n) for _ in range(3)] if with_optionals else [None, None, None]
+    args = (p, g, m, v, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, out, *bk, 1)
+    torch.library.opcheck(torch.ops.hf_superoffload.cpu_adamw_step.default, args)
+
+
+def test_opcheck_undo_and_sumsq(compiled: None) -> None:
+    p, g, m, v = _tensors(41, torch.float32)
+    out = torch.empty(41, dtype=torch.bfloat16)
+    torch.library.opcheck(
+        torch.ops.hf_superoffload.cpu_adamw_undo.default, (p, g, m, v, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1.0, out, 1)
+    )
+    torch.library.opcheck(torch.ops.hf_superoffload.grad_sumsq_nonfinite.default, (g.bfloat16(), 1))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda t: t.__setitem__(0, t[0].half()), "float32"),
+        (lambda t: t.__setitem__(1, t[1].int()), "float32 or bfloat16"),
+        (lambda t: t.__setitem__(2, torch.empty(2 * t[2].numel())[::2]), "contiguous"),
+        (lambda t: t.__setitem__(3, torch.rand(t[3].numel() + 1)), "elements"),
+        (lambda t: t.__setitem__(3, t[2]), "share memory"),
+    ],
+)
+def test_contract_violations_raise(compiled: None, mutate, match: str) -> None:  # type: ignore[no-untyped-def]
+    ts = _tensors(16)
+    mutate(ts)
+    with pytest.raises(RuntimeError, match=match):
+        ops.cpu_adamw_step_(*ts, step=1, **HYPER)
+
+
+def test_step_zero_and_partial_backup_raise(compiled: None) -> None:
+    ts = _tensors(16)
+    with pytest.raises(RuntimeError, match="step must be >= 1"):
+        ops.cpu_adamw_step_(*ts, step=0, **HYPER)
+    with pytest.raises(ValueError, match="three tensors"):
+        ops.cpu_adamw_step_(*ts, step=1, backup=(torch.empty(16),), **HYPER)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="share memory"):
+        ops.cpu_adamw_step_(*ts, step=1, backup=(ts[0], torch.empty(16), torch.empty(16)), **HYPER)
+
+
+def test_forced_isa_unknown_or_unsupported_raises(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_ext.ISA_ENV, "avx1024")
+    with pytest.raises(RuntimeError, match="unknown ISA"):
+        ops.cpu_adamw_step_(*_tensors(8), step=1, **HYPER)
+    foreign = "neon" if "avx2" in torch.ops.hf_superoffload.cpu_adam_supported_isas() else "avx2"
+    monkeypatch.setenv(cpu_ext.ISA_ENV, foreign)
+    with pytest.raises(RuntimeError, match="not supported"):
+        ops.backend()
+
+
+def test_backend_reports_the_forced_and_the_best_path(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ops.backend() == isa
+    monkeypatch.delenv(cpu_ext.ISA_ENV)
+    best = torch.ops.hf_superoffload.cpu_adam_supported_isas()[-1]
+    assert ops.backend() == best
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [0, 1, 7, 1023, 2**20 + 3])
+@pytest.mark.parametrize("n_bad", [0, 3])
+def test_grad_sumsq_nonfinite_matches_torch(isa: str, dtype: torch.dtype, n: int, n_bad: int) -> None:
+    g = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 5).to(dtype)
+    bad = [float("nan"), float("inf"), float("-inf")][:n_bad] if n else []
+    for k, value in enumerate(bad):
+        g[(k * 7919) % n] = value
+    sumsq, nonfinite = ops.grad_sumsq_nonfinite(g, num_threads=2)
+    assert nonfinite == int((~torch.isfinite(g)).sum())
+    want = float(g.double().square().sum())
+    if nonfinite:
+        assert sumsq != sumsq or sumsq == float("inf")
+    else:
+        assert sumsq == pytest.approx(want, rel=1e-12, abs=0.0)
+
+
+def test_threads_partition_gives_identical_results(compiled: None) -> None:
+    n = 2**20 + 3
+    base = _tensors(n)
+    results = []
+    for threads in (1, 2, 3):
+        p, g, m, v = (t.clone() for t in base)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        ops.cpu_adamw_step_(p, g, m, v, step=2, param_bf16_out=out, num_threads=threads, **HYPER)
+        results.append(torch.cat([p, m, v, out.float()]))
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[2])
+
+
+def test_default_threads_ignore_omp_num_threads(compiled: None) -> None:
+    """accelerate sets OMP_NUM_THREADS=1; the op's team size must not follow it."""
+    code = (
+        "import torch; from hf_superoffload import ops; ops.backend();"
+        "print(torch.ops.hf_superoffload._cpu_adam_team_size(3),"
+        " torch.ops.hf_superoffload._cpu_adam_default_threads(), ops.default_num_threads())"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    team, cpp_default, py_default = map(int, res.stdout.split())
+    assert team == 3
+    assert cpp_default == py_default == max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+def test_num_threads_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="num_threads"):
+        ops.cpu_adamw_step_(*_tensors(4), step=1, num_threads=0, **HYPER)

@@ -1,0 +1,161 @@
+"""Parity of the compiled CPU AdamW with torch.optim.AdamW and with cpu_ext.reference, per SIMD path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_superoffload import cpu_ext, ops
+
+SIZES = (1, 7, 1023, 2**20 + 3)
+HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+
+def _state(n: int, seed: int, *, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """p, m, v after a few steps' worth of history; ``offset`` makes them unaligned views of a larger buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    buf = torch.empty(3, n + offset)
+    p, m, v = (buf[i, offset:] for i in range(3))
+    p.copy_(torch.randn(n, generator=gen))
+    m.copy_(0.1 * torch.randn(n, generator=gen))
+    v.copy_(0.01 * torch.rand(n, generator=gen))
+    return p, m, v
+
+
+def _grad(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=gen) * 3).to(dtype)
+
+
+def _torch_adamw(
+    p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g32: torch.Tensor, *, step: int, weight_decay: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    param = torch.nn.Parameter(p.clone())
+    opt = torch.optim.AdamW(
+        [param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+        weight_decay=weight_decay, foreach=False,
+    )
+    opt.state[param] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    param.grad = g32.clone()
+    opt.step()
+    return param.detach(), opt.state[param]["exp_avg"], opt.state[param]["exp_avg_sq"]
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, *, rtol: float, atol: float) -> None:
+    """``torch.testing.assert_close`` semantics (NaN equal to NaN), several times faster on large tensors."""
+    err = (got - want).abs()
+    bad = ~((err <= atol + rtol * want.abs()) | (torch.isnan(got) & torch.isnan(want)))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise AssertionError(f"{int(bad.sum())} mismatches; first at {i}: {got[i].item()!r} vs {want[i].item()!r}")
+
+
+def _assert_bf16_copy(out: torch.Tensor, p: torch.Tensor) -> None:
+    """``out`` is exactly ``p.to(bfloat16)`` (bit for bit; NaN only as NaN)."""
+    want = p.to(torch.bfloat16)
+    nan = torch.isnan(p)
+    assert torch.equal(torch.isnan(out), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize(("weight_decay", "grad_scale"), [(0.0, 1.0), (0.1, 0.37)])
+def test_step_matches_torch_adamw(
+    isa: str, n: int, grad_dtype: torch.dtype, with_out: bool, weight_decay: float, grad_scale: float
+) -> None:
+    p, m, v = _state(n, seed=n, offset=n % 5)
+    g = _grad(n, grad_dtype, seed=n + 1)
+    want_p, want_m, want_v = _torch_adamw(p, m, v, g.float() * grad_scale, step=3, weight_decay=weight_decay)
+    ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
+    cpu_ext.reference.adamw_step_(ref_p, g, ref_m, ref_v, step=3, weight_decay=weight_decay, grad_scale=grad_scale, **HYPER)
+    out = torch.full((n,), float("nan"), dtype=torch.bfloat16) if with_out else None
+
+    ops.cpu_adamw_step_(
+        p, g, m, v, step=3, weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=out, **HYPER
+    )
+
+    for got, want, ref in ((p, want_p, ref_p), (m, want_m, ref_m), (v, want_v, ref_v)):
+        _assert_close(got, want, rtol=2e-6, atol=1e-7)
+        _assert_close(got, ref, rtol=2e-6, atol=1e-7)
+    if out is not None:
+        _assert_bf16_copy(out, p)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_twenty_steps_match_torch_adamw(isa: str, grad_dtype: torch.dtype) -> None:
+    n = 4099
+    gen = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(n, generator=gen))
+    opt = torch.optim.AdamW([param], lr=1e-2, weight_decay=0.05, foreach=False)
+    p, m, v = param.detach().clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for step in range(1, 21):
+        g = torch.randn(n, generator=gen).to(grad_dtype)
+        param.grad = g.float()
+        opt.step()
+        ops.cpu_adamw_step_(
+            p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05,
+            param_bf16_out=out,
+        )
+    _assert_close(p, param.detach(), rtol=1e-5, atol=1e-6)
+    _assert_close(m, opt.state[param]["exp_avg"], rtol=1e-5, atol=1e-7)
+    _assert_close(v, opt.state[param]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    _assert_bf16_copy(out, p)
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_backup_is_exact_pre_step_state(isa: str, n: int) -> None:
+    p, m, v = _state(n, seed=3, offset=1)
+    g = _grad(n, torch.bfloat16, seed=4)
+    before = (p.clone(), m.clone(), v.clone())
+    backup = tuple(torch.full((n,), 7.0) for _ in range(3))
+    ops.cpu_adamw_step_(p, g, m, v, step=5, weight_decay=0.01, backup=backup, **HYPER)  # type: ignore[arg-type]
+    for got, want in zip(backup, before):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(p, before[0])
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_undo_restores_the_pre_step_state(isa: str, n: int, grad_dtype: torch.dtype) -> None:
+    p, m, v = _state(n, seed=5)
+    g = _grad(n, grad_dtype, seed=6)
+    before = (p.clone(), m.clone(), v.clone())
+    kwargs = {"step": 4, "weight_decay": 0.1, "grad_scale": 0.5, **HYPER}
+    ops.cpu_adamw_step_(p, g, m, v, **kwargs)
+    after = (p.clone(), m.clone(), v.clone())
+    out = torch.empty(n, dtype=torch.bfloat16)
+    ops.cpu_adamw_undo_(p, g, m, v, param_bf16_out=out, **kwargs)
+    for got, want, post in zip((p, m, v), before, after):
+        # The inverse cancels terms of the post-step value, so the error scales with it (fp32 rounding).
+        tol = 16 * torch.finfo(torch.float32).eps * (post.abs() + want.abs()) / 0.9
+        assert bool(((got - want).abs() <= tol).all())
+    _assert_bf16_copy(out, p)
+    ref = tuple(t.clone() for t in after)
+    cpu_ext.reference.adamw_undo_(*ref[:1], g, *ref[1:], **kwargs)
+    _assert_close(p, ref[0], rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_copy_rounds_special_values_like_torch(isa: str) -> None:
+    """lr = 0 with zero grad and moments leaves p unchanged, so the bf16 copy is the conversion of p."""
+    specials = torch.tensor(
+        [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x00000001,
+         0x807FFFFF, 0x00018000, 0x00800000, 0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x7F7FFFFF,
+         0xFF7FFFFF, 0x7F7F7FFF, 0x40490FDB],
+        dtype=torch.int64,
+    ).to(torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    rand_bits = torch.randint(-(2**31), 2**31 - 1, (5000,), generator=gen, dtype=torch.int32)
+    p = torch.cat([specials, rand_bits]).view(torch.float32).clone()
+    n = p.numel()
+    m, v, g = torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    before = p.clone()
+    ops.cpu_adamw_step_(p, g, m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                        param_bf16_out=out)
+    assert torch.equal(torch.isnan(p), torch.isnan(before))
+    finite_or_inf = ~torch.isnan(before)
+    assert torch.equal(p.view(torch.int32)[finite_or_inf], before.view(torch.int32)[finite_or_inf])
+    _assert_bf16_copy(out, before)
