@@ -3,6 +3,9 @@
 Implementations (one fp32 tensor of N params each; p/m/v are fp32):
 
 * ``ours_bf16``        bf16 grad in, bf16 weights out, one fused pass (what the engine runs);
+* ``ours_bf16_oop``    the same, out of place: reads p/m/v from one state buffer and writes the next step's
+                       state to a second one (double buffering: the two swap every call); large calls stream
+                       the destination, so it should move the same 28 B/param as in place;
 * ``ours_fp32``        fp32 grad in, no bf16 copy;
 * ``torch_pipeline``   torch's equivalent of ours_bf16: bf16->fp32 grad upcast, ``torch._fused_adamw_``,
                        fp32->bf16 weight cast (three passes);
@@ -13,7 +16,8 @@ Implementations (one fp32 tensor of N params each; p/m/v are fp32):
 Effective GB/s counts 28 B/param for every Adam variant (12 B read + 12 B written for p/m/v, plus 2 B bf16
 grad in and 2 B bf16 weights out; the fp32 variants move 4 B of grad and no copy, also 28 B) and 24 B/element
 for ``inplace3``. ``roofline`` is an implementation's effective GB/s over ``inplace3``'s at the same thread
-count.
+count; ``vs in-place`` is the in-place twin's time over the out-of-place row's (``ours_bf16`` for
+``ours_bf16_oop``; below 1.00x the out-of-place step is slower).
 
     python benchmarks/bench_cpu_adam.py --quick --out /tmp/bench.json
     python benchmarks/bench_cpu_adam.py --numel 268435456 --threads 8 15 16 --out results/cpu_adam.json
@@ -38,6 +42,7 @@ from hf_superoffload import ops
 BYTES_PER_PARAM = 28
 BYTES_INPLACE3 = 24
 HYPER = {"lr": 1e-6, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+IN_PLACE_TWIN = {"ours_bf16_oop": "ours_bf16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,8 @@ class Buffers:
     g16: torch.Tensor
     g32: torch.Tensor
     out: torch.Tensor
+    alt: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """The second state buffer of the out-of-place row (separately allocated, so 64-byte aligned)."""
     step: int = 0
 
 
@@ -73,8 +80,9 @@ def _alloc(numel: int) -> Buffers:
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(numel, generator=gen)
     g32 = torch.randn(numel, generator=gen) * 1e-2
+    alt = (p.clone(), torch.zeros(numel), torch.zeros(numel))
     return Buffers(p, torch.zeros(numel), torch.zeros(numel), g32.to(torch.bfloat16), g32,
-                   torch.empty(numel, dtype=torch.bfloat16))
+                   torch.empty(numel, dtype=torch.bfloat16), alt)
 
 
 def _time(fn: Callable[[], None], repeats: int, warmup: int) -> tuple[float, float]:
@@ -100,6 +108,13 @@ def _impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
         ops.cpu_adamw_step_(b.p, b.g16, b.m, b.v, step=next_step(), param_bf16_out=b.out, num_threads=threads,
                             **HYPER)
 
+    def ours_bf16_oop() -> None:
+        # Reads (p, m, v), writes alt, then swaps, so the state stays current for the other rows.
+        src = (b.p, b.m, b.v)
+        ops.cpu_adamw_step_(b.alt[0], b.g16, b.alt[1], b.alt[2], step=next_step(), param_bf16_out=b.out,
+                            source=src, num_threads=threads, **HYPER)
+        (b.p, b.m, b.v), b.alt = b.alt, src
+
     def ours_fp32() -> None:
         ops.cpu_adamw_step_(b.p, b.g32, b.m, b.v, step=next_step(), num_threads=threads, **HYPER)
 
@@ -120,6 +135,7 @@ def _impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
 
     impls: dict[str, Callable[[], None] | str] = {
         "ours_bf16": ours_bf16,
+        "ours_bf16_oop": ours_bf16_oop,
         "ours_fp32": ours_fp32,
         "torch_pipeline": torch_pipeline,
         "torch_fused_fp32": lambda: torch_fused(b.g32),
@@ -180,7 +196,7 @@ def run(numel: int, thread_counts: list[int], repeats: int, warmup: int) -> list
 def _table(results: list[Result]) -> str:
     by_key = {(r.impl, r.threads): r for r in results}
     head = (f"{'impl':<20}{'threads':>8}{'ms':>8}{'best ms':>9}{'Mparam/s':>10}{'GB/s':>7}"
-            f"{'vs torch_pipe':>14}{'roofline':>10}")
+            f"{'vs torch_pipe':>14}{'roofline':>10}{'vs in-place':>12}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.seconds is None:
@@ -190,9 +206,11 @@ def _table(results: list[Result]) -> str:
         roof = by_key.get(("inplace3", r.threads))
         vs = f"{ref.seconds / r.seconds:.2f}x" if ref and ref.seconds and r.impl != "inplace3" else ""
         frac = f"{r.gb_s / roof.gb_s:.0%}" if roof and roof.gb_s and r.gb_s and r.impl != "inplace3" else ""
+        twin = by_key.get((IN_PLACE_TWIN.get(r.impl, ""), r.threads))
+        vs_in = f"{twin.seconds / r.seconds:.2f}x" if twin and twin.seconds else ""
         lines.append(
             f"{r.impl:<20}{r.threads:>8}{r.seconds * 1e3:>8.1f}{(r.best_seconds or 0) * 1e3:>9.1f}"
-            f"{r.mparam_s:>10.0f}{r.gb_s:>7.1f}{vs:>14}{frac:>10}"
+            f"{r.mparam_s:>10.0f}{r.gb_s:>7.1f}{vs:>14}{frac:>10}{vs_in:>12}"
         )
     return "\n".join(lines)
 

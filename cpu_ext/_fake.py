@@ -28,10 +28,16 @@ def register_fakes() -> None:
     def _step_fake(
         param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
         step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
-        param_bf16_out: torch.Tensor | None, backup_param: torch.Tensor | None,
-        backup_exp_avg: torch.Tensor | None, backup_exp_avg_sq: torch.Tensor | None, num_threads: int,
+        param_bf16_out: torch.Tensor | None, src_param: torch.Tensor | None,
+        src_exp_avg: torch.Tensor | None, src_exp_avg_sq: torch.Tensor | None, num_threads: int,
     ) -> None:
         _check_state(param, grad, exp_avg, exp_avg_sq)
+        sources = (src_param, src_exp_avg, src_exp_avg_sq)
+        given = [t for t in sources if t is not None]
+        torch._check(len(given) in (0, 3), lambda: "give all three source tensors or none")
+        for t in given:
+            torch._check(t.dtype == torch.float32, lambda: "source tensors must be float32")
+            torch._check(t.numel() == param.numel(), lambda: "source tensors must match param's numel")
 
     @torch.library.register_fake("hf_superoffload::cpu_adamw_undo")
     def _undo_fake(

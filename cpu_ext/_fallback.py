@@ -1,7 +1,8 @@
 """Torch implementations used when the op library cannot be built (see ``_build``).
 
 The step runs ``torch._fused_adamw_`` (torch's vectorised CPU AdamW) with the bf16->fp32 gradient upcast
-and the fp32->bf16 weight cast as separate passes; the undo and anything torch lacks use ``reference``.
+and the fp32->bf16 weight cast as separate passes (and, out of place, a copy of the source into the
+destination first); the undo and anything torch lacks use ``reference``.
 These run on torch's intra-op threads: ``num_threads`` is ignored here.
 """
 
@@ -30,22 +31,22 @@ def adamw_step_(
     weight_decay: float,
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
-    backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Same contract as ``ops.cpu_adamw_step_``, in several torch passes."""
     fused = getattr(torch, "_fused_adamw_", None)
     if fused is None:
         reference.adamw_step_(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, backup=backup,
+            weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, source=source,
         )
         return
     reference._check(param, grad, exp_avg, exp_avg_sq)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
-    if backup is not None:
-        for dst, src in zip(backup, (param, exp_avg, exp_avg_sq)):
-            dst.view(-1).copy_(src.view(-1))
+    others = {"grad": grad, "param_bf16_out": param_bf16_out}
+    for dst, src in reference.check_source((param, exp_avg, exp_avg_sq), source, others):
+        dst.view(-1).copy_(src.view(-1))  # the out-of-place step as a copy pass, then in place
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     g = grad.view(-1)
     if g.dtype != torch.float32:

@@ -8,7 +8,8 @@ Math follows ``torch.optim.AdamW`` (decoupled weight decay, bias correction):
     v   = beta2 * v + (1 - beta2) * g * g
     p   = p - (lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
 
-``step`` is the 1-based count *after* this update, as in torch.
+``step`` is the 1-based count *after* this update, as in torch. With ``source`` the step is out of place: the
+pre-step state is read from ``source`` and the new state written to ``param``/``exp_avg``/``exp_avg_sq``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import math
 
 import torch
 
-__all__ = ["adamw_step_", "adamw_undo_"]
+__all__ = ["adamw_step_", "adamw_undo_", "check_source"]
+
+_STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")
 
 
 def _check(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
@@ -28,6 +31,56 @@ def _check(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
         raise ValueError(f"grad must be float32 or bfloat16, got {grad.dtype}")
     if not (param.numel() == grad.numel() == exp_avg.numel() == exp_avg_sq.numel()):
         raise ValueError("param, grad, exp_avg and exp_avg_sq must have the same number of elements")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share any byte."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.nbytes and b0 < a0 + a.nbytes
+
+
+def check_source(
+    dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    others: dict[str, torch.Tensor | None] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Validate an out-of-place ``source`` for ``dst`` = (param, exp_avg, exp_avg_sq).
+
+    Returns the (destination, source) pairs whose memory differs: a source with its destination's data
+    pointer is read in place. A source partially overlapping its destination, or sharing memory with any
+    other destination, ``others`` (grad, the bf16 copy) or another source, raises ``ValueError``.
+    """
+    if source is None:
+        return []
+    if len(source) != 3:
+        raise ValueError(f"source must be three tensors (param, exp_avg, exp_avg_sq), got {len(source)}")
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    named: list[tuple[str, torch.Tensor]] = [(n, t) for n, t in zip(_STATE_NAMES, dst)]
+    named += [(n, t) for n, t in (others or {}).items() if t is not None]
+    for name, d, s in zip(_STATE_NAMES, dst, source):
+        if s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"src_{name} must be a contiguous float32 tensor, got {s.dtype}")
+        if s.numel() != d.numel():
+            raise ValueError(f"src_{name} has {s.numel()} elements, expected {d.numel()} (as {name})")
+        if s.data_ptr() == d.data_ptr():
+            continue
+        if _overlaps(s, d):
+            raise ValueError(
+                f"src_{name} partially overlaps {name}: pass the same tensor for an in-place step or disjoint "
+                "memory for an out-of-place one"
+            )
+        for other_name, t in named:
+            if _overlaps(s, t):
+                raise ValueError(f"src_{name} and {other_name} must not share memory")
+        named.append((f"src_{name}", s))
+        pairs.append((d, s))
+    return pairs
+
+
+def _others(grad: torch.Tensor, param_bf16_out: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    return {"grad": grad, "param_bf16_out": param_bf16_out}
 
 
 def adamw_step_(
@@ -44,15 +97,14 @@ def adamw_step_(
     weight_decay: float,
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
-    backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One AdamW step in place. ``backup`` receives the pre-step (param, exp_avg, exp_avg_sq)."""
+    """One AdamW step, in place or (``source`` = pre-step (param, exp_avg, exp_avg_sq)) out of place."""
     _check(param, grad, exp_avg, exp_avg_sq)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
-    if backup is not None:
-        for dst, src in zip(backup, (param, exp_avg, exp_avg_sq)):
-            dst.view(-1).copy_(src.view(-1))
+    for dst, src in check_source((param, exp_avg, exp_avg_sq), source, _others(grad, param_bf16_out)):
+        dst.view(-1).copy_(src.view(-1))
     g = grad.view(-1).to(torch.float32)
     if grad_scale != 1.0:
         g = g * grad_scale

@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--output-dir", default=None)
     t.set_defaults(func=_train)
+    from .plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 __all__ = ["SuperOffloadConfig"]
 
-Rollback = Literal["auto", "snapshot", "inverse"]
+Rollback = Literal["auto", "double_buffer", "inverse"]
 CastSide = Literal["auto", "cpu", "gpu"]
 WeightPlacement = Literal["auto", "stationary", "flow"]
 
@@ -37,10 +37,10 @@ class SuperOffloadConfig:
         speculation: Start each bucket's CPU Adam as soon as its gradients are on the host, before the
             global gradient norm is known, and validate afterwards (speculation-then-validation).
         rollback: How a speculative step is undone when validation says clip-and-redo or skip.
-            ``"snapshot"`` writes the pre-step state aside in the same pass (bit-exact, +12 B/param host RAM);
-            ``"inverse"`` inverts the AdamW update algebraically (no extra memory; redo within fp32
-            rounding); ``"auto"`` takes ``"snapshot"`` when host RAM allows it. [Note: speculation and
-            rollback].
+            ``"double_buffer"`` keeps two copies of the host state and steps from one into the other, so undo
+            is free and bit-exact (+12 B/param host RAM, no extra memory traffic); ``"inverse"`` inverts the
+            AdamW update algebraically (no extra memory; exact to fp32 rounding); ``"auto"`` takes
+            ``"double_buffer"`` when host RAM allows it. [Note: speculation and rollback].
         max_redo_rate: Speculation pauses while more than this fraction of the last ``redo_window`` steps
             needed a redo (clipping fired): a redo costs a second, exposed CPU pass. It resumes by itself once
             clipping becomes rarer (every step's verdict is known, speculative or not).
@@ -87,8 +87,8 @@ class SuperOffloadConfig:
             raise bad("gpu_resident_fraction", self.gpu_resident_fraction, "use a fraction in [0, 1]")
         if not (0.0 <= self.device_memory_fraction <= 0.9):
             raise bad("device_memory_fraction", self.device_memory_fraction, "use a fraction in [0, 0.9]")
-        if self.rollback not in ("auto", "snapshot", "inverse"):
-            raise bad("rollback", self.rollback, "use 'auto', 'snapshot' or 'inverse'")
+        if self.rollback not in ("auto", "double_buffer", "inverse"):
+            raise bad("rollback", self.rollback, "use 'auto', 'double_buffer' or 'inverse'")
         if not (0.0 <= self.max_redo_rate <= 1.0):
             raise bad("max_redo_rate", self.max_redo_rate, "use a fraction in [0, 1]")
         if self.redo_window < 1:

@@ -67,34 +67,42 @@ def cpu_adamw_step_(
     weight_decay: float,
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
-    backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_threads: int | None = None,
 ) -> None:
-    """One ``torch.optim.AdamW`` step, in place, on contiguous fp32 ``param``/``exp_avg``/``exp_avg_sq``.
+    """One ``torch.optim.AdamW`` step on contiguous fp32 ``param``/``exp_avg``/``exp_avg_sq``.
 
     One fused pass: reads the gradient (bf16 upcast in registers), updates p/m/v, and writes the optional
     outputs. Equal to ``torch.optim.AdamW`` up to fp32 rounding.
+
+    In place by default. With ``source`` the step is out of place (double-buffered state): the pre-step
+    state is read from ``source`` and the new state written to ``param``/``exp_avg``/``exp_avg_sq``, which
+    are then pure outputs; ``source`` is left unchanged. The result is bit for bit that of the in-place step
+    on the same values, and large calls stream the destination (non-temporal stores), so the pass moves the
+    same bytes as in place.
 
     Args:
         grad: fp32 or bf16 gradient, multiplied by ``grad_scale`` inside the pass (the clip coefficient).
         step: the step count *after* this update (1 on the first step).
         param_bf16_out: receives the bf16 copy (round to nearest even) of the updated parameter.
-        backup: three fp32 tensors that receive the pre-step (param, exp_avg, exp_avg_sq).
+        source: pre-step (param, exp_avg, exp_avg_sq): fp32, contiguous, same numel, disjoint from every
+            destination, from ``grad`` and from ``param_bf16_out`` (``ValueError`` on a partial overlap). A
+            source tensor with its destination's data pointer is read in place.
         num_threads: threads for this call; ``None`` uses :func:`default_num_threads`.
     """
-    if backup is not None and len(backup) != 3:
-        raise ValueError(f"backup must be three tensors (param, exp_avg, exp_avg_sq), got {len(backup)}")
+    if source is not None and len(source) != 3:
+        raise ValueError(f"source must be three tensors (param, exp_avg, exp_avg_sq), got {len(source)}")
     threads = _threads(num_threads)
     if load_library():
-        bk_p, bk_m, bk_v = backup if backup is not None else (None, None, None)
+        src_p, src_m, src_v = source if source is not None else (None, None, None)
         torch.ops.hf_superoffload.cpu_adamw_step(
             param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps),
-            float(weight_decay), float(grad_scale), param_bf16_out, bk_p, bk_m, bk_v, threads,
+            float(weight_decay), float(grad_scale), param_bf16_out, src_p, src_m, src_v, threads,
         )
         return
     _fallback.adamw_step_(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, backup=backup,
+        weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, source=source,
     )
 
 
@@ -116,7 +124,8 @@ def cpu_adamw_undo_(
 ) -> None:
     """Algebraic inverse of :func:`cpu_adamw_step_` with the same arguments (fp32-rounding exact).
 
-    ``param_bf16_out``, when given, receives the bf16 copy of the restored parameter.
+    ``param_bf16_out``, when given, receives the bf16 copy of the restored parameter. In place only: after an
+    out-of-place step the source still holds the pre-step state, so there is nothing to undo.
     """
     threads = _threads(num_threads)
     if load_library():

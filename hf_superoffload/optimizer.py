@@ -51,6 +51,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         params: AdamW-style params or param groups (default: every trainable parameter of ``model``).
         max_grad_norm: global-norm clipping threshold (``None`` or 0: no clipping).
         config: offload settings.
+        profile: the hardware facts the planner uses (default: read from the model's device).
+        log_plan: log the plan summary at INFO (integrations log it once, on the main process).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         config: SuperOffloadConfig | None = None,
         profile: HardwareProfile | None = None,
+        log_plan: bool = True,
         **unsupported: Any,
     ) -> None:
         for key, value in unsupported.items():
@@ -129,7 +132,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if fp32_values is not None:
             self._engine.seed_masters(fp32_values)
         self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
-        logger.info("%s", self.plan.summary())
+        if log_plan:
+            logger.info("%s", self.plan.summary())
 
     # ------------------------------------------------------------------------------------------------
     def _arrival_order(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[int]]:

@@ -36,7 +36,7 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
         "locations": [(pl.value, off) for pl, off in (engine.param_location(i) for i in range(len(engine.params)))],
         "param_steps": torch.tensor(engine.param_steps, dtype=torch.int64),
         "host": dict(flat["host"]),
-        "device": {k: v.detach().cpu() for k, v in flat["device"].items()},
+        "device": {k: v.detach().to("cpu", copy=True) for k, v in flat["device"].items()},
         "counters": dict(counters),
     }
 

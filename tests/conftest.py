@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -5,6 +6,17 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Triton fixes interpreter-or-compiler when it is first imported. Without a GPU, import it now in interpreter
+# mode, before any other test module (transformers, torch._dynamo) imports it; then drop the variable so the
+# dispatchers use the eager twins except in tests/kernels, which set it again around their own tests.
+if not torch.cuda.is_available():
+    _prev = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    with contextlib.suppress(ImportError):
+        import triton  # noqa: F401
+    if _prev is None:
+        os.environ.pop("TRITON_INTERPRET", None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,10 +82,10 @@ inline bool resolve_isa(const char* forced, Isa* out, const char** error) {
 
 // ---- range kernels (one thread's share) -----------------------------------------------------------------
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct ScalarStep {
   static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
-    adamw_step_scalar_loop<kBf16Grad, kOut, kBackup>(b, h, i, end);
+    adamw_step_scalar_loop<kBf16Grad, kOut, kOutOfPlace>(b, h, i, end);
   }
 };
 
@@ -109,10 +109,11 @@ inline void step_range(Isa isa, const AdamBuffers& b, const AdamHyper& h, int64_
     case Isa::kSve: return arm::sve::step_range(b, h, begin, end);
 #endif
     default:
-      return dispatch3<ScalarStep>(b.grad_bf16, b.p_bf16 != nullptr, b.bk_p != nullptr, b, h, begin, end);
+      return dispatch3<ScalarStep>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
   }
 }
 
+// The undo is in place only (sp/sm/sv are ignored: it reads and writes p/m/v).
 inline void undo_range(Isa isa, const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   switch (isa) {
 #if defined(__x86_64__)

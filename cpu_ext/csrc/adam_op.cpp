@@ -22,10 +22,14 @@ namespace {
 using at::Tensor;
 
 // NOTE: calls touching at least this many elements use non-temporal stores for the write-only outputs
-// (bf16 copy, backup), which skips the read-for-ownership of those lines. Measured on the 2-core dev VM,
-// 16 Mi params, 1 thread: bf16 out 20.4-20.8 -> 18.9-19.1 ms per step; with the backup as well
-// 39.2-39.5 -> 24.1-24.2 ms. Below the threshold the outputs likely still sit in cache for their next
-// reader (the H2D copy), so regular stores are kept there (not measured).
+// (the bf16 copy; p/m/v of an out-of-place step), which skips the read-for-ownership of those lines.
+// Measured on the 2-core dev VM, 16 Mi params, 1 thread: bf16 out 20.4-20.8 -> 18.9-19.1 ms per step; out
+// of place (AVX-512-BF16, bf16 out) 37-41 -> 23-25 ms, against 19-20 ms in place. The DRAM traffic is then
+// the same 28 B/param, but one core of this VM runs a STREAM-like 3-in/3-out streaming copy at ~0.76x the
+// speed of the in-place 3-array update (21 vs 16 ms), so ~0.8x is this machine's ceiling for out of place
+// (not measured on the 16-core host, where bandwidth rather than one core's concurrency should bound both).
+// Below the threshold the outputs likely still sit in cache for their next reader (the H2D copy, the next
+// step), so regular stores are kept there (not measured).
 constexpr int64_t kStreamMinElems = int64_t{1} << 20;
 
 hfso::Isa current_isa() {
@@ -69,10 +73,13 @@ struct Call {
   int64_t numel;
 };
 
-// Validates the shared arguments of step and undo and builds the kernel's view of them.
+using Named = std::pair<const Tensor*, const char*>;
+
+// Validates the shared arguments of step and undo and builds the kernel's view of them (in place; the step
+// then points the source at src_* when given). `ts` returns the tensors that must be pairwise disjoint.
 Call prepare(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
              int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
-             double grad_scale, const std::optional<Tensor>& param_bf16_out) {
+             double grad_scale, const std::optional<Tensor>& param_bf16_out, std::vector<Named>& ts) {
   const int64_t n = param.numel();
   check_f32(param, "param", n);
   check_f32(exp_avg, "exp_avg", n);
@@ -83,55 +90,60 @@ Call prepare(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, con
   TORCH_CHECK(step >= 1, "step must be >= 1 (the count after this update), got ", step);
   TORCH_CHECK(beta1 > 0.0 && beta1 < 1.0 && beta2 > 0.0 && beta2 < 1.0, "betas must lie in (0, 1), got ",
               beta1, ", ", beta2);
-  std::vector<std::pair<const Tensor*, const char*>> ts = {
-      {&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}};
+  ts = {{&param, "param"}, {&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}};
   if (param_bf16_out.has_value()) {
     TORCH_CHECK(param_bf16_out->scalar_type() == at::kBFloat16, "param_bf16_out must be bfloat16, got ",
                 param_bf16_out->scalar_type());
     check_cpu_contiguous(*param_bf16_out, "param_bf16_out", n);
     ts.emplace_back(&*param_bf16_out, "param_bf16_out");
   }
-  check_disjoint(ts);
   Call c;
   c.numel = n;
   c.hyper = hfso::make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_scale);
-  c.buffers = hfso::AdamBuffers{param.data_ptr<float>(),
-                                exp_avg.data_ptr<float>(),
-                                exp_avg_sq.data_ptr<float>(),
-                                grad.data_ptr(),
-                                grad.scalar_type() == at::kBFloat16,
-                                param_bf16_out.has_value() ? static_cast<uint16_t*>(param_bf16_out->data_ptr())
-                                                           : nullptr,
-                                nullptr,
-                                nullptr,
-                                nullptr,
-                                n >= kStreamMinElems};
+  c.buffers = hfso::inplace_buffers(
+      param.data_ptr<float>(), exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), grad.data_ptr(),
+      grad.scalar_type() == at::kBFloat16,
+      param_bf16_out.has_value() ? static_cast<uint16_t*>(param_bf16_out->data_ptr()) : nullptr,
+      n >= kStreamMinElems);
   return c;
+}
+
+// Checks one source tensor of an out-of-place step against its destination and returns whether it is
+// distinct (the same data pointer means in place for that array; a partial overlap is an error).
+bool check_source(const Tensor& src, const char* src_name, const Tensor& dst, const char* dst_name,
+                  int64_t numel, std::vector<Named>& ts) {
+  check_f32(src, src_name, numel);
+  if (src.data_ptr() == dst.data_ptr()) return false;
+  TORCH_CHECK_VALUE(!overlaps(src, dst), src_name, " partially overlaps ", dst_name,
+                    ": pass the same tensor for an in-place step or disjoint memory for an out-of-place one");
+  ts.emplace_back(&src, src_name);
+  return true;
 }
 
 void cpu_adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq,
                     int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
                     double grad_scale, const std::optional<Tensor>& param_bf16_out,
-                    const std::optional<Tensor>& backup_param, const std::optional<Tensor>& backup_exp_avg,
-                    const std::optional<Tensor>& backup_exp_avg_sq, int64_t num_threads) {
+                    const std::optional<Tensor>& src_param, const std::optional<Tensor>& src_exp_avg,
+                    const std::optional<Tensor>& src_exp_avg_sq, int64_t num_threads) {
+  std::vector<Named> ts;
   Call c = prepare(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                   param_bf16_out);
-  const int n_backup = backup_param.has_value() + backup_exp_avg.has_value() + backup_exp_avg_sq.has_value();
-  TORCH_CHECK(n_backup == 0 || n_backup == 3, "give all three backup tensors or none");
-  if (n_backup == 3) {
-    check_f32(*backup_param, "backup_param", c.numel);
-    check_f32(*backup_exp_avg, "backup_exp_avg", c.numel);
-    check_f32(*backup_exp_avg_sq, "backup_exp_avg_sq", c.numel);
-    std::vector<std::pair<const Tensor*, const char*>> ts = {
-        {&param, "param"},         {&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"},
-        {&*backup_param, "backup_param"}, {&*backup_exp_avg, "backup_exp_avg"},
-        {&*backup_exp_avg_sq, "backup_exp_avg_sq"}};
-    if (param_bf16_out.has_value()) ts.emplace_back(&*param_bf16_out, "param_bf16_out");
-    check_disjoint(ts);
-    c.buffers.bk_p = backup_param->data_ptr<float>();
-    c.buffers.bk_m = backup_exp_avg->data_ptr<float>();
-    c.buffers.bk_v = backup_exp_avg_sq->data_ptr<float>();
+                   param_bf16_out, ts);
+  const int n_src = src_param.has_value() + src_exp_avg.has_value() + src_exp_avg_sq.has_value();
+  TORCH_CHECK_VALUE(n_src == 0 || n_src == 3, "give all three source tensors or none");
+  if (n_src == 3) {
+    // Every source distinct from its destination joins the disjointness check (so a source may not alias
+    // grad, the bf16 copy, another destination or another source either).
+    int distinct = check_source(*src_param, "src_param", param, "param", c.numel, ts);
+    distinct += check_source(*src_exp_avg, "src_exp_avg", exp_avg, "exp_avg", c.numel, ts);
+    distinct += check_source(*src_exp_avg_sq, "src_exp_avg_sq", exp_avg_sq, "exp_avg_sq", c.numel, ts);
+    c.buffers.sp = src_param->data_ptr<float>();
+    c.buffers.sm = src_exp_avg->data_ptr<float>();
+    c.buffers.sv = src_exp_avg_sq->data_ptr<float>();
+    // Streaming p/m/v pays off only when none of them is also read (a mixed call stays correct: each array
+    // is read from its source and written to its destination, with regular stores).
+    c.buffers.out_of_place = distinct == 3;
   }
+  check_disjoint(ts);
   const hfso::Isa isa = current_isa();
   hfso::parallel_ranges(c.numel, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
     hfso::step_range(isa, c.buffers, c.hyper, begin, end);
@@ -142,8 +154,10 @@ void cpu_adamw_undo(const Tensor& param, const Tensor& grad, const Tensor& exp_a
                     int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
                     double grad_scale, const std::optional<Tensor>& param_bf16_out, int64_t num_threads) {
   TORCH_CHECK(lr * weight_decay != 1.0, "cannot undo a step with lr * weight_decay == 1 (it zeroed param)");
+  std::vector<Named> ts;
   const Call c = prepare(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-                         grad_scale, param_bf16_out);
+                         grad_scale, param_bf16_out, ts);
+  check_disjoint(ts);
   const hfso::Isa isa = current_isa();
   hfso::parallel_ranges(c.numel, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
     hfso::undo_range(isa, c.buffers, c.hyper, begin, end);
@@ -212,8 +226,8 @@ TORCH_LIBRARY_FRAGMENT(hf_superoffload, m) {
   m.def(
       "cpu_adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, "
-      "Tensor(d!)? param_bf16_out, Tensor(e!)? backup_param, Tensor(f!)? backup_exp_avg, "
-      "Tensor(g!)? backup_exp_avg_sq, int num_threads) -> ()");
+      "Tensor(d!)? param_bf16_out, Tensor? src_param, Tensor? src_exp_avg, Tensor? src_exp_avg_sq, "
+      "int num_threads) -> ()");
   m.def(
       "cpu_adamw_undo(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, "

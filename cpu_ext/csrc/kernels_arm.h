@@ -58,17 +58,13 @@ HFSO_INLINE float32x4_t load_grad4(const void* g, int64_t i) {
   }
 }
 
-template <bool kBf16Grad, bool kBackup>
+// Reads 4 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v, returns the new p.
+template <bool kBf16Grad>
 HFSO_INLINE float32x4_t step4(const AdamBuffers& b, const Consts& c, int64_t i) {
-  float32x4_t p = vld1q_f32(b.p + i);
-  float32x4_t m = vld1q_f32(b.m + i);
-  float32x4_t v = vld1q_f32(b.v + i);
+  float32x4_t p = vld1q_f32(b.sp + i);
+  float32x4_t m = vld1q_f32(b.sm + i);
+  float32x4_t v = vld1q_f32(b.sv + i);
   float32x4_t g = load_grad4<kBf16Grad>(b.grad, i);
-  if constexpr (kBackup) {
-    vst1q_f32(b.bk_p + i, p);
-    vst1q_f32(b.bk_m + i, m);
-    vst1q_f32(b.bk_v + i, v);
-  }
   g = vmulq_f32(g, c.gscale);
   p = vmulq_f32(p, c.decay);
   m = vfmaq_f32(m, c.omb1, vsubq_f32(g, m));
@@ -81,29 +77,32 @@ HFSO_INLINE float32x4_t step4(const AdamBuffers& b, const Consts& c, int64_t i) 
   return p;
 }
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+// NOTE: out of place, NEON keeps regular stores (plain NEON has no non-temporal store intrinsic; STNP would
+// need inline asm). Arm cores detect streaming full-line writes and skip the read-for-ownership themselves
+// (write streaming mode), which is not measured here (qemu only).
+template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const Consts c = make_consts(h);
     for (; i + 16 <= end; i += 16) {
-      __builtin_prefetch(b.p + i + 1024);
-      __builtin_prefetch(b.m + i + 1024);
-      __builtin_prefetch(b.v + i + 1024);
-      const float32x4_t p0 = step4<kBf16Grad, kBackup>(b, c, i);
-      const float32x4_t p1 = step4<kBf16Grad, kBackup>(b, c, i + 4);
-      const float32x4_t p2 = step4<kBf16Grad, kBackup>(b, c, i + 8);
-      const float32x4_t p3 = step4<kBf16Grad, kBackup>(b, c, i + 12);
+      __builtin_prefetch(b.sp + i + 1024);
+      __builtin_prefetch(b.sm + i + 1024);
+      __builtin_prefetch(b.sv + i + 1024);
+      const float32x4_t p0 = step4<kBf16Grad>(b, c, i);
+      const float32x4_t p1 = step4<kBf16Grad>(b, c, i + 4);
+      const float32x4_t p2 = step4<kBf16Grad>(b, c, i + 8);
+      const float32x4_t p3 = step4<kBf16Grad>(b, c, i + 12);
       if constexpr (kOut) {
         vst1q_u16(b.p_bf16 + i, vcombine_u16(cvt_bf16(p0), cvt_bf16(p1)));
         vst1q_u16(b.p_bf16 + i + 8, vcombine_u16(cvt_bf16(p2), cvt_bf16(p3)));
       }
     }
-    adamw_step_scalar_loop<kBf16Grad, kOut, kBackup>(b, h, i, end);
+    adamw_step_scalar_loop<kBf16Grad, kOut, kOutOfPlace>(b, h, i, end);
   }
 };
 
 inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
-  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.bk_p != nullptr, b, h, begin, end);
+  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
 }
 
 }  // namespace neon
@@ -112,12 +111,14 @@ inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, 
 
 namespace sve {
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+// Reads one vector of the pre-step state from sp/sm/sv and writes the new state to p/m/v, non-temporal
+// (STNT1) when `stream`: out of place only.
+template <bool kBf16Grad, bool kOut>
 HFSO_TARGET_SVE HFSO_INLINE void step_vec(const AdamBuffers& b, const AdamHyper& h, int64_t i, svbool_t pg,
-                                          bool stream_bk) {
-  svfloat32_t p = svld1_f32(pg, b.p + i);
-  svfloat32_t m = svld1_f32(pg, b.m + i);
-  svfloat32_t v = svld1_f32(pg, b.v + i);
+                                          bool stream) {
+  svfloat32_t p = svld1_f32(pg, b.sp + i);
+  svfloat32_t m = svld1_f32(pg, b.sm + i);
+  svfloat32_t v = svld1_f32(pg, b.sv + i);
   svfloat32_t g;
   if constexpr (kBf16Grad) {
     const svuint32_t gh = svld1uh_u32(pg, static_cast<const uint16_t*>(b.grad) + i);
@@ -125,26 +126,21 @@ HFSO_TARGET_SVE HFSO_INLINE void step_vec(const AdamBuffers& b, const AdamHyper&
   } else {
     g = svld1_f32(pg, static_cast<const float*>(b.grad) + i);
   }
-  if constexpr (kBackup) {
-    if (stream_bk) {
-      svstnt1_f32(pg, b.bk_p + i, p);
-      svstnt1_f32(pg, b.bk_m + i, m);
-      svstnt1_f32(pg, b.bk_v + i, v);
-    } else {
-      svst1_f32(pg, b.bk_p + i, p);
-      svst1_f32(pg, b.bk_m + i, m);
-      svst1_f32(pg, b.bk_v + i, v);
-    }
-  }
   g = svmul_n_f32_x(pg, g, h.grad_scale);
   p = svmul_n_f32_x(pg, p, h.decay);
   m = svmla_n_f32_x(pg, m, svsub_f32_x(pg, g, m), h.one_minus_beta1);
   v = svmla_n_f32_x(pg, svmul_n_f32_x(pg, v, h.beta2), svmul_f32_x(pg, g, g), h.one_minus_beta2);
   const svfloat32_t den = svadd_n_f32_x(pg, svdiv_n_f32_x(pg, svsqrt_f32_x(pg, v), h.bc2_sqrt), h.eps);
   p = svmla_n_f32_x(pg, p, svdiv_f32_x(pg, m, den), -h.step_size);
-  svst1_f32(pg, b.p + i, p);
-  svst1_f32(pg, b.m + i, m);
-  svst1_f32(pg, b.v + i, v);
+  if (stream) {
+    svstnt1_f32(pg, b.p + i, p);
+    svstnt1_f32(pg, b.m + i, m);
+    svstnt1_f32(pg, b.v + i, v);
+  } else {
+    svst1_f32(pg, b.p + i, p);
+    svst1_f32(pg, b.m + i, m);
+    svst1_f32(pg, b.v + i, v);
+  }
   if constexpr (kOut) {
     const svuint32_t u = svreinterpret_u32_f32(p);
     const svuint32_t lsb = svand_n_u32_x(pg, svlsr_n_u32_x(pg, u, 16), 1);
@@ -154,24 +150,25 @@ HFSO_TARGET_SVE HFSO_INLINE void step_vec(const AdamBuffers& b, const AdamHyper&
   }
 }
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   // Two vectors per iteration; the predicates cover the tail, so there is no scalar remainder.
   HFSO_TARGET_SVE static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const int64_t vl = static_cast<int64_t>(svcntw());
-    const bool stream_bk = kBackup && b.stream_stores;
+    // Out of place, p/m/v are write-only (see the AVX-512 body); STNT1 has no alignment requirement.
+    const bool stream = kOutOfPlace && b.stream_stores;
     for (; i < end; i += 2 * vl) {
-      svprfw(svptrue_b32(), b.p + i + 1024, SV_PLDL1STRM);
-      svprfw(svptrue_b32(), b.m + i + 1024, SV_PLDL1STRM);
-      svprfw(svptrue_b32(), b.v + i + 1024, SV_PLDL1STRM);
-      step_vec<kBf16Grad, kOut, kBackup>(b, h, i, svwhilelt_b32_s64(i, end), stream_bk);
-      step_vec<kBf16Grad, kOut, kBackup>(b, h, i + vl, svwhilelt_b32_s64(i + vl, end), stream_bk);
+      svprfw(svptrue_b32(), b.sp + i + 1024, SV_PLDL1STRM);
+      svprfw(svptrue_b32(), b.sm + i + 1024, SV_PLDL1STRM);
+      svprfw(svptrue_b32(), b.sv + i + 1024, SV_PLDL1STRM);
+      step_vec<kBf16Grad, kOut>(b, h, i, svwhilelt_b32_s64(i, end), stream);
+      step_vec<kBf16Grad, kOut>(b, h, i + vl, svwhilelt_b32_s64(i + vl, end), stream);
     }
   }
 };
 
 HFSO_TARGET_SVE inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
-  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.bk_p != nullptr, b, h, begin, end);
+  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
 }
 
 HFSO_TARGET_SVE inline void undo_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {

@@ -49,70 +49,60 @@ HFSO_K_TARGET HFSO_INLINE void store_f32(float* dst, __m512 x, __mmask16 k, bool
   }
 }
 
-// Updates 16 lanes of p/m/v in place (and the backup) and returns the new p.
-template <bool kBf16Grad, bool kBackup, bool kMasked>
+// Reads 16 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (streaming when
+// `stream`: out of place only, never on masked lanes) and returns the new p.
+template <bool kBf16Grad, bool kMasked>
 HFSO_K_TARGET HFSO_INLINE __m512 step16(const AdamBuffers& b, const Consts& c, int64_t i, __mmask16 k,
-                                        bool stream_bk) {
-  __m512 p = load_f32<kMasked>(b.p + i, k);
-  __m512 m = load_f32<kMasked>(b.m + i, k);
-  __m512 v = load_f32<kMasked>(b.v + i, k);
+                                        bool stream) {
+  __m512 p = load_f32<kMasked>(b.sp + i, k);
+  __m512 m = load_f32<kMasked>(b.sm + i, k);
+  __m512 v = load_f32<kMasked>(b.sv + i, k);
   __m512 g = load_grad16<kBf16Grad, kMasked>(b.grad, i, k);
-  if constexpr (kBackup) {
-    store_f32<kMasked>(b.bk_p + i, p, k, stream_bk);
-    store_f32<kMasked>(b.bk_m + i, m, k, stream_bk);
-    store_f32<kMasked>(b.bk_v + i, v, k, stream_bk);
-  }
   g = _mm512_mul_ps(g, c.gscale);
   p = _mm512_mul_ps(p, c.decay);
   m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m), m);
   v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v, c.beta2));
   const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
   p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, den), p);
-  store_f32<kMasked>(b.p + i, p, k, false);
-  store_f32<kMasked>(b.m + i, m, k, false);
-  store_f32<kMasked>(b.v + i, v, k, false);
+  store_f32<kMasked>(b.p + i, p, k, stream);
+  store_f32<kMasked>(b.m + i, m, k, stream);
+  store_f32<kMasked>(b.v + i, v, k, stream);
   return p;
 }
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+template <bool kBf16Grad, bool kOut>
 HFSO_K_TARGET HFSO_INLINE void step_masked(const AdamBuffers& b, const Consts& c, int64_t i, int64_t n) {
   const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);  // 1 <= n <= 16
-  const __m512 p = step16<kBf16Grad, kBackup, true>(b, c, i, k, false);
+  const __m512 p = step16<kBf16Grad, true>(b, c, i, k, false);
   if constexpr (kOut) _mm256_mask_storeu_epi16(b.p_bf16 + i, k, HFSO_K_CVT(p));
 }
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   HFSO_K_TARGET static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const Consts c = make_consts(h);
-    // Peel up to one cache line so the main loop's stores are 64-byte aligned (needed for streaming
-    // stores; loads and stores then never split a line when the buffers share an alignment).
-    const uintptr_t anchor = kOut      ? reinterpret_cast<uintptr_t>(b.p_bf16 + i)
-                             : kBackup ? reinterpret_cast<uintptr_t>(b.bk_p + i)
-                                       : reinterpret_cast<uintptr_t>(b.p + i);
-    const int64_t esize = kOut ? 2 : 4;
-    int64_t head = static_cast<int64_t>(((64 - (anchor & 63)) & 63) / esize);
-    head = head < end - i ? head : end - i;
+    int64_t head = head_elems<kOut, kOutOfPlace>(b, i, end);
     while (head > 0) {
       const int64_t n = head < 16 ? head : 16;
-      step_masked<kBf16Grad, kOut, kBackup>(b, c, i, n);
+      step_masked<kBf16Grad, kOut>(b, c, i, n);
       i += n;
       head -= n;
     }
-    const auto aligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 63) == 0; };
-    const bool stream_out = kOut && b.stream_stores && aligned(b.p_bf16 + i);
-    const bool stream_bk = kBackup && b.stream_stores && aligned(b.bk_p + i) && aligned(b.bk_m + i) &&
-                           aligned(b.bk_v + i);
+    const bool stream_out = kOut && b.stream_stores && line_aligned(b.p_bf16 + i);
+    // Out of place, p/m/v are write-only: streaming them skips the read-for-ownership of the destination,
+    // so the step moves the same 28 B/param as in place. In place the lines were just read: never stream.
+    const bool stream_state = kOutOfPlace && b.stream_stores && line_aligned(b.p + i) &&
+                              line_aligned(b.m + i) && line_aligned(b.v + i);
     // 32 elements per iteration: two fp32 lines per p/m/v stream and one full line of bf16 output.
     for (; i + 32 <= end; i += 32) {
       if constexpr (kPrefetchElems > 0) {
         const int64_t j = i + kPrefetchElems;
-        _mm_prefetch(reinterpret_cast<const char*>(b.p + j), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b.p + j + 16), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b.m + j), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b.m + j + 16), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b.v + j), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b.v + j + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sp + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sp + j + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sm + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sm + j + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sv + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sv + j + 16), _MM_HINT_T0);
         if constexpr (kBf16Grad) {
           _mm_prefetch(static_cast<const char*>(b.grad) + 2 * j, _MM_HINT_T0);
         } else {
@@ -120,8 +110,8 @@ struct Step {
           _mm_prefetch(static_cast<const char*>(b.grad) + 4 * j + 64, _MM_HINT_T0);
         }
       }
-      const __m512 p0 = step16<kBf16Grad, kBackup, false>(b, c, i, 0, stream_bk);
-      const __m512 p1 = step16<kBf16Grad, kBackup, false>(b, c, i + 16, 0, stream_bk);
+      const __m512 p0 = step16<kBf16Grad, false>(b, c, i, 0, stream_state);
+      const __m512 p1 = step16<kBf16Grad, false>(b, c, i + 16, 0, stream_state);
       if constexpr (kOut) {
         const __m512i o = _mm512_inserti64x4(_mm512_castsi256_si512(HFSO_K_CVT(p0)), HFSO_K_CVT(p1), 1);
         if (stream_out) {
@@ -133,15 +123,15 @@ struct Step {
     }
     while (i < end) {
       const int64_t n = end - i < 16 ? end - i : 16;
-      step_masked<kBf16Grad, kOut, kBackup>(b, c, i, n);
+      step_masked<kBf16Grad, kOut>(b, c, i, n);
       i += n;
     }
-    if (stream_out || stream_bk) _mm_sfence();  // order the weakly-ordered streaming stores
+    if (stream_out || stream_state) _mm_sfence();  // order the weakly-ordered streaming stores
   }
 };
 
 HFSO_K_TARGET inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
-  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.bk_p != nullptr, b, h, begin, end);
+  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
 }
 
 HFSO_K_TARGET inline void undo_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {

@@ -66,19 +66,28 @@ inline AdamHyper make_hyper(int64_t step, double lr, double beta1, double beta2,
   return h;
 }
 
-// Pointers of one call. Optional outputs are null when absent; the backup pointers are all set or all null.
+// Pointers of one call. The step reads the pre-step state from sp/sm/sv and writes the new state to p/m/v:
+// in place the two are the same arrays; out of place (double-buffered state) they are disjoint, p/m/v are
+// pure outputs and the source is left unchanged. Optional outputs are null when absent.
 struct AdamBuffers {
-  float* p;
+  float* p;              // new state (written)
   float* m;
   float* v;
+  const float* sp;       // pre-step state (read): equal to p/m/v in place
+  const float* sm;
+  const float* sv;
   const void* grad;      // float* or uint16_t* (bf16 bits), see grad_bf16
   bool grad_bf16;
   uint16_t* p_bf16;      // bf16 bits of the updated param (optional)
-  float* bk_p;           // pre-step copies (optional)
-  float* bk_m;
-  float* bk_v;
+  bool out_of_place;     // sp/sm/sv are all disjoint from p/m/v (the p/m/v stores may then stream)
   bool stream_stores;    // write-only outputs may use non-temporal stores (large calls only)
 };
+
+// In-place buffers (the source is the destination).
+inline AdamBuffers inplace_buffers(float* p, float* m, float* v, const void* grad, bool grad_bf16,
+                                   uint16_t* p_bf16, bool stream_stores) {
+  return AdamBuffers{p, m, v, p, m, v, grad, grad_bf16, p_bf16, false, stream_stores};
+}
 
 // ---- bf16 <-> fp32 bit conversions ----------------------------------------------------------------------
 
@@ -133,14 +142,10 @@ HFSO_INLINE void adamw_undo_elem(const AdamHyper& h, float& p, float& m, float& 
 }
 
 // One element of the step, with the optional outputs. Used by the scalar path and by SIMD heads and tails.
-template <bool kBf16Grad, bool kOut, bool kBackup>
+// kOutOfPlace only selects the SIMD paths' store flavour; the element is read from sp/sm/sv either way.
+template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 HFSO_INLINE void adamw_step_one(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
-  float p = b.p[i], m = b.m[i], v = b.v[i];
-  if constexpr (kBackup) {
-    b.bk_p[i] = p;
-    b.bk_m[i] = m;
-    b.bk_v[i] = v;
-  }
+  float p = b.sp[i], m = b.sm[i], v = b.sv[i];
   adamw_elem(h, p, m, v, load_grad<kBf16Grad>(b.grad, i));
   b.p[i] = p;
   b.m[i] = m;
@@ -148,9 +153,34 @@ HFSO_INLINE void adamw_step_one(const AdamBuffers& b, const AdamHyper& h, int64_
   if constexpr (kOut) b.p_bf16[i] = f32_to_bf16_bits(p);
 }
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 HFSO_INLINE void adamw_step_scalar_loop(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
-  for (; i < end; ++i) adamw_step_one<kBf16Grad, kOut, kBackup>(b, h, i);
+  for (; i < end; ++i) adamw_step_one<kBf16Grad, kOut, kOutOfPlace>(b, h, i);
+}
+
+// True when q sits on a 64-byte (cache line) boundary.
+HFSO_INLINE bool line_aligned(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 63) == 0; }
+
+// Elements to peel (scalar or masked) before a SIMD main loop starting at i, so that the main loop's stores
+// start on a cache line: needed for streaming stores, and loads/stores then never split a line when the
+// buffers share an alignment. In place the anchor is the bf16 copy when there is one (its streaming store
+// is a full line), else p. Out of place the p/m/v stores are the ones that stream (12 B/param against 2),
+// so the anchor is p, unless aligning the bf16 copy aligns p/m/v as well (same element offset in
+// line-aligned arenas, the usual layout). Clamped to end - i.
+template <bool kOut, bool kOutOfPlace>
+HFSO_INLINE int64_t head_elems(const AdamBuffers& b, int64_t i, int64_t end) {
+  const auto to_line = [](const void* q, int64_t esize) {
+    return static_cast<int64_t>(((64 - (reinterpret_cast<uintptr_t>(q) & 63)) & 63)) / esize;
+  };
+  int64_t head = to_line(b.p + i, 4);
+  if constexpr (kOut) {
+    const int64_t h_out = to_line(b.p_bf16 + i, 2);
+    if (!kOutOfPlace ||
+        (line_aligned(b.p + i + h_out) && line_aligned(b.m + i + h_out) && line_aligned(b.v + i + h_out))) {
+      head = h_out;
+    }
+  }
+  return head < end - i ? head : end - i;
 }
 
 // The undo loop is written once and compiled under each ISA's target attribute (the compiler vectorises

@@ -108,56 +108,50 @@ HFSO_TARGET_AVX2 HFSO_INLINE void store8(float* dst, __m256 x, bool stream) {
   }
 }
 
-template <bool kBf16Grad, bool kBackup>
-HFSO_TARGET_AVX2 HFSO_INLINE __m256 step8(const AdamBuffers& b, const Consts& c, int64_t i, bool stream_bk) {
-  __m256 p = _mm256_loadu_ps(b.p + i);
-  __m256 m = _mm256_loadu_ps(b.m + i);
-  __m256 v = _mm256_loadu_ps(b.v + i);
+// Reads 8 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (streaming when
+// `stream`: out of place only) and returns the new p.
+template <bool kBf16Grad>
+HFSO_TARGET_AVX2 HFSO_INLINE __m256 step8(const AdamBuffers& b, const Consts& c, int64_t i, bool stream) {
+  __m256 p = _mm256_loadu_ps(b.sp + i);
+  __m256 m = _mm256_loadu_ps(b.sm + i);
+  __m256 v = _mm256_loadu_ps(b.sv + i);
   __m256 g = load_grad8<kBf16Grad>(b.grad, i);
-  if constexpr (kBackup) {
-    store8(b.bk_p + i, p, stream_bk);
-    store8(b.bk_m + i, m, stream_bk);
-    store8(b.bk_v + i, v, stream_bk);
-  }
   g = _mm256_mul_ps(g, c.gscale);
   p = _mm256_mul_ps(p, c.decay);
   m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m), m);
   v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v, c.beta2));
   const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
   p = _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, den), p);
-  _mm256_storeu_ps(b.p + i, p);
-  _mm256_storeu_ps(b.m + i, m);
-  _mm256_storeu_ps(b.v + i, v);
+  store8(b.p + i, p, stream);
+  store8(b.m + i, m, stream);
+  store8(b.v + i, v, stream);
   return p;
 }
 
-template <bool kBf16Grad, bool kOut, bool kBackup>
+template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   HFSO_TARGET_AVX2 static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const Consts c = make_consts(h);
-    // Scalar head up to a 32-byte boundary of the streamed output (see the AVX-512 body).
-    const uintptr_t anchor = kOut      ? reinterpret_cast<uintptr_t>(b.p_bf16 + i)
-                             : kBackup ? reinterpret_cast<uintptr_t>(b.bk_p + i)
-                                       : reinterpret_cast<uintptr_t>(b.p + i);
-    const int64_t esize = kOut ? 2 : 4;
-    int64_t head = static_cast<int64_t>(((32 - (anchor & 31)) & 31) / esize);
-    head = head < end - i ? head : end - i;
-    adamw_step_scalar_loop<kBf16Grad, kOut, kBackup>(b, h, i, i + head);
+    // Scalar head up to a cache line of the streamed output (see head_elems and the AVX-512 body).
+    const int64_t head = head_elems<kOut, kOutOfPlace>(b, i, end);
+    adamw_step_scalar_loop<kBf16Grad, kOut, kOutOfPlace>(b, h, i, i + head);
     i += head;
-    const auto aligned = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 31) == 0; };
-    const bool stream_out = kOut && b.stream_stores && aligned(b.p_bf16 + i);
-    const bool stream_bk = kBackup && b.stream_stores && aligned(b.bk_p + i) && aligned(b.bk_m + i) &&
-                           aligned(b.bk_v + i);
+    const auto aligned32 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 31) == 0; };
+    const bool stream_out = kOut && b.stream_stores && aligned32(b.p_bf16 + i);
+    // Out of place, p/m/v are write-only: streaming skips the destination's read-for-ownership (see the
+    // AVX-512 body). 16 elements per iteration = one full line per stream when line aligned.
+    const bool stream_state = kOutOfPlace && b.stream_stores && line_aligned(b.p + i) &&
+                              line_aligned(b.m + i) && line_aligned(b.v + i);
     for (; i + 16 <= end; i += 16) {
       if constexpr (kPrefetchElems > 0) {
         const int64_t j = i + kPrefetchElems;
-        _mm_prefetch(reinterpret_cast<const char*>(b.p + j), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b.m + j), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(b.v + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sp + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sm + j), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b.sv + j), _MM_HINT_T0);
         _mm_prefetch(static_cast<const char*>(b.grad) + (kBf16Grad ? 2 : 4) * j, _MM_HINT_T0);
       }
-      const __m256 p0 = step8<kBf16Grad, kBackup>(b, c, i, stream_bk);
-      const __m256 p1 = step8<kBf16Grad, kBackup>(b, c, i + 8, stream_bk);
+      const __m256 p0 = step8<kBf16Grad>(b, c, i, stream_state);
+      const __m256 p1 = step8<kBf16Grad>(b, c, i + 8, stream_state);
       if constexpr (kOut) {
         const __m256i o = pack_bf16(p0, p1);
         if (stream_out) {
@@ -167,13 +161,13 @@ struct Step {
         }
       }
     }
-    adamw_step_scalar_loop<kBf16Grad, kOut, kBackup>(b, h, i, end);
-    if (stream_out || stream_bk) _mm_sfence();
+    adamw_step_scalar_loop<kBf16Grad, kOut, kOutOfPlace>(b, h, i, end);
+    if (stream_out || stream_state) _mm_sfence();
   }
 };
 
 HFSO_TARGET_AVX2 inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
-  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.bk_p != nullptr, b, h, begin, end);
+  dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
 }
 
 HFSO_TARGET_AVX2 inline void undo_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {

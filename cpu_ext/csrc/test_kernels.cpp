@@ -6,7 +6,8 @@
 //
 // fp32 state: within kUlpTol ulps of the scalar path (the paths are designed to agree bit for bit; the
 // report says whether they did). bf16 output: exactly the round-to-nearest-even of the path's own fp32
-// result, including NaN, infinities, ties and denormals. Backup: exactly the pre-step state.
+// result, including NaN, infinities, ties and denormals. Out of place (and mixed: one array in place, the
+// others not): bit for bit the same path's in-place result, source unchanged, over several ping-pong steps.
 // Exit status 0 when every check passed.
 #include <algorithm>
 #include <cinttypes>
@@ -75,11 +76,13 @@ struct Buf {
   }
 };
 
+constexpr uint32_t kSentinel = 0x7fc0dead;  // initial contents of the out-of-place destinations
+
 struct State {
-  Buf<float> p, m, v, g32, bp, bm, bv;
+  Buf<float> p, m, v, g32, dp, dm, dv;
   Buf<uint16_t> g16, out;
-  State(int64_t n, int off, int off_out)
-      : p(n, off), m(n, off), v(n, off), g32(n, off), bp(n, off_out), bm(n, off_out), bv(n, off_out),
+  State(int64_t n, int off, int off_out, int off_dst)
+      : p(n, off), m(n, off), v(n, off), g32(n, off), dp(n, off_dst), dm(n, off_dst), dv(n, off_dst),
         g16(n, off), out(n, off_out) {}
 };
 
@@ -93,61 +96,111 @@ void fill(State& s, int64_t n, uint32_t seed) {
     s.g32.data[i] = nd(rng) * (i % 7 == 0 ? 100.0f : 1.0f);
     s.g16.data[i] = hfso::f32_to_bf16_bits(s.g32.data[i]);
     s.out.data[i] = 0xdead;
+    s.dp.data[i] = s.dm.data[i] = s.dv.data[i] = from_bits(kSentinel);
   }
 }
+
+// kMixed: m in place, p and v out of place (the kernel then keeps regular stores).
+enum class Mode { kInPlace, kOutOfPlace, kMixed };
 
 struct Options {
-  bool bf16_grad, out, backup, stream;
+  bool bf16_grad, out;
+  Mode mode;
+  bool stream;
 };
 
-AdamBuffers buffers(State& s, const Options& o) {
-  return AdamBuffers{s.p.data,
-                     s.m.data,
-                     s.v.data,
-                     o.bf16_grad ? static_cast<const void*>(s.g16.data) : static_cast<const void*>(s.g32.data),
-                     o.bf16_grad,
-                     o.out ? s.out.data : nullptr,
-                     o.backup ? s.bp.data : nullptr,
-                     o.backup ? s.bm.data : nullptr,
-                     o.backup ? s.bv.data : nullptr,
-                     o.stream};
+// Where each of p/m/v currently lives in a State and where the next step writes it: out of place the
+// state ping-pongs between the two buffers (double buffering), in place it stays put.
+struct Cursor {
+  float* cur[3];
+  float* nxt[3];
+  bool moves[3];
+  Cursor(State& s, Mode mode) {
+    float* src[3] = {s.p.data, s.m.data, s.v.data};
+    float* dst[3] = {s.dp.data, s.dm.data, s.dv.data};
+    for (int k = 0; k < 3; ++k) {
+      moves[k] = mode == Mode::kOutOfPlace || (mode == Mode::kMixed && k != 1);
+      cur[k] = src[k];
+      nxt[k] = moves[k] ? dst[k] : src[k];
+    }
+  }
+  AdamBuffers buffers(State& s, const Options& o) const {
+    return AdamBuffers{nxt[0],
+                       nxt[1],
+                       nxt[2],
+                       cur[0],
+                       cur[1],
+                       cur[2],
+                       o.bf16_grad ? static_cast<const void*>(s.g16.data) : static_cast<const void*>(s.g32.data),
+                       o.bf16_grad,
+                       o.out ? s.out.data : nullptr,
+                       o.mode == Mode::kOutOfPlace,
+                       o.stream};
+  }
+  void advance() {
+    for (int k = 0; k < 3; ++k) {
+      if (moves[k]) std::swap(cur[k], nxt[k]);
+    }
+  }
+};
+
+AdamBuffers inplace(State& s, bool bf16_grad, bool out) {
+  return Cursor(s, Mode::kInPlace).buffers(s, {bf16_grad, out, Mode::kInPlace, false});
 }
 
-// Runs `steps` steps over [begin, end) with `isa` and with the scalar path and compares the results.
-void check_step(Isa isa, int64_t n, int64_t begin, int64_t end, int off, int off_out, const Options& o,
-                int steps, double wd, double grad_scale) {
-  State a(n, off, off_out), r(n, off, off_out);
-  fill(a, n, 1234 + static_cast<uint32_t>(n));
-  fill(r, n, 1234 + static_cast<uint32_t>(n));
-  std::vector<float> pre_p, pre_m, pre_v;
+// Runs `steps` steps over [begin, end) with `isa` (in o.mode), with `isa` in place, and with the scalar path
+// in place, and compares: the same path bit for bit, the scalar path within kUlpTol.
+void check_step(Isa isa, int64_t n, int64_t begin, int64_t end, int off, int off_out, int off_dst,
+                const Options& o, int steps, double wd, double grad_scale) {
+  State a(n, off, off_out, off_dst), ip(n, off, off_out, off_dst), r(n, off, off_out, off_dst);
+  for (State* s : {&a, &ip, &r}) fill(*s, n, 1234 + static_cast<uint32_t>(n));
+  const std::vector<float*> arrays_a = {a.p.data, a.m.data, a.v.data, a.dp.data, a.dm.data, a.dv.data};
+  std::vector<std::vector<float>> init;
+  for (float* x : arrays_a) init.emplace_back(x, x + n);
+  Cursor ca(a, o.mode), cip(ip, Mode::kInPlace), cr(r, Mode::kInPlace);
+  const Options o_in{o.bf16_grad, o.out, Mode::kInPlace, o.stream};
+  const char* name = hfso::isa_name(isa);
   for (int step = 1; step <= steps; ++step) {
     const AdamHyper h = hfso::make_hyper(step, 1e-2, 0.9, 0.999, 1e-8, wd, grad_scale);
-    pre_p.assign(a.p.data, a.p.data + n);
-    pre_m.assign(a.m.data, a.m.data + n);
-    pre_v.assign(a.v.data, a.v.data + n);
-    hfso::step_range(isa, buffers(a, o), h, begin, end);
-    hfso::step_range(Isa::kScalar, buffers(r, o), h, begin, end);
+    std::vector<std::vector<float>> pre;
+    for (int k = 0; k < 3; ++k) pre.emplace_back(ca.cur[k], ca.cur[k] + n);
+    hfso::step_range(isa, ca.buffers(a, o), h, begin, end);
+    hfso::step_range(isa, cip.buffers(ip, o_in), h, begin, end);
+    hfso::step_range(Isa::kScalar, cr.buffers(r, o_in), h, begin, end);
+    ca.advance();
+    for (int k = 0; k < 3; ++k) {
+      if (!ca.moves[k]) continue;
+      for (int64_t i = 0; i < n; ++i) {
+        CHECK(bits(ca.nxt[k][i]) == bits(pre[static_cast<size_t>(k)][static_cast<size_t>(i)]),
+              "%s n=%" PRId64 " step %d modified source array %d at %" PRId64, name, n, step, k, i);
+      }
+    }
   }
-  const char* name = hfso::isa_name(isa);
+  const float* got[3] = {ca.cur[0], ca.cur[1], ca.cur[2]};
+  const float* twin[3] = {ip.p.data, ip.m.data, ip.v.data};
+  const float* ref[3] = {r.p.data, r.m.data, r.v.data};
   for (int64_t i = 0; i < n; ++i) {
-    const bool inside = i >= begin && i < end;
-    const int64_t d = std::max({ulp_diff(a.p.data[i], r.p.data[i]), ulp_diff(a.m.data[i], r.m.data[i]),
-                                ulp_diff(a.v.data[i], r.v.data[i])});
+    if (i < begin || i >= end) {  // nothing outside the range is written, in any buffer
+      for (size_t k = 0; k < arrays_a.size(); ++k) {
+        CHECK(bits(arrays_a[k][i]) == bits(init[k][static_cast<size_t>(i)]),
+              "%s wrote outside its range: array %zu at %" PRId64, name, k, i);
+      }
+      if (o.out) CHECK(a.out.data[i] == 0xdead, "%s wrote bf16 outside its range at %" PRId64, name, i);
+      continue;
+    }
+    int64_t d = 0;
+    for (int k = 0; k < 3; ++k) {
+      d = std::max(d, ulp_diff(got[k][i], ref[k][i]));
+      CHECK(bits(got[k][i]) == bits(twin[k][i]), "%s n=%" PRId64 " i=%" PRId64 " array %d: %.9g differs from "
+            "the in-place result %.9g (mode %d)", name, n, i, k, got[k][i], twin[k][i], static_cast<int>(o.mode));
+    }
     g_max_ulp = std::max(g_max_ulp, d);
     CHECK(d <= kUlpTol, "%s n=%" PRId64 " i=%" PRId64 " p %.9g vs %.9g (%" PRId64 " ulp)", name, n, i,
-          a.p.data[i], r.p.data[i], d);
+          got[0][i], ref[0][i], d);
     if (o.out) {
-      const uint16_t want = inside ? hfso::f32_to_bf16_bits(a.p.data[i]) : uint16_t{0xdead};
-      CHECK(a.out.data[i] == want, "%s n=%" PRId64 " i=%" PRId64 " bf16 %04x want %04x", name, n, i,
-            a.out.data[i], want);
-    }
-    if (o.backup && inside) {
-      CHECK(bits(a.bp.data[i]) == bits(pre_p[i]) && bits(a.bm.data[i]) == bits(pre_m[i]) &&
-                bits(a.bv.data[i]) == bits(pre_v[i]),
-            "%s n=%" PRId64 " i=%" PRId64 " backup differs from the pre-step state", name, n, i);
-    }
-    if (!inside) {
-      CHECK(bits(a.p.data[i]) == bits(r.p.data[i]), "%s wrote outside its range at %" PRId64, name, i);
+      const uint16_t want = hfso::f32_to_bf16_bits(got[0][i]);
+      CHECK(a.out.data[i] == want && a.out.data[i] == ip.out.data[i], "%s n=%" PRId64 " i=%" PRId64
+            " bf16 %04x want %04x (in place %04x)", name, n, i, a.out.data[i], want, ip.out.data[i]);
     }
   }
 }
@@ -164,14 +217,14 @@ void check_bf16_rounding(Isa isa, int n_random) {
   for (int i = 0; i < n_random; ++i) specials.push_back(rng());
   const int64_t n = static_cast<int64_t>(specials.size());
   for (int off : {0, 3}) {
-    State s(n, off, off);
+    State s(n, off, off, off);
     for (int64_t i = 0; i < n; ++i) {
       s.p.data[i] = from_bits(specials[i]);
       s.m.data[i] = s.v.data[i] = s.g32.data[i] = 0.0f;
       s.g16.data[i] = 0;
     }
     const AdamHyper h = hfso::make_hyper(1, 0.0, 0.9, 0.999, 1e-8, 0.0, 1.0);
-    hfso::step_range(isa, buffers(s, {true, true, false, false}), h, 0, n);
+    hfso::step_range(isa, inplace(s, true, true), h, 0, n);
     for (int64_t i = 0; i < n; ++i) {
       CHECK(bits(s.p.data[i]) == specials[i] || (std::isnan(s.p.data[i]) && std::isnan(from_bits(specials[i]))),
             "%s lr=0 changed p %08x -> %08x", hfso::isa_name(isa), specials[i], bits(s.p.data[i]));
@@ -189,14 +242,13 @@ void check_bf16_rounding(Isa isa, int n_random) {
 }
 
 void check_undo(Isa isa, int64_t n, bool bf16_grad, bool out) {
-  State s(n, 1, 1);
+  State s(n, 1, 1, 1);
   fill(s, n, 99);
   const std::vector<float> p0(s.p.data, s.p.data + n), m0(s.m.data, s.m.data + n), v0(s.v.data, s.v.data + n);
   const AdamHyper h = hfso::make_hyper(3, 1e-3, 0.9, 0.999, 1e-8, 0.1, 0.5);
-  const Options o{bf16_grad, out, false, false};
-  hfso::step_range(isa, buffers(s, o), h, 0, n);
+  hfso::step_range(isa, inplace(s, bf16_grad, out), h, 0, n);
   const std::vector<float> p1(s.p.data, s.p.data + n), m1(s.m.data, s.m.data + n), v1(s.v.data, s.v.data + n);
-  hfso::undo_range(isa, buffers(s, o), h, 0, n);
+  hfso::undo_range(isa, inplace(s, bf16_grad, out), h, 0, n);
   // The inverse cancels terms of the post-step value, so its error scales with that value.
   const auto tol = [](float post, float orig) { return 16 * 1.1920929e-7f * (std::fabs(post) + std::fabs(orig)) / 0.9f; };
   for (int64_t i = 0; i < n; ++i) {
@@ -210,7 +262,7 @@ void check_undo(Isa isa, int64_t n, bool bf16_grad, bool out) {
 }
 
 void check_sumsq(Isa isa, int64_t n, bool bf16, int n_bad) {
-  State s(n, 1, 1);
+  State s(n, 1, 1, 1);
   fill(s, n, 5);
   for (int k = 0; k < n_bad && n > 0; ++k) {
     const int64_t i = (k * 7919) % n;
@@ -274,12 +326,19 @@ int main(int argc, char** argv) {
   for (Isa isa : isas) {
     for (int64_t n : sizes) {
       for (int mask = 0; mask < 16; ++mask) {
-        const Options o{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0, (mask & 8) != 0};
-        const int off = (n + mask) % 5, off_out = (n + 3 * mask) % 3;
-        check_step(isa, n, 0, n, off, off_out, o, 1, 0.01, 1.0);
-        if (n > 10) check_step(isa, n, 3, n - 5, off, off_out, o, 1, 0.0, 0.37);  // a thread's interior share
+        const Options o{(mask & 1) != 0, (mask & 2) != 0, (mask & 4) != 0 ? Mode::kOutOfPlace : Mode::kInPlace,
+                        (mask & 8) != 0};
+        const int off = (n + mask) % 5, off_out = (n + 3 * mask) % 3, off_dst = (n + 5 * mask) % 7;
+        check_step(isa, n, 0, n, off, off_out, off_dst, o, 1, 0.01, 1.0);
+        if (n > 10) check_step(isa, n, 3, n - 5, off, off_out, off_dst, o, 1, 0.0, 0.37);  // a thread's share
       }
-      check_step(isa, n, 0, n, 0, 0, {true, true, true, true}, 6, 0.1, 0.5);  // several steps
+      // Several steps (ping-pong when out of place); all aligned, so the bf16 copy anchors the head and
+      // p/m/v stream; then a destination that cannot share the bf16 copy's alignment (anchor on p).
+      for (Mode mode : {Mode::kInPlace, Mode::kOutOfPlace, Mode::kMixed}) {
+        check_step(isa, n, 0, n, 0, 0, 0, {true, true, mode, true}, 6, 0.1, 0.5);
+        check_step(isa, n, 0, n, 1, 0, 3, {false, true, mode, true}, 3, 0.1, 0.5);
+        if (n > 10) check_step(isa, n, 5, n - 2, 2, 1, 9, {true, false, mode, true}, 2, 0.0, 1.0);
+      }
       check_undo(isa, n, (n & 1) != 0, true);
       check_undo(isa, n, (n & 1) == 0, false);
       for (int bad : {0, 3}) {

@@ -32,8 +32,8 @@ class CastSide(enum.Enum):
 
 
 class Rollback(enum.Enum):
-    SNAPSHOT = "snapshot"
-    """The speculative pass writes the pre-step state aside: bit-exact undo, +12 B/param host RAM."""
+    DOUBLE_BUFFER = "double_buffer"
+    """Two copies of the host state; a step reads one and writes the other: bit-exact, free undo, +12 B/param."""
     INVERSE = "inverse"
     """Algebraic inverse of AdamW: no extra memory, fp32-rounding-exact undo."""
 
@@ -95,7 +95,7 @@ class OffloadPlan:
     def host_bytes(self) -> int:
         """Host RAM for optimizer state and the DMA buffers."""
         # p/m/v, then bf16 landing + bf16 staging (CPU cast) or an fp32 landing (GPU cast): 4 B either way
-        per = 12 + 4 + (12 if self.rollback is Rollback.SNAPSHOT else 0)
+        per = 12 + 4 + (12 if self.rollback is Rollback.DOUBLE_BUFFER else 0)
         return self.host_numel * per
 
     def device_bytes(self) -> int:

@@ -131,19 +131,19 @@ def make_plan(
             "host RAM is available. Keep more buckets on the GPU (gpu_resident_buckets), train fewer "
             "parameters, or add ranks/RAM."
         )
-    if config.rollback == "snapshot":
-        rollback = Rollback.SNAPSHOT
+    if config.rollback == "double_buffer":
+        rollback = Rollback.DOUBLE_BUFFER
     elif config.rollback == "inverse":
         rollback = Rollback.INVERSE
     elif avail is None or base + host_numel * 12 + _HOST_HEADROOM_BYTES <= avail:
-        rollback = Rollback.SNAPSHOT
-        notes.append("rollback: snapshot (bit-exact undo of speculative steps; host RAM allows it)")
+        rollback = Rollback.DOUBLE_BUFFER
+        notes.append("rollback: double buffer (bit-exact, free undo of speculative steps; host RAM allows it)")
     else:
         rollback = Rollback.INVERSE
-        notes.append("rollback: inverse (host RAM too small for snapshots; undo is exact to fp32 rounding)")
-    if rollback is Rollback.SNAPSHOT and avail is not None and base + host_numel * 12 + _HOST_HEADROOM_BYTES > avail:
+        notes.append("rollback: inverse (host RAM too small for a second state copy; undo exact to fp32 rounding)")
+    if rollback is Rollback.DOUBLE_BUFFER and avail is not None and base + host_numel * 12 + _HOST_HEADROOM_BYTES > avail:
         raise PlanError(
-            f"rollback='snapshot' needs {host_numel * 28 / 1024**3:.1f} GiB of host RAM but "
+            f"rollback='double_buffer' needs {host_numel * 28 / 1024**3:.1f} GiB of host RAM but "
             f"{avail / 1024**3:.1f} GiB is available; use rollback='inverse' or 'auto'"
         )
 

@@ -33,7 +33,7 @@ class BucketState(enum.Enum):
     DEFERRED = "deferred"
     """Gradients on the host, waiting for the verdict (speculation off or a non-finite gradient)."""
     SPECULATED = "speculated"
-    """Stepped before validation; the undo data (snapshot or landing gradient) is still live."""
+    """Stepped before validation; the undo data (the other state copy, or the landing gradient) is live."""
     UPLOADED = "uploaded"
     """Final; the bf16 weights were sent to the device (``h2d`` event). Staging is read by the DMA."""
 
@@ -82,10 +82,11 @@ class HostBucket(_BucketBase):
     """A bucket whose fp32 master and Adam state live in host RAM.
 
     Attributes:
-        master, exp_avg, exp_avg_sq: fp32 ``[numel]`` views into the host arenas.
+        pmv: per host state copy (one, or two when double-buffered), fp32 ``[numel]`` views of
+            (master, exp_avg, exp_avg_sq) into that copy's arenas.
         landing: ``[numel]`` model-dtype view into the page-locked gradient landing arena (D2H target).
         staging: ``[numel]`` model-dtype view into the page-locked weight staging arena (H2D source).
-        backup: three fp32 ``[numel]`` views (snapshot rollback) or ``None``.
+        gaps: slices of the bucket that were not stepped this step (parameters without a gradient).
         d2h: the landing gradient and the event after which the host may read it.
         h2d_event: recorded after the weights were scattered into the parameters.
         ready: set when the parameters on the device are final for the current step (or will be once a
@@ -93,12 +94,10 @@ class HostBucket(_BucketBase):
         applied: (hyper-parameters, grad scale) of the step currently applied to the state, for undo.
     """
 
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    pmv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     landing: torch.Tensor
-    staging: torch.Tensor
-    backup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    staging: torch.Tensor | None
+    gaps: tuple[tuple[int, int], ...]
     d2h: Handoff | None
     h2d_event: torch.cuda.Event | None
     ready: threading.Event
@@ -114,7 +113,8 @@ class HostBucket(_BucketBase):
         self.ready.set()
         self.stream_waited = True
         self.applied = None
-        self.backup = None
+        self.pmv = []
+        self.gaps = ()
 
     def _expect(self, *states: BucketState) -> None:
         if self.state not in states:
@@ -125,6 +125,14 @@ class HostBucket(_BucketBase):
     def to_offloaded(self, runs: tuple[Run, ...], d2h: Handoff) -> None:
         self._expect(BucketState.IDLE, BucketState.UPLOADED)
         self.runs, self.d2h = runs, d2h
+        covered, gaps = 0, []
+        for r in runs:
+            if r.start > covered:
+                gaps.append((covered, r.start))
+            covered = r.end
+        if covered < self.spec.numel:
+            gaps.append((covered, self.spec.numel))
+        self.gaps = tuple(gaps)
         self.ready.clear()
         self.stream_waited = False
         self.applied = None

@@ -51,6 +51,10 @@ class _StepContext:
     speculative: bool
     spec_hyper: Hyper
     max_grad_norm: float | None
+    src: int
+    """Host state copy this step reads (double buffer: the current one)."""
+    dst: int
+    """Host state copy this step writes (double buffer: the other one; in place: ``src``)."""
     verdict: Verdict | None = None
     saw_nonfinite: bool = False
     partial_sumsq: float = 0.0
@@ -142,6 +146,9 @@ class OffloadEngine:
         self.consistent = True
         """False once a worker failure left a validated step half applied (the state must not be saved)."""
 
+        if self.plan.host_numel:
+            # Build/load the CPU Adam library now, not inside the first step (a first JIT build takes ~15 s).
+            logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), self.plan.cpu_threads)
         self._build_buckets()
         self._install_hooks(modules)
         self._worker = CpuWorker(device=self.device, on_error=self._wake_all)
@@ -156,23 +163,25 @@ class OffloadEngine:
         # GPU cast -> fp32 landing, and the fp32 master itself is the (pinned) upload source.
         self._cast_on_cpu = plan.cast_side is CastSide.CPU
         link_dtype = self.dtype if self._cast_on_cpu else torch.float32
-        self._arenas = {
-            "master": HostBuffer(n_host, torch.float32, pin=pin and not self._cast_on_cpu, name="fp32 master"),
-            "exp_avg": HostBuffer(n_host, torch.float32, pin=False, name="exp_avg"),
-            "exp_avg_sq": HostBuffer(n_host, torch.float32, pin=False, name="exp_avg_sq"),
-            "landing": HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing"),
-        }
+        copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
+        self._arenas: dict[str, HostBuffer] = {}
+        for k in range(copies):
+            self._arenas[f"master{k}"] = HostBuffer(n_host, torch.float32, pin=pin and not self._cast_on_cpu,
+                                                    name=f"fp32 master (copy {k})")
+            self._arenas[f"exp_avg{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg (copy {k})")
+            self._arenas[f"exp_avg_sq{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg_sq (copy {k})")
+        self._arenas["landing"] = HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing")
         if self._cast_on_cpu:
             self._arenas["staging"] = HostBuffer(n_host, self.dtype, pin=pin, name="weight staging")
-        if plan.rollback is Rollback.SNAPSHOT:
-            for k in ("backup_p", "backup_m", "backup_v"):
-                self._arenas[k] = HostBuffer(n_host, torch.float32, pin=False, name=k)
+        self._copies = copies
+        self._cur = 0  # the host state copy that holds the committed state
         self._dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
         self._dev_exp_avg = torch.zeros(n_dev, dtype=torch.float32, device=dev)
         self._dev_exp_avg_sq = torch.zeros(n_dev, dtype=torch.float32, device=dev)
         a = {k: v.tensor for k, v in self._arenas.items()}
-        a["exp_avg"].zero_()
-        a["exp_avg_sq"].zero_()
+        for k in range(copies):
+            a[f"exp_avg{k}"].zero_()
+            a[f"exp_avg_sq{k}"].zero_()
 
         self.host_buckets: list[HostBucket] = []
         self.device_buckets: list[DeviceBucket] = []
@@ -183,11 +192,9 @@ class OffloadEngine:
             sl = slice(spec.offset, spec.offset + spec.numel)
             if spec.placement is Placement.HOST:
                 b = HostBucket(spec, ps)
-                b.master, b.exp_avg, b.exp_avg_sq = a["master"][sl], a["exp_avg"][sl], a["exp_avg_sq"][sl]
+                b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(copies)]
                 b.landing = a["landing"][sl]
-                b.staging = a["staging"][sl] if self._cast_on_cpu else b.master
-                if plan.rollback is Rollback.SNAPSHOT:
-                    b.backup = (a["backup_p"][sl], a["backup_m"][sl], a["backup_v"][sl])
+                b.staging = a["staging"][sl] if self._cast_on_cpu else None
                 self.host_buckets.append(b)
             else:
                 b = DeviceBucket(spec, ps)
@@ -209,15 +216,22 @@ class OffloadEngine:
         with torch.no_grad():
             self._load_masters_from_params()
 
+    def _master(self, b: HostBucket | DeviceBucket, copy: int | None = None) -> torch.Tensor:
+        """The fp32 master of ``b`` (host buckets: in state copy ``copy``, default the committed one)."""
+        if isinstance(b, DeviceBucket):
+            return b.master
+        return b.pmv[self._cur if copy is None else copy][0]
+
     def _load_masters_from_params(self) -> None:
         """fp32 master := the parameters' current values (exact for fp32 models); staging := bf16 of it."""
         for b in self.buckets:
             offset = 0
+            master = self._master(b)
             for p, n in zip(b.params, b.sizes):
-                b.master[offset : offset + n].copy_(p.detach().reshape(-1))
+                master[offset : offset + n].copy_(p.detach().reshape(-1))
                 offset += n
-            if isinstance(b, HostBucket) and self._cast_on_cpu:
-                b.staging.copy_(b.master)
+            if isinstance(b, HostBucket) and b.staging is not None:
+                b.staging.copy_(master)
 
     def _install_hooks(self, modules: Sequence[torch.nn.Module]) -> None:
         self._handles: list[Any] = []
@@ -288,7 +302,8 @@ class OffloadEngine:
             self._worker.raise_if_failed()
             self._grad_stats.zero_()
             self._ctx = _StepContext(speculative=self.plan.speculation and self.governor.speculate_next(),
-                                     spec_hyper=self.hyper_fn(), max_grad_norm=self.max_grad_norm_fn())
+                                     spec_hyper=self.hyper_fn(), max_grad_norm=self.max_grad_norm_fn(),
+                                     src=self._cur, dst=(self._cur + 1) % self._copies)
         return self._ctx
 
     def _flush(self, b: HostBucket | DeviceBucket) -> None:
@@ -354,104 +369,110 @@ class OffloadEngine:
                     return
             b.to_running()
         if verdict is not None:
-            self._finish(b, verdict, speculated=False)
+            self._finish(b, ctx, verdict, speculated=False)
             return
-        self._cpu_step(b, ctx.spec_hyper, 1.0, snapshot=self.plan.rollback is Rollback.SNAPSHOT)
+        self._cpu_step(b, ctx, ctx.spec_hyper, 1.0)
         with self._lock:
             self._acc.speculated_buckets += 1
             verdict = ctx.verdict
             if verdict is None:
                 b.to_speculated()
                 return
-        self._finish(b, verdict, speculated=True)
+        self._finish(b, ctx, verdict, speculated=True)
 
-    def _finish(self, b: HostBucket, verdict: Verdict, *, speculated: bool) -> None:
+    def _finish(self, b: HostBucket, ctx: _StepContext, verdict: Verdict, *, speculated: bool) -> None:
         """Bring a RUNNING bucket to its final state for ``verdict``."""
         try:
-            self._finish_unguarded(b, verdict, speculated=speculated)
+            self._finish_unguarded(b, ctx, verdict, speculated=speculated)
         except BaseException:
             if verdict.kind is not StepVerdict.SKIP:
                 self.consistent = False  # a validated step is half applied: refuse to checkpoint it
             raise
 
-    def _finish_unguarded(self, b: HostBucket, verdict: Verdict, *, speculated: bool) -> None:
+    def _finish_unguarded(self, b: HostBucket, ctx: _StepContext, verdict: Verdict, *, speculated: bool) -> None:
         if speculated and not (verdict.kind is StepVerdict.COMMIT and b.applied == (verdict.hyper, verdict.grad_scale)):
             with self._lock:
                 self._acc.wasted_buckets += 1
         if verdict.kind is StepVerdict.SKIP:
             if speculated:
-                self._undo(b)
+                self._undo(b, ctx)
             with self._lock:
                 b.to_idle_skipped()
             self._unwaited.discard(b.index)
             return
         if not (speculated and b.applied == (verdict.hyper, verdict.grad_scale)):
             if speculated:
-                self._undo(b)
-            self._cpu_step(b, verdict.hyper, verdict.grad_scale, snapshot=False)
-        self._upload(b)
+                self._undo(b, ctx)
+            self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale)
+        if ctx.dst != ctx.src:  # parameters without a gradient keep their state in the new copy too
+            for start, end in b.gaps:
+                for d, s_ in zip(b.pmv[ctx.dst], b.pmv[ctx.src]):
+                    d[start:end].copy_(s_[start:end])
+        self._upload(b, ctx.dst)
 
-    def _finish_task(self, b: HostBucket, verdict: Verdict, speculated: bool) -> None:
+    def _finish_task(self, b: HostBucket, ctx: _StepContext, verdict: Verdict, speculated: bool) -> None:
         with self._lock:
             b.to_running()
-        self._finish(b, verdict, speculated=speculated)
+        self._finish(b, ctx, verdict, speculated=speculated)
 
-    def _cpu_step(self, b: HostBucket, hyper: Hyper, scale: float, *, snapshot: bool) -> None:
+    def _cpu_step(self, b: HostBucket, ctx: _StepContext, hyper: Hyper, scale: float) -> None:
+        """AdamW on ``b``'s stepped slices: read state copy ``ctx.src``, write ``ctx.dst`` (the same in place)."""
         t0 = time.perf_counter()
+        (p_src, m_src, v_src), (p, m, v) = b.pmv[ctx.src], b.pmv[ctx.dst]
         with torch.profiler.record_function("superoffload::cpu_adam"):
             for r in b.runs:
                 lr, beta1, beta2, eps, wd = hyper[r.group]
                 sl = slice(r.start, r.end)
                 ops.cpu_adamw_step_(
-                    b.master[sl], b.landing[sl], b.exp_avg[sl], b.exp_avg_sq[sl],
+                    p[sl], b.landing[sl], m[sl], v[sl],
                     step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
-                    param_bf16_out=b.staging[sl] if self._cast_on_cpu else None,
-                    backup=tuple(t[sl] for t in b.backup) if snapshot and b.backup is not None else None,
+                    param_bf16_out=b.staging[sl] if b.staging is not None else None,
+                    source=(p_src[sl], m_src[sl], v_src[sl]) if ctx.dst != ctx.src else None,
                     num_threads=self.plan.cpu_threads,
                 )
         b.applied = (hyper, scale)
         with self._lock:
             self._acc.cpu_s += time.perf_counter() - t0
 
-    def _undo(self, b: HostBucket) -> None:
+    def _undo(self, b: HostBucket, ctx: _StepContext) -> None:
+        """Take back a speculative step. Double buffer: the source copy is intact, only staging is refreshed."""
         assert b.applied is not None
         hyper, scale = b.applied
         t0 = time.perf_counter()
+        p, m, v = b.pmv[ctx.src]
         with torch.profiler.record_function("superoffload::undo"):
             for r in b.runs:
                 sl = slice(r.start, r.end)
-                if b.backup is not None and self.plan.rollback is Rollback.SNAPSHOT:
-                    for dst, src in zip((b.master, b.exp_avg, b.exp_avg_sq), b.backup):
-                        dst[sl].copy_(src[sl])
-                else:
+                if ctx.dst == ctx.src:
                     lr, beta1, beta2, eps, wd = hyper[r.group]
                     ops.cpu_adamw_undo_(
-                        b.master[sl], b.landing[sl], b.exp_avg[sl], b.exp_avg_sq[sl],
+                        p[sl], b.landing[sl], m[sl], v[sl],
                         step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
                         param_bf16_out=None, num_threads=self.plan.cpu_threads,
                     )
-                if self._cast_on_cpu:
-                    b.staging[sl].copy_(b.master[sl])
+                if b.staging is not None:
+                    b.staging[sl].copy_(p[sl])
         b.applied = None
         with self._lock:
             self._acc.cpu_s += time.perf_counter() - t0
 
-    def _upload(self, b: HostBucket) -> None:
+    def _upload(self, b: HostBucket, copy: int) -> None:
         s = self.streams
+        source = b.staging if b.staging is not None else b.pmv[copy][0]  # GPU cast: the fp32 master itself
         with torch.profiler.record_function("superoffload::upload"):
             if not s.is_cuda:
-                scatter_flat_(b.staging, b.params)
+                scatter_flat_(source, b.params)
                 event = None
             else:
                 with torch.cuda.stream(s.h2d):
                     assert b.d2h is not None
                     b.d2h.wait_stream(s.h2d)
-                    flat = torch.empty(b.spec.numel, dtype=b.staging.dtype, device=self.device)
-                    flat.copy_(b.staging, non_blocking=True)
+                    flat = torch.empty(b.spec.numel, dtype=source.dtype, device=self.device)
+                    flat.copy_(source, non_blocking=True)
                     scatter_flat_(flat, b.params)
                     event = s.record(s.h2d)
         with self._lock:
-            self._acc.h2d_bytes += b.staging.numel() * b.staging.element_size()
+            self._acc.h2d_bytes += source.numel() * source.element_size()
             b.to_uploaded(event)
 
     def _wake_all(self) -> None:
@@ -524,10 +545,11 @@ class OffloadEngine:
         pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
         for b in pending:
             self._worker.submit(self._need_order(b), f"finishing {b.describe()}",
-                                lambda b=b: self._finish_task(b, verdict, states[b.index] is BucketState.SPECULATED))
+                                lambda b=b: self._finish_task(b, ctx, verdict, states[b.index] is BucketState.SPECULATED))
         with torch.profiler.record_function("superoffload::device_adam"):
             self._step_device(verdict)
         if verdict.kind is not StepVerdict.SKIP:
+            self._cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             for b in self.buckets:
                 for r in b.runs:
                     offset = 0
@@ -579,16 +601,17 @@ class OffloadEngine:
             pending = [(b, b.state is BucketState.SPECULATED) for b in self.host_buckets
                        if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
             broken = [b for b in self.host_buckets if b.state is BucketState.RUNNING]
+        ctx = self._ctx
         if self._worker.failed:
             for b, spec in pending:
-                self._finish_task(b, skip, spec)
+                self._finish_task(b, ctx, skip, spec)
             for b in broken:
                 logger.error("hf_superoffload: %s failed inside its CPU step; its state may be partly updated", b.describe())
                 b.ready.set()
         else:
             for b, spec in pending:
                 self._worker.submit(self._need_order(b), f"aborting {b.describe()}",
-                                    lambda b=b, spec=spec: self._finish_task(b, skip, spec))
+                                    lambda b=b, spec=spec: self._finish_task(b, ctx, skip, spec))
             self._worker.drain(self.timeout_s)
         for b in self.device_buckets:
             b.grad = None
@@ -619,7 +642,7 @@ class OffloadEngine:
     def flat_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live flat arenas: ``{"host": {...}, "device": {...}}`` with master, exp_avg, exp_avg_sq."""
         return {
-            "host": {k: self._arenas[k].tensor for k in ("master", "exp_avg", "exp_avg_sq")},
+            "host": {k: self._arenas[f"{k}{self._cur}"].tensor for k in ("master", "exp_avg", "exp_avg_sq")},
             "device": {"master": self._dev_master, "exp_avg": self._dev_exp_avg, "exp_avg_sq": self._dev_exp_avg_sq},
         }
 
@@ -638,9 +661,10 @@ class OffloadEngine:
         """After loading state: staging := bf16(master) and parameters := bf16(master)."""
         with torch.no_grad():
             for b in self.buckets:
-                if isinstance(b, HostBucket) and self._cast_on_cpu:
-                    b.staging.copy_(b.master)
-                scatter_flat_(b.master, b.params)
+                master = self._master(b)
+                if isinstance(b, HostBucket) and b.staging is not None:
+                    b.staging.copy_(master)
+                scatter_flat_(master, b.params)
         if self.streams.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
 

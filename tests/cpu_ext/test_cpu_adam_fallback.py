@@ -30,18 +30,57 @@ def test_fallback_step_matches_reference(grad_dtype: torch.dtype, grad_scale: fl
     cpu_ext.reference.adamw_step_(ref[0], g, ref[1], ref[2], step=3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
     before = (p.clone(), m.clone(), v.clone())
     out = torch.empty(n, dtype=torch.bfloat16)
-    backup = (torch.empty(n), torch.empty(n), torch.empty(n))
-    _fallback.adamw_step_(
-        p, g, m, v, step=3, weight_decay=0.1, grad_scale=grad_scale, param_bf16_out=out, backup=backup, **HYPER
-    )
+    _fallback.adamw_step_(p, g, m, v, step=3, weight_decay=0.1, grad_scale=grad_scale, param_bf16_out=out, **HYPER)
     for got, want in zip((p, m, v), ref):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
     assert torch.equal(out, p.to(torch.bfloat16))
-    assert all(torch.equal(a, b) for a, b in zip(backup, before))
     assert torch.equal(g, g_before)  # the caller's gradient is not scaled in place
 
     _fallback.adamw_undo_(p, g, m, v, step=3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
     torch.testing.assert_close(p, before[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["fallback", "reference"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_out_of_place_source(impl: str, grad_dtype: torch.dtype) -> None:
+    """``source``: bit for bit the in-place step of the same implementation; the source is left unchanged."""
+    step_ = _fallback.adamw_step_ if impl == "fallback" else cpu_ext.reference.adamw_step_
+    n = 1023
+    gen = torch.Generator().manual_seed(2)
+    src = (torch.randn(n, generator=gen), 0.1 * torch.randn(n, generator=gen), torch.rand(n, generator=gen))
+    g = torch.randn(n, generator=gen).to(grad_dtype)
+    snapshot = [t.clone() for t in src]
+    dst = tuple(torch.full((n,), float("nan")) for _ in range(3))
+    out_oop, out_in = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    kwargs = {"step": 3, "weight_decay": 0.1, "grad_scale": 0.5, **HYPER}
+
+    step_(dst[0], g, dst[1], dst[2], param_bf16_out=out_oop, source=src, **kwargs)
+
+    assert all(torch.equal(a, b) for a, b in zip(src, snapshot))
+    p, m, v = (t.clone() for t in src)
+    step_(p, g, m, v, param_bf16_out=out_in, **kwargs)
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(dst, (p, m, v)))
+    assert torch.equal(out_oop, out_in)
+    # Identical tensors mean in place.
+    q, mm, vv = (t.clone() for t in snapshot)
+    step_(q, g, mm, vv, source=(q, mm, vv), **kwargs)
+    assert torch.equal(torch.cat([q, mm, vv]), torch.cat([p, m, v]))
+
+
+@pytest.mark.parametrize("impl", ["fallback", "reference"])
+def test_overlapping_source_raises(impl: str) -> None:
+    step_ = _fallback.adamw_step_ if impl == "fallback" else cpu_ext.reference.adamw_step_
+    kwargs = {"step": 1, "weight_decay": 0.0, **HYPER}
+    buf = torch.randn(40)
+    m, v, g = torch.zeros(16), torch.zeros(16), torch.randn(16)
+    with pytest.raises(ValueError, match="src_param partially overlaps param"):
+        step_(buf[:16], g, m, v, source=(buf[4:20], torch.zeros(16), torch.zeros(16)), **kwargs)
+    with pytest.raises(ValueError, match="src_param and exp_avg must not share memory"):
+        step_(buf[:16], g, m, v, source=(m, torch.zeros(16), torch.zeros(16)), **kwargs)
+    with pytest.raises(ValueError, match="src_exp_avg and grad must not share memory"):
+        step_(buf[:16], g, m, v, source=(torch.zeros(16), g, torch.zeros(16)), **kwargs)
+    with pytest.raises(ValueError, match="three tensors"):
+        step_(buf[:16], g, m, v, source=(torch.zeros(16),), **kwargs)  # type: ignore[arg-type]
 
 
 def test_fallback_sumsq() -> None:
@@ -61,6 +100,10 @@ with warnings.catch_warnings(record=True) as caught:
     for step in (1, 2):
         ops.cpu_adamw_step_(p, torch.randn(64).bfloat16(), m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999,
                             eps=1e-8, weight_decay=0.0, param_bf16_out=torch.empty(64, dtype=torch.bfloat16))
+    dst = (torch.empty(64), torch.empty(64), torch.empty(64))
+    ops.cpu_adamw_step_(dst[0], torch.randn(64), dst[1], dst[2], step=3, lr=1e-3, beta1=0.9, beta2=0.999,
+                        eps=1e-8, weight_decay=0.0, source=(p, m, v))
+    assert not torch.equal(dst[0], p) and torch.isfinite(torch.cat(dst)).all()
     sumsq, bad = ops.grad_sumsq_nonfinite(torch.ones(10))
     assert (sumsq, bad) == (10.0, 0)
     print(ops.backend())

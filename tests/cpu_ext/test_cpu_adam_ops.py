@@ -27,8 +27,9 @@ def test_opcheck_step(compiled: None, with_optionals: bool) -> None:
     n = 37
     p, g, m, v = _tensors(n)
     out = torch.empty(n, dtype=torch.bfloat16) if with_optionals else None
-    bk = [torch.empty(n) for _ in range(3)] if with_optionals else [None, None, None]
-    args = (p, g, m, v, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, out, *bk, 1)
+    # With the optionals the step is out of place: p/m/v become pure outputs of the source.
+    src = [torch.randn(n), torch.randn(n), torch.rand(n)] if with_optionals else [None, None, None]
+    args = (p, g, m, v, 2, 1e-3, 0.9, 0.999, 1e-8, 0.01, 0.5, out, *src, 1)
     torch.library.opcheck(torch.ops.hf_superoffload.cpu_adamw_step.default, args)
 
 
@@ -58,14 +59,59 @@ def test_contract_violations_raise(compiled: None, mutate, match: str) -> None: 
         ops.cpu_adamw_step_(*ts, step=1, **HYPER)
 
 
-def test_step_zero_and_partial_backup_raise(compiled: None) -> None:
-    ts = _tensors(16)
+def test_step_zero_raises(compiled: None) -> None:
     with pytest.raises(RuntimeError, match="step must be >= 1"):
-        ops.cpu_adamw_step_(*ts, step=0, **HYPER)
+        ops.cpu_adamw_step_(*_tensors(16), step=0, **HYPER)
+
+
+def test_bad_source_raises(compiled: None) -> None:
+    p, g, m, v = _tensors(16)
     with pytest.raises(ValueError, match="three tensors"):
-        ops.cpu_adamw_step_(*ts, step=1, backup=(torch.empty(16),), **HYPER)  # type: ignore[arg-type]
-    with pytest.raises(RuntimeError, match="share memory"):
-        ops.cpu_adamw_step_(*ts, step=1, backup=(ts[0], torch.empty(16), torch.empty(16)), **HYPER)
+        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16),), **HYPER)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="all three source tensors or none"):
+        torch.ops.hf_superoffload.cpu_adamw_step(
+            p, g, m, v, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, None, torch.empty(16), None, None, 1
+        )
+    with pytest.raises(RuntimeError, match="src_exp_avg must be float32"):
+        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16), g, torch.empty(16)), **HYPER)
+    with pytest.raises(RuntimeError, match="src_exp_avg_sq has 17 elements"):
+        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16), m, torch.empty(17)), **HYPER)
+
+
+def test_overlapping_source_raises(compiled: None) -> None:
+    p, g, m, v = _tensors(16)
+    before = [t.clone() for t in (p, m, v)]
+    # Overlapping its own destination by part: neither in place nor out of place.
+    buf = torch.randn(40)
+    with pytest.raises(ValueError, match="src_param partially overlaps param"):
+        ops.cpu_adamw_step_(buf[:16], g, m, v, step=1, source=(buf[8:24], torch.empty(16), torch.empty(16)), **HYPER)
+    with pytest.raises(ValueError, match="src_exp_avg_sq partially overlaps exp_avg_sq"):
+        ops.cpu_adamw_step_(p, g, m, buf[:16], step=1, source=(torch.empty(16), m, buf[1:17]), **HYPER)
+    # Sharing memory with another destination, another source, grad or the bf16 copy.
+    raw = torch.empty(16)
+    shared_grad = raw[:8].view(torch.bfloat16)  # 16 bf16 over the first half of raw
+    for args, source, match in (
+        ((p, g, m, v), (m, torch.empty(16), torch.empty(16)), "exp_avg and src_param"),
+        ((p, g, m, v), (torch.empty(16), raw, raw), "src_exp_avg and src_exp_avg_sq"),
+        ((p, shared_grad, m, v), (raw, torch.empty(16), torch.empty(16)), "grad and src_param"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            ops.cpu_adamw_step_(*args, step=1, source=source, **HYPER)  # type: ignore[arg-type]
+    out = raw[8:].view(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="param_bf16_out and src_param"):
+        ops.cpu_adamw_step_(p, g, m, v, step=1, param_bf16_out=out, source=(raw, torch.empty(16), torch.empty(16)),
+                            **HYPER)
+    # Rejected before any write.
+    assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
+
+
+def test_source_identical_to_destination_is_in_place(compiled: None) -> None:
+    base = _tensors(1000)
+    p, g, m, v = (t.clone() for t in base)
+    ops.cpu_adamw_step_(p, g, m, v, step=2, source=(p, m, v), **HYPER)
+    q, _, mm, vv = (t.clone() for t in base)
+    ops.cpu_adamw_step_(q, g, mm, vv, step=2, **HYPER)
+    assert torch.equal(torch.cat([p, m, v]), torch.cat([q, mm, vv]))
 
 
 def test_forced_isa_unknown_or_unsupported_raises(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:

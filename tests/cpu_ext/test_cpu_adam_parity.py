@@ -105,16 +105,71 @@ def test_twenty_steps_match_torch_adamw(isa: str, grad_dtype: torch.dtype) -> No
     _assert_bf16_copy(out, p)
 
 
+def _separate(n: int, *, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three NaN-filled fp32 buffers, each ``offset`` elements past a fresh (64-byte aligned) allocation."""
+    return tuple(torch.full((n + offset,), float("nan"))[offset:] for _ in range(3))  # type: ignore[return-value]
+
+
+def _bits(*ts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).view(torch.int32) for t in ts])
+
+
 @pytest.mark.parametrize("n", SIZES)
-def test_backup_is_exact_pre_step_state(isa: str, n: int) -> None:
-    p, m, v = _state(n, seed=3, offset=1)
-    g = _grad(n, torch.bfloat16, seed=4)
-    before = (p.clone(), m.clone(), v.clone())
-    backup = tuple(torch.full((n,), 7.0) for _ in range(3))
-    ops.cpu_adamw_step_(p, g, m, v, step=5, weight_decay=0.01, backup=backup, **HYPER)  # type: ignore[arg-type]
-    for got, want in zip(backup, before):
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
-    assert not torch.equal(p, before[0])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("dst_layout", ["aligned", "offset", "rows"])
+def test_out_of_place_equals_in_place_bitwise(
+    isa: str, n: int, grad_dtype: torch.dtype, with_out: bool, dst_layout: str
+) -> None:
+    """Same arithmetic, other addresses: bit for bit the in-place result, and the source is left unchanged.
+
+    At 2**20 + 3 elements the destination streams when p/m/v can all be line aligned by the head peel
+    ("aligned"; "offset": 3 elements off, so with the bf16 copy the peel anchors on p instead), and keeps
+    regular stores when they cannot ("rows": rows of one buffer, m and v off by 12 B per row).
+    """
+    src = _state(n, seed=n + 7, offset=n % 5)
+    g = _grad(n, grad_dtype, seed=n + 8)
+    snapshot = _bits(*src)
+    if dst_layout == "rows":
+        dst = _state(n, seed=99)
+        for t in dst:
+            t.fill_(float("nan"))
+    else:
+        dst = _separate(n, offset=3 if dst_layout == "offset" else 0)
+    out_oop = torch.full((n,), 7.0, dtype=torch.bfloat16) if with_out else None
+    kwargs = {"step": 4, "weight_decay": 0.1, "grad_scale": 0.37, **HYPER}
+
+    ops.cpu_adamw_step_(dst[0], g, dst[1], dst[2], param_bf16_out=out_oop, source=src, **kwargs)
+
+    assert torch.equal(_bits(*src), snapshot)
+    p, m, v = (t.clone() for t in src)
+    out_in = torch.full((n,), 7.0, dtype=torch.bfloat16) if with_out else None
+    ops.cpu_adamw_step_(p, g, m, v, param_bf16_out=out_in, **kwargs)
+    assert torch.equal(_bits(*dst), _bits(p, m, v))
+    if out_oop is not None and out_in is not None:
+        assert torch.equal(out_oop.view(torch.int16), out_in.view(torch.int16))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_double_buffered_steps_equal_in_place(isa: str, threads: int) -> None:
+    """Ping-pong between two state buffers over several steps, one array (m) in place ("mixed") on the way."""
+    n = 2**20 + 3
+    a, b = _separate(n), _separate(n)  # aligned: every out-of-place step streams its stores
+    for t, x in zip(a, _state(n, seed=11)):
+        t.copy_(x)
+    ref = tuple(t.clone() for t in a)
+    out, out_ref = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    src, dst = a, b
+    for step in range(1, 5):
+        g = _grad(n, torch.bfloat16, seed=step)
+        kwargs = {"step": step, "weight_decay": 0.01, "num_threads": threads, **HYPER}
+        if step == 3:  # mixed: exp_avg in place, param and exp_avg_sq out of place
+            dst = (dst[0], src[1], dst[2])
+        ops.cpu_adamw_step_(dst[0], g, dst[1], dst[2], param_bf16_out=out, source=src, **kwargs)
+        ops.cpu_adamw_step_(ref[0], g, ref[1], ref[2], param_bf16_out=out_ref, **kwargs)
+        assert torch.equal(_bits(*dst), _bits(*ref)), f"step {step}"
+        assert torch.equal(out.view(torch.int16), out_ref.view(torch.int16))
+        src, dst = dst, src
 
 
 @pytest.mark.parametrize("n", SIZES)

@@ -108,7 +108,7 @@ def test_first_step_matches_to_fp32_rounding():
         assert torch.equal(q.detach(), m.detach().to(torch.bfloat16)), "bf16 weights must be RNE(master)"
 
 
-@pytest.mark.parametrize("rollback", ["snapshot", "inverse"])
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 @pytest.mark.parametrize("speculation", [True, False])
 @pytest.mark.parametrize("tail", [0, 2])
 def test_parity_30_steps(rollback, speculation, tail):

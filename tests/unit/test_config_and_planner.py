@@ -25,7 +25,7 @@ def profile(**kw):
         ("gpu_resident_buckets", -1, "integer >= 0"),
         ("gpu_resident_buckets", "many", "'auto' or an integer"),
         ("gpu_resident_fraction", 1.5, r"\[0, 1\]"),
-        ("rollback", "magic", "'snapshot' or 'inverse'"),
+        ("rollback", "magic", "'double_buffer' or 'inverse'"),
         ("cast_side", "north", "'cpu' or 'gpu'"),
         ("weight_placement", "x", "'stationary' or 'flow'"),
         ("cpu_threads", 0, ">= 1"),
@@ -86,13 +86,13 @@ def test_auto_tail_fills_a_share_of_free_device_memory():
 
 
 def test_rollback_auto_falls_back_to_inverse_when_host_ram_is_short():
-    numels = [100_000_000] * 10  # 1B params: 16 GB base, +12 GB for snapshots
+    numels = [100_000_000] * 10  # 1B params: 16 GB base, +12 GB for the second state copy
     cfg = SuperOffloadConfig(gpu_resident_buckets=0)
-    assert make_plan(numels, element_size=2, config=cfg, profile=profile()).rollback is Rollback.SNAPSHOT
+    assert make_plan(numels, element_size=2, config=cfg, profile=profile()).rollback is Rollback.DOUBLE_BUFFER
     tight = make_plan(numels, element_size=2, config=cfg, profile=profile(host_available_bytes=25 * GiB))
     assert tight.rollback is Rollback.INVERSE
-    with pytest.raises(PlanError, match="rollback='snapshot' needs"):
-        make_plan(numels, element_size=2, config=cfg.replace(rollback="snapshot"),
+    with pytest.raises(PlanError, match="rollback='double_buffer' needs"):
+        make_plan(numels, element_size=2, config=cfg.replace(rollback="double_buffer"),
                   profile=profile(host_available_bytes=25 * GiB))
 
 

@@ -1,0 +1,141 @@
+"""A custom Accelerate training loop with SuperOffload, checkpointed with ``save_state`` and resumed with
+``load_state``.
+
+    accelerate launch --config_file configs/single_cpu.yaml examples/train_with_accelerate.py --max-steps 5
+    accelerate launch --config_file configs/single_gpu.yaml examples/train_with_accelerate.py --model small
+    accelerate launch --config_file configs/single_gpu.yaml examples/train_with_accelerate.py --resume latest
+
+Offload settings are not accelerate config keys: pass ``--superoffload-config offload.yaml`` (a mapping of
+``SuperOffloadConfig`` fields), or export ``HF_SUPEROFFLOAD_CONFIG=offload.yaml`` or ``HF_SUPEROFFLOAD_<FIELD>=...``
+(e.g. ``HF_SUPEROFFLOAD_GPU_RESIDENT_BUCKETS=0``) before ``accelerate launch``. Plain ``python`` works too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from transformers import get_linear_schedule_with_warmup
+
+from hf_superoffload.datasets_local import build_tokenizer, format_example, instruction_texts, packed_batches
+from hf_superoffload.integrations.accelerate import SuperOffloadPlugin, prepare_superoffload
+from hf_superoffload.presets import PRESETS, llama_config
+
+
+class TrainProgress:
+    """The loop's own position, checkpointed through ``accelerator.register_for_checkpointing``."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help=f"preset ({', '.join(PRESETS)}; random init) or a model id/path")
+    p.add_argument("--max-steps", type=int, default=20, help="optimizer steps in total (a resumed run continues)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--examples", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default="out/train_with_accelerate")
+    p.add_argument("--save-every", type=int, default=10, help="save_state every N optimizer steps (0: only at the end)")
+    p.add_argument("--resume", default=None, help="a checkpoint folder, or 'latest' (the newest in --output-dir)")
+    p.add_argument("--superoffload-config", default=None, help="YAML/JSON file of SuperOffloadConfig fields "
+                   "(default: $HF_SUPEROFFLOAD_CONFIG; HF_SUPEROFFLOAD_<FIELD> variables override it)")
+    return p.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, list[str]]:
+    texts = [format_example(r) for r in instruction_texts(args.examples, seed=args.seed)]
+    if args.model in PRESETS:
+        from transformers import LlamaForCausalLM
+
+        tokenizer = build_tokenizer(texts)
+        cfg = llama_config(args.model, vocab_size=len(tokenizer), max_position_embeddings=max(args.seq_len, 128))
+        torch.manual_seed(args.seed)
+        return LlamaForCausalLM(cfg).to(torch.bfloat16), tokenizer, texts
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    return model, AutoTokenizer.from_pretrained(args.model), texts
+
+
+def latest_checkpoint(output_dir: str) -> str:
+    found = sorted((int(d.split("-")[1]), d) for d in os.listdir(output_dir)
+                   if d.startswith("step-") and d.split("-")[1].isdigit())
+    if not found:
+        raise SystemExit(f"--resume latest: no step-* checkpoint in {output_dir}")
+    return os.path.join(output_dir, found[-1][1])
+
+
+def main(argv: Sequence[str] | None = None) -> float:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum)
+    model, tokenizer, texts = build(args)
+    model, optimizer = prepare_superoffload(
+        accelerator, model,
+        dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=args.max_grad_norm),
+        plugin=SuperOffloadPlugin(config_file=args.superoffload_config),
+    )
+    scheduler = accelerator.prepare(get_linear_schedule_with_warmup(optimizer, args.warmup, args.max_steps))
+    progress = TrainProgress()
+    accelerator.register_for_checkpointing(progress)
+    if args.resume:
+        path = latest_checkpoint(args.output_dir) if args.resume == "latest" else args.resume
+        accelerator.load_state(path)  # model, optimizer (into the host buffers), scheduler, RNG, progress
+        accelerator.print(f"resumed from {path} at step {progress.step}")
+
+    batches = packed_batches(tokenizer, texts, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    for _ in range(progress.step * args.grad_accum):  # the data stream is deterministic: skip what was seen
+        next(batches)
+    model.train()
+    loss_sum, last_loss, grad_norm = 0.0, float("nan"), torch.tensor(float("nan"))
+    while progress.step < args.max_steps:
+        ids = next(batches).to(accelerator.device)
+        with accelerator.accumulate(model):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        loss_sum += loss.item() / args.grad_accum
+        if not accelerator.sync_gradients:
+            continue
+        progress.step += 1
+        opt = optimizer.superoffload
+        accelerator.print(f"step {progress.step:4d}  loss {loss_sum:.4f}  grad_norm {grad_norm.item():.3f}  "
+                          f"lr {scheduler.get_last_lr()[0]:.2e}  "
+                          + json.dumps({k.split("/")[1]: v for k, v in opt.last_step_stats.as_log().items()}))
+        last_loss, loss_sum = loss_sum, 0.0
+        if (args.save_every and progress.step % args.save_every == 0) or progress.step == args.max_steps:
+            accelerator.save_state(os.path.join(args.output_dir, f"step-{progress.step}"))
+    accelerator.wait_for_everyone()
+    opt = optimizer.superoffload
+    accelerator.print(f"done at step {progress.step}: skipped {opt.skipped_steps}, clipped {opt.clipped_steps}, "
+                      f"redo rate {opt.engine.governor.redo_rate:.0%}")
+    accelerator.end_training()
+    return last_loss
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,194 @@
+"""Pieces shared by the Trainer and the Accelerate adapters. No algorithm lives here: only translation.
+
+- :class:`SuperOffloadAcceleratedOptimizer`: the ``AcceleratedOptimizer`` our optimizer is registered as.
+  Built with ``device_placement=False`` and pre-marked as prepared, so ``Accelerator.prepare`` never
+  round-trips the host-resident state through the GPU; ``step_was_skipped`` is forwarded (the stock wrapper
+  only reports GradScaler overflows), so ``AcceleratedScheduler`` and Trainer do not advance the LR on a
+  skipped step; and it hands out *deferred* gradient norms (see :meth:`deferred_grad_norm`).
+- :func:`atomic_torch_save`: ``torch.save`` to a temporary file, fsync, ``os.replace``.
+- :class:`TelemetryWindow`: averages :class:`~hf_superoffload.runtime.engine.StepStats` over a logging window.
+- :func:`warn_if_threads_throttled`: the one thread-count warning (see below).
+
+Threads: ``accelerate launch`` exports ``OMP_NUM_THREADS=1`` for GPU runs. The compiled CPU Adam sizes its own
+pool from the process's affinity mask (``SuperOffloadConfig.cpu_threads``), so it is not affected and we
+leave torch's intra-op thread count alone (it is the user's and the launcher's choice, and changing it is a
+process-wide side effect). Only the torch fallback of CPU Adam runs on torch's intra-op threads; when that
+fallback is in use and torch has fewer threads than the plan asks for, we warn once with the fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from contextlib import suppress
+from typing import Any
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+
+from ..optimizer import SuperOffloadOptimizer
+from ..runtime.engine import StepStats
+
+__all__ = [
+    "SuperOffloadAcceleratedOptimizer",
+    "TelemetryWindow",
+    "atomic_torch_save",
+    "find_superoffload_optimizer",
+    "warn_if_threads_throttled",
+]
+
+logger = logging.getLogger("hf_superoffload")
+
+
+class SuperOffloadAcceleratedOptimizer(AcceleratedOptimizer):
+    """``AcceleratedOptimizer`` for a :class:`SuperOffloadOptimizer`.
+
+    - never moves optimizer state to the device (``device_placement=False``) and is pre-marked prepared, so
+      ``accelerator.prepare(...)`` registers it untouched (it still appears in ``accelerator._optimizers``, so
+      ``save_state``/``load_state`` checkpoint it; loading copies into the existing host buffers);
+    - ``step()`` and ``zero_grad()`` act only on accumulation boundaries, like the stock wrapper;
+    - ``step_was_skipped`` is true when the inner optimizer skipped a non-finite step.
+    """
+
+    def __init__(self, optimizer: SuperOffloadOptimizer) -> None:
+        if not isinstance(optimizer, SuperOffloadOptimizer):
+            raise TypeError(f"expected a SuperOffloadOptimizer, got {type(optimizer).__name__}")
+        super().__init__(optimizer, device_placement=False, scaler=None)
+        self._is_accelerate_prepared = True
+        self._pending_norms: list[torch.Tensor] = []
+
+    @property
+    def superoffload(self) -> SuperOffloadOptimizer:
+        """The wrapped optimizer."""
+        return self.optimizer  # type: ignore[no-any-return]
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        stepping = self.gradient_state.sync_gradients
+        super().step(closure)
+        if stepping:
+            norm = self.optimizer.last_grad_norm
+            for t in self._pending_norms:
+                t.fill_(norm)
+            self._pending_norms.clear()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return bool(self.optimizer.step_was_skipped) or self._is_overflow
+
+    def deferred_grad_norm(self) -> torch.Tensor:
+        """A 0-d CPU tensor that receives the global gradient norm (before clipping) at the next ``step()``.
+
+        Callers that need the norm before ``step()`` (Trainer, ``accelerator.clip_grad_norm_``) get this
+        handle; the norm is only known once the optimizer has validated the step. Read it with ``.item()``
+        after ``step()``; before that it holds NaN.
+        """
+        t = torch.full((), math.nan, dtype=torch.float32)
+        self._pending_norms.append(t)
+        return t
+
+
+def find_superoffload_optimizer(optimizer: Any) -> SuperOffloadOptimizer | None:
+    """The :class:`SuperOffloadOptimizer` inside ``optimizer`` (possibly wrapped), else ``None``."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, SuperOffloadOptimizer):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return None
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
+    """``torch.save(obj, path)`` that never leaves a partial file: temp file in the same folder, flush, fsync,
+    ``os.replace``, then fsync the folder so the rename itself is durable."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # some platforms cannot open folders; the data itself is synced
+        return
+    try:
+        with suppress(OSError):
+            os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class TelemetryWindow:
+    """Averages per-step offload telemetry over the steps since the last log line."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._sum = StepStats()
+        self._spec = 0
+        self._clip = 0.0
+        self.steps = 0
+
+    def add(self, st: StepStats) -> None:
+        self._sum.cpu_s += st.cpu_s
+        self._sum.wait_s += st.wait_s
+        self._sum.iteration_s += st.iteration_s
+        self._sum.d2h_bytes += st.d2h_bytes
+        self._sum.h2d_bytes += st.h2d_bytes
+        self._sum.speculated_buckets += st.speculated_buckets
+        self._sum.wasted_buckets += st.wasted_buckets
+        self._spec += int(st.speculative)
+        self._clip += st.clip_coef if math.isfinite(st.clip_coef) else 1.0
+        self.steps += 1
+
+    def as_log(self, optimizer: SuperOffloadOptimizer, prefix: str = "superoffload/") -> dict[str, float]:
+        """Window means of ``StepStats.as_log()`` (``speculative`` becomes the share of speculative steps)
+        plus run totals: skipped and clipped steps and the redo rate. Resets the window."""
+        n = max(self.steps, 1)
+        s = self._sum
+        mean = StepStats(cpu_s=s.cpu_s / n, wait_s=s.wait_s / n, d2h_bytes=round(s.d2h_bytes / n),
+                         h2d_bytes=round(s.h2d_bytes / n), clip_coef=self._clip / n if self.steps else 1.0)
+        logs = mean.as_log(prefix)
+        logs[f"{prefix}speculative"] = round(self._spec / n, 4)
+        logs[f"{prefix}iteration_s"] = round(s.iteration_s / n, 4)
+        logs[f"{prefix}wasted_buckets"] = round(s.wasted_buckets / n, 3)
+        logs[f"{prefix}skipped_steps"] = float(optimizer.skipped_steps)
+        logs[f"{prefix}clipped_steps"] = float(optimizer.clipped_steps)
+        logs[f"{prefix}redo_rate"] = round(float(optimizer.engine.governor.redo_rate), 4)
+        self.reset()
+        return logs
+
+
+_warned_threads = False
+
+
+def warn_if_threads_throttled(optimizer: SuperOffloadOptimizer) -> None:
+    """Warn once when the torch fallback of CPU Adam would run on fewer threads than the plan wants."""
+    global _warned_threads
+    if _warned_threads:
+        return
+    from .. import ops
+
+    try:
+        backend = ops.backend()
+    except Exception:  # a broken build reports itself on first use; not our concern here
+        return
+    want, have = optimizer.plan.cpu_threads, torch.get_num_threads()
+    if backend == "torch-fallback" and have < want:
+        _warned_threads = True
+        logger.warning(
+            "hf_superoffload: CPU Adam runs on the torch fallback, which uses torch's intra-op threads: %d "
+            "thread(s) (OMP_NUM_THREADS=%s; `accelerate launch` sets 1) instead of the planned %d. Build the "
+            "native op (see cpu_ext/_build.py), or launch with `accelerate launch --num_cpu_threads_per_process %d` "
+            "(or export OMP_NUM_THREADS=%d).", have, os.environ.get("OMP_NUM_THREADS", "unset"), want, want, want,
+        )

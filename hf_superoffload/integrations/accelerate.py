@@ -1,0 +1,309 @@
+"""SuperOffload in custom Accelerate loops: :class:`SuperOffloadPlugin` and :func:`prepare_superoffload`.
+
+Usage (``accelerate launch --config_file configs/single_gpu.yaml train.py``)::
+
+    accelerator = Accelerator(gradient_accumulation_steps=4)
+    model, optimizer = prepare_superoffload(accelerator, model, dict(lr=2e-5, weight_decay=0.1, max_grad_norm=1.0))
+    scheduler = accelerator.prepare(get_linear_schedule_with_warmup(optimizer, 100, total_steps))
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)  # filled at step()
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+    accelerator.save_state("ckpt")  # model + optimizer (host state) + scheduler + RNG; load_state resumes
+
+**Where the offload settings go.** Accelerate's config YAML rejects unknown top-level keys and has no plugin
+registry, so the accelerate YAML (``configs/single_gpu.yaml``, also packaged: :func:`accelerate_config_path`)
+holds only accelerate's own keys. Offload settings come, highest priority first, from: the fields given to
+``SuperOffloadPlugin(...)`` (e.g. parsed from your script's arguments); environment variables
+``HF_SUPEROFFLOAD_<FIELD>`` (``HF_SUPEROFFLOAD_BUCKET_SIZE_MB=64``; ``accelerate launch`` forwards the environment to
+every process); a YAML/JSON file named by ``config_file=`` or ``HF_SUPEROFFLOAD_CONFIG`` (a mapping of
+``SuperOffloadConfig`` fields, optionally under a top-level ``superoffload:`` key); ``SuperOffloadConfig``'s defaults.
+
+**What ``prepare_superoffload`` does** (accelerate 1.15, one process, no DeepSpeed/FSDP):
+
+- the model goes through ``accelerator.prepare_model`` first (device placement, bf16 autocast if configured; one
+  process means no DDP wrapper), so the optimizer is built on the device-resident parameters;
+- the optimizer (built from keyword arguments, taken as a ready ``SuperOffloadOptimizer``, or converted from a
+  fresh ``torch.optim.AdamW``) is wrapped in ``SuperOffloadAcceleratedOptimizer`` with ``device_placement=False``
+  and registered pre-marked, so its host state never moves to the GPU, ``save_state``/``load_state`` checkpoint
+  it (``optimizer.bin``; loading copies into the existing host buffers) and the scheduler sees
+  ``step_was_skipped`` on a non-finite step;
+- weights: each layer's next forward waits for its own updated weights, and ``model.state_dict()`` (so
+  ``save_state``/``save_pretrained``) waits for all of them; code that reads ``param.data`` directly right after
+  ``optimizer.step()`` must call ``optimizer.superoffload.synchronize()`` first;
+- the optimizer's sync predicate is ``accelerator.sync_gradients``: gradients are offloaded during backward only
+  on the accumulation boundary;
+- ``accelerator.clip_grad_norm_`` is replaced **on this accelerator instance only** (accelerate itself is not
+  patched) for our parameters: it never touches ``.grad`` (the optimizer clips inside ``step()``, exactly
+  ``clip_grad_norm_``, so clipping never happens twice), a finite ``max_norm`` becomes the optimizer's clip
+  threshold for the coming step, and it returns a 0-d tensor that holds the global norm (before clipping) once
+  ``optimizer.step()`` has run. Calls for other parameters go to accelerate's implementation.
+
+**Threads.** ``accelerate launch`` exports ``OMP_NUM_THREADS=1`` on GPU runs. The compiled CPU Adam sizes its pool
+from the process's affinity mask and ignores it, so nothing is changed; only when the torch fallback of CPU Adam
+is in use (it runs on torch's intra-op threads) we warn once with the fix (``--num_cpu_threads_per_process``).
+We never call ``torch.set_num_threads``: the thread count of other CPU work stays the launcher's/user's choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+from accelerate.logging import get_logger
+from accelerate.utils import DistributedType
+
+from ..config import SuperOffloadConfig
+from ..optimizer import SuperOffloadOptimizer
+from ._common import (
+    SuperOffloadAcceleratedOptimizer,
+    find_superoffload_optimizer,
+    warn_if_threads_throttled,
+)
+
+__all__ = ["ENV_CONFIG", "ENV_PREFIX", "SuperOffloadPlugin", "accelerate_config_path", "prepare_superoffload"]
+
+logger = get_logger(__name__)
+
+ENV_PREFIX = "HF_SUPEROFFLOAD_"
+ENV_CONFIG = "HF_SUPEROFFLOAD_CONFIG"
+_FIELDS = tuple(f.name for f in dataclasses.fields(SuperOffloadConfig))
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+@dataclass
+class SuperOffloadPlugin:
+    """Offload settings for Accelerate loops, shaped like accelerate's plugins (``None`` = not set here).
+
+    Each field maps to the :class:`SuperOffloadConfig` field of the same name; an unset field falls back to
+    ``HF_SUPEROFFLOAD_<FIELD>``, then to the file in ``config_file`` / ``HF_SUPEROFFLOAD_CONFIG``, then to the
+    default. :meth:`to_config` gives the validated config (``ValueError`` naming the source and the fix).
+
+    Attributes:
+        config_file: YAML or JSON file with ``SuperOffloadConfig`` fields (default: ``$HF_SUPEROFFLOAD_CONFIG``).
+        bucket_size_mb, gpu_resident_buckets, gpu_resident_fraction, device_memory_fraction, speculation,
+        rollback, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
+        worker_timeout_s, check_finite: see :class:`SuperOffloadConfig`. ``cpu_threads="auto"`` forces the
+        automatic thread count even when the environment or file sets one.
+    """
+
+    bucket_size_mb: float | None = None
+    gpu_resident_buckets: int | str | None = None
+    gpu_resident_fraction: float | None = None
+    device_memory_fraction: float | None = None
+    speculation: bool | None = None
+    rollback: str | None = None
+    max_redo_rate: float | None = None
+    redo_window: int | None = None
+    cast_side: str | None = None
+    weight_placement: str | None = None
+    cpu_threads: int | str | None = None
+    pin_memory: bool | None = None
+    worker_timeout_s: float | None = None
+    check_finite: bool | None = None
+    config_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.config_file is None:
+            self.config_file = os.environ.get(ENV_CONFIG) or None
+        self.to_config()  # fail at construction, with the source of the bad value
+
+    def to_config(self) -> SuperOffloadConfig:
+        """Resolve every field (explicit > environment > file > default) into a ``SuperOffloadConfig``."""
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        if self.config_file:
+            for k, v in _read_config_file(self.config_file).items():
+                values[k], sources[k] = _coerce(k, v, f"{self.config_file}: {k}"), f"{self.config_file}: {k}"
+        for k in _FIELDS:
+            env = os.environ.get(ENV_PREFIX + k.upper())
+            if env is not None and env != "":
+                values[k], sources[k] = _coerce(k, env, ENV_PREFIX + k.upper()), ENV_PREFIX + k.upper()
+            mine = getattr(self, k)
+            if mine is not None:
+                values[k], sources[k] = _coerce(k, mine, f"SuperOffloadPlugin.{k}"), f"SuperOffloadPlugin.{k}"
+        try:
+            return SuperOffloadConfig(**values)
+        except ValueError as e:
+            field = next((k for k in values if f"SuperOffloadConfig.{k}=" in str(e)), None)
+            where = f" (set by {sources[field]})" if field else ""
+            raise ValueError(f"{e}{where}") from None
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ValueError(f"SuperOffload config file {path!r} does not exist (from config_file= or ${ENV_CONFIG})")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    data = data or {}
+    if isinstance(data, Mapping) and set(data) == {"superoffload"}:
+        data = data["superoffload"] or {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: expected a mapping of SuperOffloadConfig fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: unknown SuperOffload setting(s) {unknown}; valid keys: {list(_FIELDS)}")
+    return dict(data)
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Turn strings (environment variables, YAML) into the type of ``SuperOffloadConfig.<name>``."""
+    default = getattr(SuperOffloadConfig(), name)
+    if not isinstance(value, str):
+        return value
+    v = value.strip()
+    try:
+        if name in ("gpu_resident_buckets", "cpu_threads"):
+            if v.lower() in ("auto", "none", ""):
+                return "auto" if name == "gpu_resident_buckets" else None
+            return int(v)
+        if isinstance(default, bool):
+            return _BOOLS[v.lower()]
+        if isinstance(default, int):
+            return int(v)
+        if isinstance(default, float):
+            return float(v)
+    except (KeyError, ValueError):
+        kind = "true/false" if isinstance(default, bool) else type(default).__name__
+        raise ValueError(f"{source}={value!r} is invalid for SuperOffloadConfig.{name}: expected {kind}") from None
+    return v
+
+
+def accelerate_config_path(name: str = "single_gpu") -> str:
+    """Path of a packaged accelerate YAML (``single_gpu`` or ``single_cpu``) for ``accelerate launch --config_file``."""
+    stem = name[:-5] if name.endswith(".yaml") else name
+    path = resources.files("hf_superoffload").joinpath("accelerate_configs", f"{stem}.yaml")
+    if not path.is_file():
+        raise ValueError(f"no packaged accelerate config {name!r}; choose 'single_gpu' or 'single_cpu'")
+    return str(path)
+
+
+def prepare_superoffload(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer_or_kwargs: SuperOffloadOptimizer | torch.optim.Optimizer | Mapping[str, Any] | None = None,
+    *,
+    plugin: SuperOffloadPlugin | None = None,
+) -> tuple[torch.nn.Module, SuperOffloadAcceleratedOptimizer]:
+    """Prepare ``model`` and its SuperOffload optimizer on ``accelerator`` (see the module docstring).
+
+    Args:
+        accelerator: an ``accelerate.Accelerator`` of one process (``distributed_type`` NO), bf16 or no mixed
+            precision.
+        model: the model to train (bf16 or fp32; fp32 trainable weights become bf16 with fp32 masters).
+        optimizer_or_kwargs: ``SuperOffloadOptimizer`` keyword arguments (``lr``, ``betas``, ``eps``,
+            ``weight_decay``, ``max_grad_norm``, optionally ``params`` for param groups); or a built
+            ``SuperOffloadOptimizer`` (its model must already be on ``accelerator.device``); or a fresh
+            ``torch.optim.AdamW`` whose groups and hyper-parameters are taken over. ``None``: defaults.
+        plugin: offload settings (default: ``SuperOffloadPlugin()``, i.e. environment, file, defaults). Ignored
+            when a built ``SuperOffloadOptimizer`` is passed.
+
+    Returns:
+        ``(model, optimizer)``: the prepared model and the registered ``SuperOffloadAcceleratedOptimizer``.
+    """
+    _check_accelerator(accelerator)
+    if not getattr(model, "_is_accelerate_prepared", False):
+        model = accelerator.prepare_model(model)
+    base = accelerator.unwrap_model(model)
+    if isinstance(optimizer_or_kwargs, SuperOffloadOptimizer):
+        opt = optimizer_or_kwargs
+        if opt.engine.device != _param_device(base):
+            raise ValueError(
+                f"the SuperOffloadOptimizer was built on {opt.engine.device} but the model is on "
+                f"{_param_device(base)}: pass keyword arguments instead (prepare_superoffload builds it after "
+                "placing the model), or move the model to accelerator.device before building it."
+            )
+    else:
+        kwargs = _optimizer_kwargs(optimizer_or_kwargs)
+        config = (plugin or SuperOffloadPlugin()).to_config()
+        opt = SuperOffloadOptimizer(base, config=config, log_plan=False, **kwargs)
+    opt.set_sync_predicate(lambda: accelerator.sync_gradients)
+    warn_if_threads_throttled(opt)
+    wrapped = SuperOffloadAcceleratedOptimizer(opt)
+    accelerator.prepare_optimizer(wrapped)  # pre-marked: registered for save_state/load_state, not moved
+    _route_clipping(accelerator, wrapped)
+    from .. import ops
+
+    logger.info("%s\n  CPU Adam backend: %s", opt.plan.summary(), ops.backend(), main_process_only=True)
+    return model, wrapped
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    dt = accelerator.distributed_type
+    if dt in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+        raise ValueError(f"prepare_superoffload: distributed_type={dt.value} owns the optimizer and gradients; use an "
+                         "accelerate config with distributed_type: NO (e.g. hf_superoffload's configs/single_gpu.yaml)")
+    if accelerator.num_processes > 1:
+        raise ValueError(f"prepare_superoffload: {accelerator.num_processes} processes; SuperOffload runs one process "
+                         "on one GPU for now (num_processes: 1 in the accelerate config)")
+    if accelerator.mixed_precision == "fp16":
+        raise ValueError("prepare_superoffload: mixed_precision fp16 needs loss scaling, which SuperOffload does not do; "
+                         "use mixed_precision bf16 (or no) in the accelerate config")
+
+
+def _param_device(model: torch.nn.Module) -> torch.device:
+    p = next((p for p in model.parameters() if p.requires_grad), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _optimizer_kwargs(spec: Any) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    if isinstance(spec, Mapping):
+        return dict(spec)
+    if type(spec) is torch.optim.AdamW:
+        if spec.state:
+            raise ValueError("prepare_superoffload: the torch AdamW has already stepped; its state cannot seed the "
+                             "offloaded optimizer. Pass it before training, or pass keyword arguments.")
+        d = spec.defaults
+        for flag in ("amsgrad", "maximize"):
+            if d.get(flag) or any(g.get(flag) for g in spec.param_groups):
+                raise ValueError(f"prepare_superoffload: AdamW({flag}=True) is not supported by SuperOffloadOptimizer")
+        keep = ("params", "lr", "betas", "eps", "weight_decay")
+        groups = [{k: v for k, v in g.items() if k in keep} for g in spec.param_groups]
+        lr = d["lr"].item() if isinstance(d["lr"], torch.Tensor) else d["lr"]
+        return {"params": groups, "lr": lr, "betas": tuple(d["betas"]), "eps": d["eps"],
+                "weight_decay": d["weight_decay"]}
+    if find_superoffload_optimizer(spec) is not None:
+        raise TypeError("prepare_superoffload: pass the SuperOffloadOptimizer itself, not an accelerate-wrapped one")
+    raise TypeError(f"prepare_superoffload: cannot use a {type(spec).__name__}; pass SuperOffloadOptimizer keyword "
+                    "arguments (dict), a SuperOffloadOptimizer, or a fresh torch.optim.AdamW")
+
+
+def _route_clipping(accelerator: Any, wrapped: SuperOffloadAcceleratedOptimizer) -> None:
+    """Make ``accelerator.clip_grad_norm_`` report (not apply) clipping for our parameters (instance only)."""
+    original = accelerator.clip_grad_norm_
+    ours = {id(p) for p in wrapped.superoffload.engine.params}
+    warned = [False]
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not any(id(p) in ours for p in params):
+            return original(params, max_norm, norm_type=norm_type)
+        if float(norm_type) != 2.0:
+            raise ValueError("SuperOffloadOptimizer clips by the global L2 norm only (norm_type=2)")
+        opt = wrapped.superoffload
+        if max_norm is not None and math.isfinite(max_norm) and max_norm > 0:
+            if opt.max_grad_norm not in (None, max_norm) and not warned[0]:
+                warned[0] = True
+                logger.warning("accelerator.clip_grad_norm_(max_norm=%s) replaces the optimizer's max_grad_norm=%s",
+                               max_norm, opt.max_grad_norm, main_process_only=True)
+            opt.max_grad_norm = float(max_norm)
+        return wrapped.deferred_grad_norm()
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_

@@ -1,0 +1,216 @@
+"""``SuperOffloadTrainer``: ``transformers.Trainer`` training through :class:`SuperOffloadOptimizer`.
+
+Usage::
+
+    from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
+
+    args = SuperOffloadArguments(output_dir="out", learning_rate=2e-5, max_grad_norm=1.0, bf16=True,
+                                 superoffload_bucket_size_mb=32)
+    trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+    trainer.train()
+
+What it changes in Trainer (transformers 5.17-5.24; every other behaviour is Trainer's):
+
+- ``create_optimizer``: a ``SuperOffloadOptimizer`` over HF's decay/no-decay groups
+  (``get_decay_parameter_names``), hyper-parameters from the args, wrapped in
+  :class:`~._common.SuperOffloadAcceleratedOptimizer` (no state moved to the GPU by ``accelerator.prepare``;
+  ``step_was_skipped`` forwarded so the LR scheduler does not advance on a skipped step). The optimizer's
+  sync predicate is ``accelerator.sync_gradients``, so gradients are offloaded only on the boundary micro-batch.
+- ``_clip_grad_norm``/``_get_grad_norm`` (private hooks, 5.17+): the optimizer clips inside ``step()``
+  (exactly ``clip_grad_norm_``), so Trainer never clips; the reported ``grad_norm`` is the optimizer's global
+  norm before clipping, delivered through a tensor filled at ``step()``.
+- ``_save_optimizer_and_scheduler``/``_load_optimizer_and_scheduler``: ``optimizer.pt`` holds our state dict
+  (host tensors), written atomically; it is loaded with ``weights_only=True`` on the CPU and copied into the
+  existing host buffers (the model's weights are refreshed from the loaded fp32 masters).
+- ``save_model``: waits for the last step's weights first (``optimizer.synchronize()``); so does the end of
+  ``train()``. (During training, each layer's next forward waits for its own weights; code that reads
+  ``param.data`` directly in a callback should call ``trainer.superoffload_optimizer.synchronize()`` first.)
+- ``log``: training log lines get the offload telemetry averaged over the logging window
+  (``superoffload/cpu_adam_s``, ``gpu_wait_s``, ``overlap``, ``link_gb``, ``clip_coef``, ``speculative``, ...)
+  plus skipped/clipped step counts and the redo rate, so every ``report_to`` integration receives them.
+  The plan summary is logged at train start on the main process (stdlib logger ``hf_superoffload``; an explicit
+  ``args.log_level`` sets its level unless you configured it yourself).
+
+Decision on ``Trainer(args=SuperOffloadArguments(...))`` (the plain Trainer): it is **refused** with a
+``TypeError`` naming ``SuperOffloadTrainer``, raised from ``Trainer.__init__`` (through the documented
+``TrainingArguments.place_model_on_device`` override point). A plain Trainer cannot be correct: ``optim=``
+cannot name a third-party optimizer (so it would silently build torch AdamW; ``optimizer_cls_and_kwargs`` is a
+Trainer argument, not a TrainingArguments one); its ``accelerator.clip_grad_norm_`` would run over gradients
+that were already offloaded (reporting ``grad_norm`` 0, and clipping the still-resident gradients of
+partially-filled buckets by a partial norm: double clipping); ``AcceleratedOptimizer(device_placement=True)``
+round-trips the host optimizer state through the GPU (measured on an H200: a 12 B/param peak; an OOM for large
+models); and the stock wrapper does not
+forward ``step_was_skipped``, so the LR would advance on skipped steps. Failing at construction is better than
+any of these silently. Multi-process runs (DDP) are refused too: SuperOffload trains one GPU per process for now.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer_pt_utils import reissue_pt_warnings
+
+from ..optimizer import SuperOffloadOptimizer
+from ._common import (
+    SuperOffloadAcceleratedOptimizer,
+    TelemetryWindow,
+    atomic_torch_save,
+    warn_if_threads_throttled,
+)
+from .arguments import SuperOffloadArguments, building_superoffload_trainer, superoffload_config_from_args
+
+__all__ = ["SuperOffloadArguments", "SuperOffloadTrainer", "superoffload_config_from_args"]
+
+logger = logging.getLogger(__name__)
+
+
+class SuperOffloadTrainer(Trainer):
+    """``Trainer`` whose optimizer is :class:`SuperOffloadOptimizer` (see the module docstring).
+
+    Takes exactly Trainer's arguments; ``args`` must be :class:`SuperOffloadArguments`, and ``optimizers`` /
+    ``optimizer_cls_and_kwargs`` must not be given (the optimizer is built from the args).
+    """
+
+    def __init__(self, model: Any = None, args: SuperOffloadArguments | None = None, *rest: Any, **kwargs: Any) -> None:
+        if args is None:
+            args = SuperOffloadArguments(output_dir="tmp_trainer")
+        if not isinstance(args, SuperOffloadArguments):
+            raise TypeError(
+                f"SuperOffloadTrainer needs SuperOffloadArguments, got {type(args).__name__}. Build them with the "
+                "same keywords: SuperOffloadArguments(output_dir=..., learning_rate=..., ...)."
+            )
+        given = inspect.signature(Trainer.__init__).bind_partial(self, model, args, *rest, **kwargs).arguments
+        if any(o is not None for o in (given.get("optimizers") or ())):
+            raise ValueError("SuperOffloadTrainer builds its optimizer and scheduler from the args: drop "
+                             "optimizers=(...) and set learning_rate / lr_scheduler_type / warmup_steps instead.")
+        if given.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError("SuperOffloadTrainer always uses SuperOffloadOptimizer: drop optimizer_cls_and_kwargs.")
+        root = logging.getLogger("hf_superoffload")
+        if args.log_level != "passive" and root.level == logging.NOTSET:  # mirror an explicit --log_level
+            root.setLevel(args.get_process_log_level())
+        self._superoffload: SuperOffloadOptimizer | None = None
+        self._telemetry = TelemetryWindow()
+        with building_superoffload_trainer():
+            super().__init__(model, args, *rest, **kwargs)
+        if self.args.world_size > 1:
+            raise ValueError(
+                f"SuperOffloadTrainer runs one process on one GPU; this run has world_size={self.args.world_size}. "
+                "Launch a single process (accelerate launch --num_processes 1, or plain python)."
+            )
+        self.add_callback(_SuperOffloadCallback(self))
+
+    # ---- optimizer ---------------------------------------------------------------------------------
+    @property
+    def superoffload_optimizer(self) -> SuperOffloadOptimizer | None:
+        """The :class:`SuperOffloadOptimizer` (``None`` before ``create_optimizer``)."""
+        return self._superoffload
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """Build the SuperOffloadOptimizer over HF's decay/no-decay param groups (trainable parameters only)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        opt_model = self.model if model is None else model
+        decay = set(self.get_decay_parameter_names(opt_model))
+        named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters (every requires_grad is False)")
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        args = self.args
+        if self._superoffload is not None:  # model_init re-created the model: drop the old engine
+            self._superoffload.close()
+        opt = SuperOffloadOptimizer(
+            opt_model, groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
+            config=superoffload_config_from_args(args), log_plan=False,
+        )
+        opt.set_sync_predicate(lambda: self.accelerator.sync_gradients)
+        warn_if_threads_throttled(opt)
+        self._superoffload = opt
+        self.optimizer = SuperOffloadAcceleratedOptimizer(opt)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
+        # The optimizer clips inside step() (clip_grad_norm_ semantics on the global norm): never clip here.
+        return self._deferred_norm()
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        return grad_norm if grad_norm is not None else self._deferred_norm()
+
+    def _deferred_norm(self) -> torch.Tensor:
+        if not isinstance(self.optimizer, SuperOffloadAcceleratedOptimizer):
+            raise RuntimeError("SuperOffloadTrainer.optimizer was replaced; it must stay the one create_optimizer built")
+        return self.optimizer.deferred_grad_norm()
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self._superoffload is not None:
+            self._superoffload.synchronize()  # the device weights of the last step are final
+        super().save_model(output_dir, _internal_call=_internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.should_save or self._superoffload is None:
+            return
+        atomic_torch_save(self._superoffload.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
+        if self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True) as caught:
+                atomic_torch_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or self._superoffload is None:
+            return
+        opt_file, sched_file = os.path.join(checkpoint, OPTIMIZER_NAME), os.path.join(checkpoint, SCHEDULER_NAME)
+        if not os.path.isfile(opt_file):
+            logger.warning("hf_superoffload: %s has no %s (saved with save_only_model?): the optimizer restarts "
+                           "from the checkpoint's bf16 weights with fresh Adam state", checkpoint, OPTIMIZER_NAME)
+            return
+        state = torch.load(opt_file, map_location="cpu", weights_only=True)
+        self._superoffload.load_state_dict(state)  # copies into the existing host buffers
+        del state
+        if os.path.isfile(sched_file) and self.lr_scheduler is not None:
+            with warnings.catch_warnings(record=True) as caught:
+                self.lr_scheduler.load_state_dict(torch.load(sched_file, map_location="cpu", weights_only=True))
+            reissue_pt_warnings(caught)
+
+    # ---- logging -----------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._superoffload is not None and self._telemetry.steps:
+            logs.update(self._telemetry.as_log(self._superoffload))
+        super().log(logs, start_time)
+
+
+class _SuperOffloadCallback(TrainerCallback):
+    """Logs the plan at train start (main process only), collects per-step telemetry, and waits for the last
+    step's weights at train end."""
+
+    def __init__(self, trainer: SuperOffloadTrainer) -> None:
+        self._trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        opt = self._trainer.superoffload_optimizer
+        if opt is not None and state.is_world_process_zero:
+            from .. import ops
+
+            logger.info("%s\n  CPU Adam backend: %s", opt.plan.summary(), ops.backend())
+        self._trainer._telemetry.reset()
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        opt = self._trainer.superoffload_optimizer
+        if opt is not None:
+            self._trainer._telemetry.add(opt.last_step_stats)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        opt = self._trainer.superoffload_optimizer
+        if opt is not None:
+            opt.synchronize()  # train() returns with the last step's weights in place

@@ -1,0 +1,340 @@
+"""``hf-superoffload plan``: will this model train here, how, how much memory, how fast?
+
+Builds the real :class:`~hf_superoffload.planning.plan.OffloadPlan` (``make_plan``) from the model's parameter
+sizes in gradient-arrival order (the model is built on the meta device: nothing is allocated), predicts the
+peak GPU and host memory (``planning/memory_model.py``) and the step time (the roofline below), reports the
+largest model of the same width that fits, and exits 1 with the reason and what to change when the run does
+not fit (2 for bad input).
+
+[Note: step-time roofline]
+T = batch x seq tokens, N parameters, L layers, d attention width, S sequence length.
+
+* GPU: F = k (N T + L d S T) FLOPs, k = 8 with checkpointing (the forward runs twice), 6 without; the second
+  term is causal attention. ``gpu_s = F / (matmul_tflops x 0.6)``: the GPU-only anchors reach 0.599 (3.6B,
+  1.032 s) and 0.617 (8B, 1.099 s) of the 802 TFLOP/s GEMM rate counted this way (0.45 when counting model
+  FLOPs, 6N, as MFU does). Backward (with recompute) is ``W_b`` = 3/4 of it (2/3 without checkpointing),
+  the forward ``W_f`` the rest.
+* link: e = 2 B/param each way (CPU cast) or 4 (GPU cast); ``d2h_s = e H / d2h``, ``h2d_s = e H / h2d`` for
+  the H host parameters.
+* CPU: the Adam rate R shares host memory with the gradient DMA landing during backward:
+  ``R_eff = R (1 - (e H / W_b) / host_memory_gbps)`` (``host_memory_gbps`` defaults to 28 B x R: the kernel
+  is bandwidth bound); ``cpu_s = H / R_eff``. Buckets are stepped speculatively as they land, so by the
+  verdict ``spec = min(cpu_s, W_b - one bucket)`` is done (that share of snapshot pages gets written);
+  ``rem = cpu_s - spec`` is left.
+* exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``; the remainder and the uploads beyond the next
+  forward, ``max(0, max(rem, h2d_s) - W_f)`` plus one bucket's latency when ``rem > 0``; the device tail's
+  AdamW, 28 B/param at ``device_memory_gbps``, runs after validation and is fully exposed.
+* ``step_s = gpu_s + tail_s + exposed``. Redo steps (clipping fired) add ``cpu_s`` and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SuperOffloadConfig
+from .planning.hardware import HardwareProfile, shipped_profile_names
+from .planning.memory_model import (
+    GiB,
+    MemoryEstimate,
+    ModelShape,
+    PlanLike,
+    check_fits,
+    estimate,
+    fits,
+    largest_model_that_fits,
+)
+from .planning.plan import OffloadPlan, Placement
+from .planning.planner import PlanError, make_plan
+
+__all__ = ["StepTime", "add_plan_parser", "arrival_numels", "load_model_config", "main", "main_plan",
+           "predict_step_time"]
+
+EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
+GEMM_EFFICIENCY = 0.6
+MAX_LAYERS = 2048  # the search limit of largest_model_that_fits
+_PROFILE_ALIASES = {"gh200": "gh200", "h200": "h200_pcie", "rtx4090": "rtx4090_24gb"}
+
+
+class InputError(ValueError):
+    """The model or profile given on the command line cannot be used."""
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def load_model_config(spec: str) -> Any:
+    """A transformers config from a preset name, a ``config.json`` file, a local folder or a hub model id."""
+    from transformers import AutoConfig
+
+    from .presets import PRESETS, llama_config
+
+    if spec in PRESETS:
+        return llama_config(spec, vocab_size=None if PRESETS[spec]["vocab_size"] else 32000)
+    path = Path(spec)
+    try:
+        if path.is_file():
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or "model_type" not in data:
+                raise InputError(f"{spec}: a model config.json needs a 'model_type' field")
+            kw = {k: v for k, v in data.items() if k != "model_type"}
+            return AutoConfig.for_model(data["model_type"], **kw)
+        return AutoConfig.from_pretrained(spec)
+    except InputError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
+        offline = " HF_HUB_OFFLINE is set, so only cached models load." if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise InputError(f"cannot load the model config {spec!r}: {e}.{offline} Pass a config.json file, a local "
+                         f"model folder or a preset ({', '.join(PRESETS)}).") from e
+
+
+def arrival_numels(config: Any) -> list[int]:
+    """Trainable parameter sizes in the engine's order (deduplicated, reverse registration), on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen: set[int] = set()
+    numels = [p.numel() for p in model.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+    return numels[::-1]
+
+
+def resolve_profile(spec: str, *, gpu_mem_gb: float | None, host_mem_gb: float | None) -> HardwareProfile:
+    """A shipped profile name, ``measure`` (this machine, quick, cached) or a JSON file, with overrides."""
+    if spec == "measure":
+        prof = HardwareProfile.measure(torch.device("cuda" if torch.cuda.is_available() else "cpu"), quick=True)
+    elif spec in _PROFILE_ALIASES or spec in shipped_profile_names():
+        prof = HardwareProfile.shipped(_PROFILE_ALIASES.get(spec, spec))
+    elif Path(spec).is_file():
+        try:
+            prof = HardwareProfile.load(spec)
+        except (OSError, ValueError, TypeError) as e:
+            raise InputError(f"cannot read the hardware profile {spec}: {e}") from e
+    else:
+        raise InputError(f"--profile {spec!r}: use measure, {', '.join(_PROFILE_ALIASES)} or a profile JSON file")
+    if gpu_mem_gb is not None:
+        prof = dataclasses.replace(prof, device_type="cuda", device_free_bytes=int(gpu_mem_gb * GiB))
+    if host_mem_gb is not None:
+        prof = dataclasses.replace(prof, host_available_bytes=int(host_mem_gb * GiB))
+    return prof
+
+
+# ---------------------------------------------------------------------------------------------- step time
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """Predicted seconds of one optimizer step (see [Note: step-time roofline])."""
+
+    gpu_s: float
+    backward_window_s: float
+    forward_window_s: float
+    cpu_s: float
+    d2h_s: float
+    h2d_s: float
+    tail_s: float
+    exposed_s: float
+    step_s: float
+    speculated_fraction: float
+
+
+def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareProfile, *, batch_size: int,
+                      seq_len: int, grad_ckpt: bool) -> StepTime | None:
+    """The roofline of [Note: step-time roofline]; ``None`` when the profile lacks a rate it needs."""
+    p, host = profile, plan_like.host_numel
+    need = (p.matmul_tflops, p.cpu_adam_gparams, p.h2d_gbps, p.d2h_gbps, p.device_memory_gbps)
+    if any(x is None for x in need):
+        return None
+    tokens = batch_size * seq_len
+    k = 8 if grad_ckpt else 6
+    flops = k * (shape.numel * tokens + shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens)
+    gpu_s = flops / (p.matmul_tflops * 1e12 * GEMM_EFFICIENCY)
+    w_b = gpu_s * (0.75 if grad_ckpt else 2 / 3)
+    w_f = gpu_s - w_b
+    e = 4 if plan_like.cast_side == "gpu" else 2
+    rate = p.cpu_adam_gparams * 1e9
+    host_bw = (p.host_memory_gbps or 28 * p.cpu_adam_gparams) * 1e9
+    rate_eff = rate * max(0.2, 1 - (e * host / w_b) / host_bw)
+    cpu_s = host / rate_eff
+    d2h_s, h2d_s = e * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
+    bucket = plan_like.bucket_bytes / e
+    latency = bucket / rate_eff + plan_like.bucket_bytes / (p.h2d_gbps * 1e9) if host else 0.0
+    spec = min(cpu_s, max(0.0, w_b - latency))
+    rem = cpu_s - spec
+    exposed = max(0.0, d2h_s - w_b) + max(0.0, max(rem, h2d_s) - w_f) + (latency if rem > 0 else 0.0)
+    tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
+    return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed, gpu_s + tail_s + exposed,
+                    spec / cpu_s if cpu_s > 0 else 1.0)
+
+
+# ---------------------------------------------------------------------------------------------- command
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``plan`` on an ``argparse`` subparsers object (``hf-superoffload plan ...``)."""
+    p = subparsers.add_parser("plan", help="predict the offload plan, memory and step time of a run; exit 1 if it "
+                              "cannot fit", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="config.json, local model folder, hub model id or preset")
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    p.add_argument("--gpu-mem", type=float, default=None, help="free GPU memory in GiB (overrides the profile)")
+    p.add_argument("--host-mem", type=float, default=None, help="available host RAM in GiB (overrides the profile)")
+    p.add_argument("--profile", default="measure", help="measure (this machine), gh200, h200, rtx4090 or a JSON "
+                   "file written by HardwareProfile.save")
+    p.add_argument("--offload-config", default=None, help="SuperOffloadConfig fields as JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=main_plan)
+    return p
+
+
+def _fit_tail(plan: OffloadPlan, est: MemoryEstimate, profile: HardwareProfile) -> int | None:
+    """Device-tail buckets that still fit next to the activations, when the auto tail does not; else None."""
+    if profile.device_free_bytes is None or est.gpu_required_bytes <= profile.device_free_bytes:
+        return None
+    if not plan.device_numel:
+        return None
+    no_tail = estimate(est.shape, batch_size=est.batch_size, seq_len=est.seq_len, grad_ckpt=est.grad_ckpt,
+                       plan_like=dataclasses.replace(est.plan_like, device_numel=0,
+                                                     host_numel=est.plan_like.host_numel + plan.device_numel))
+    budget = (profile.device_free_bytes - no_tail.gpu_required_bytes) / (14 * 1.05)
+    count, covered = 0, 0
+    for b in reversed(plan.buckets):
+        if b.placement is not Placement.DEVICE or covered + b.numel > budget:
+            break
+        count, covered = count + 1, covered + b.numel
+    return count
+
+
+def _mem(d: dict[str, int]) -> dict[str, float]:
+    return {k: round(v / GiB, 2) for k, v in d.items()}
+
+
+def _items(d: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in d.items() if v)
+
+
+def main_plan(args: argparse.Namespace) -> int:
+    """Run ``plan``; 0 fits, 1 does not fit (reason printed), 2 bad input."""
+    try:
+        if args.batch_size < 1 or args.seq_len < 1:
+            raise InputError("--batch-size and --seq-len must be >= 1")
+        config = load_model_config(args.model)
+        shape = ModelShape.from_config(config)
+        profile = resolve_profile(args.profile, gpu_mem_gb=args.gpu_mem, host_mem_gb=args.host_mem)
+        cfg = SuperOffloadConfig(**json.loads(args.offload_config)) if args.offload_config else SuperOffloadConfig()
+        numels = arrival_numels(config)
+    except (InputError, ValueError, TypeError) as e:
+        print(f"hf-superoffload plan: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    run = dict(batch_size=args.batch_size, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
+    notes: list[str] = []
+    reasons: list[str] = []
+    plan: OffloadPlan | None = None
+    try:
+        plan = make_plan(numels, element_size=2, config=cfg, profile=profile)
+        plan_like = PlanLike.from_plan(plan)
+        n_tail = _fit_tail(plan, estimate(shape, plan_like=plan_like, **run), profile)
+        if n_tail is not None and cfg.gpu_resident_buckets == "auto":
+            cfg = cfg.replace(gpu_resident_buckets=n_tail)
+            plan = make_plan(numels, element_size=2, config=cfg, profile=profile)
+            plan_like = PlanLike.from_plan(plan)
+            notes.append(f"device tail reduced to {n_tail} bucket(s) to leave room for activations")
+        host_est = estimate(shape, plan_like=plan_like, **run)
+        over = profile.host_available_bytes is not None and host_est.host_peak_bytes > profile.host_available_bytes
+        if over and cfg.rollback == "auto" and plan.rollback.value != "inverse":
+            plan = make_plan(numels, element_size=2, config=cfg.replace(rollback="inverse"), profile=profile)
+            plan_like = PlanLike.from_plan(plan)
+            notes.append("rollback: inverse, because the second state copy does not fit with the runtime's own RSS")
+    except PlanError as e:  # show the numbers of the leanest plan: every state on the host, inverse rollback
+        reasons.append(f"the planner refuses: {e}")
+        plan, plan_like = None, PlanLike.all_host(sum(numels))
+    step = predict_step_time(shape, plan_like, profile, **run)
+    if step is not None and plan is not None and plan.rollback.value == "snapshot":
+        plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
+    est = estimate(shape, plan_like=plan_like, **run)
+    try:
+        check_fits(est, profile)
+    except PlanError as e:
+        reasons.append(str(e))
+    reason = "\n".join(reasons) or None
+    if sum(numels) and abs(sum(numels) - shape.numel) > 0.01 * shape.numel:
+        notes.append(f"the model has {sum(numels) / 1e9:.3f}B parameters, the memory model counts "
+                     f"{shape.numel / 1e9:.3f}B (not a plain Llama-style decoder)")
+    baseline = estimate(shape, plan_like=PlanLike(optimizer="gpu_adamw"), **run)
+    largest = None
+    if profile.device_free_bytes is not None or profile.host_available_bytes is not None:
+        largest = largest_model_that_fits(shape, profile=profile, host_bytes_per_param=plan_like.host_bytes_per_param,
+                                          max_layers=MAX_LAYERS, **run)
+    out = {
+        "fits": reason is None, "reason": reason,
+        "model": {"source": args.model, "numel": sum(numels), **dataclasses.asdict(shape)},
+        "run": run, "profile": profile.to_dict(),
+        "plan": None if plan is None else {
+            "buckets": len(plan.buckets), "host_buckets": len(plan.host_buckets),
+            "device_buckets": len(plan.device_buckets), "host_numel": plan.host_numel,
+            "device_numel": plan.device_numel, "weight_mode": plan.weight_mode.value,
+            "cast_side": plan.cast_side.value, "rollback": plan.rollback.value, "speculation": plan.speculation,
+            "cpu_threads": plan.cpu_threads, "notes": list(plan.notes)},
+        "memory_gib": {
+            "gpu_peak_phase": est.gpu_peak_phase, "gpu": _mem(est.gpu), "gpu_peak": round(est.gpu_peak_bytes / GiB, 2),
+            "gpu_required": round(est.gpu_required_bytes / GiB, 2), "host": _mem(est.host),
+            "host_peak": round(est.host_peak_bytes / GiB, 2), "host_expected": round(est.host_expected_bytes / GiB, 2)},
+        "step_time_s": None if step is None else {k: round(v, 4) for k, v in dataclasses.asdict(step).items()},
+        "gpu_adamw_baseline_gib": {"gpu_required": round(baseline.gpu_required_bytes / GiB, 2),
+                                   "fits": fits(baseline, profile)},
+        "largest_fitting": None if largest is None else {
+            "num_layers": largest[0], "numel": largest[1].shape.numel, "at_search_limit": largest[0] == MAX_LAYERS},
+        "notes": notes + list(est.notes),
+    }
+    print(json.dumps(out, indent=2) if args.json else _text(out, plan, profile))
+    return EXIT_FITS if reason is None else EXIT_DOES_NOT_FIT
+
+
+def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfile) -> str:
+    m, run = out["model"], out["run"]
+    lines = [f"model: {m['source']}: {m['numel'] / 1e9:.2f}B parameters, {m['num_layers']} layers, hidden "
+             f"{m['hidden_size']}; batch {run['batch_size']} x {run['seq_len']}, checkpointing "
+             f"{'on' if run['grad_ckpt'] else 'off'}",
+             f"hardware: {profile.name or profile.device_type} ({profile.source or 'unknown source'})"]
+    if plan is not None:
+        lines.append(plan.summary())
+    mem = out["memory_gib"]
+    free = "unknown" if profile.device_free_bytes is None else f"{profile.device_free_bytes / GiB:.1f} GiB"
+    avail = "unknown" if profile.host_available_bytes is None else f"{profile.host_available_bytes / GiB:.1f} GiB"
+    lines += [f"predicted GPU memory: {mem['gpu_required']:.1f} GiB required of {free} free ({mem['gpu_peak']:.1f} "
+              f"allocated at the {mem['gpu_peak_phase']} phase: {_items(mem['gpu'])})",
+              f"predicted host memory: {mem['host_peak']:.1f} GiB peak of {avail} available (expected RSS "
+              f"{mem['host_expected']:.1f}: {_items(mem['host'])})"]
+    st = out["step_time_s"]
+    if st is None:
+        lines.append("predicted step: unknown (the profile lacks measured GPU/link rates; try --profile h200)")
+    else:
+        lines.append(f"predicted step: {st['step_s']:.3f} s (GPU {st['gpu_s']:.3f}, CPU Adam {st['cpu_s']:.3f} "
+                     f"against a {st['backward_window_s']:.3f} s backward, exposed {st['exposed_s']:.3f}, device tail "
+                     f"{st['tail_s']:.3f}; {st['speculated_fraction']:.0%} of host buckets speculated)")
+    b = out["gpu_adamw_baseline_gib"]
+    lines.append(f"plain GPU AdamW would need {b['gpu_required']:.1f} GiB ({'fits' if b['fits'] else 'does not fit'})")
+    lg = out["largest_fitting"]
+    lines.append("largest model of this width that fits: " + (
+        "unknown" if lg is None and not (profile.device_free_bytes or profile.host_available_bytes) else
+        "none" if lg is None else f"{'at least ' if lg['at_search_limit'] else ''}{lg['num_layers']} layers, "
+        f"{lg['numel'] / 1e9:.2f}B parameters"))
+    lines += [f"note: {n}" for n in out["notes"]]
+    lines.append("fits: yes" if out["fits"] else f"DOES NOT FIT: {out['reason']}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hf_superoffload.plan_cli --model ...`` (the same as ``hf-superoffload plan``)."""
+    parser = argparse.ArgumentParser(prog="hf-superoffload")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

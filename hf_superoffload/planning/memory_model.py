@@ -1,0 +1,399 @@
+"""Peak GPU and host memory of a training step, from the model's shape alone (nothing is allocated).
+
+[Note: memory model]
+T = batch x seq tokens, h hidden, f intermediate, L layers, a/kv attention/KV heads of width d, V vocabulary,
+N parameters. Bytes of the tensors autograd saves in an HF Llama-style decoder (SDPA, bf16):
+
+* per layer and token, A = 16h + 4ad + 4kv*d + 8f: each RMSNorm saves its fp32 upcast input (4h), the
+  normalised bf16 value (2h) and its output (2h); attention saves q, k, v and its output (SDPA returns it
+  contiguous: it is also the o_proj input); the MLP saves gate, up, silu(gate) and their product. fp32-weight
+  autocast makes the residual stream fp32: +10h.
+* checkpointing keeps one hidden state per layer (2hT; 4hT under autocast); backward recomputes one layer at
+  a time (1.5 A T: its activations and their gradients).
+* logits: bf16 from ``lm_head``, upcast to fp32 by the HF loss; ``log_softmax`` saves its fp32 output and
+  its backward also holds the incoming and outgoing fp32 gradients: 12 TV. The final norm saves 8hT (14hT).
+
+Peak allocated bytes are the largest of three phases:
+
+* ``loss``: start of backward. Resident weights and optimizer state, every saved activation, the logits
+  peak. Gradients do not exist yet (``zero_grad(set_to_none=True)``), except in the fwd+bwd probe, taken
+  to keep its bf16 gradients (2N) between iterations (inferred: the prediction is 4% low without them).
+* ``backward``: the last decoder layer's backward: resident state, its recompute and activation gradients,
+  and the gradients still on the GPU (GPU AdamW: every fp32 gradient but the input embedding's, which comes
+  last; SuperOffload: the device tail's flat bf16 gradients and a few in-flight buckets).
+* ``step``: the optimizer step: resident state and every gradient still on the GPU.
+
+The GPU coefficients follow from this accounting; checked against ``torch.cuda.max_memory_allocated`` on the
+team's H200 box (torch 2.11, HF Llama, SDPA, bf16; GB = 1e9) they need no fitted scale:
+
+================================================================  ========  =========  ========
+case                                                              measured  predicted  residual
+================================================================  ========  =========  ========
+3.6B GPU AdamW (fp32 + autocast), ckpt, 8x2048                        77.1       75.6     -1.9%
+3.6B SuperOffload, all on host, ckpt, 8x2048                          35.7       35.7     -0.1%
+3.6B SuperOffload, 2.08B-param device tail, ckpt, 8x2048              60.7       60.6     -0.1%
+8B GPU AdamW, ckpt, 4x2048                                           128.8      129.8     +0.8%
+0.95B fwd+bwd only, no ckpt, 8x2048                                   35.2       35.1     -0.4%
+1.88B fwd+bwd only, no ckpt, 4x2048                                   23.2       23.2     -0.2%
+3.6B host RSS, inverse (16 B/param)                                   64.3       64.3     +0.0%  (fitted)
+3.6B host RSS, snapshot (+12 B/param), 0.89 speculated            94.4-96.2      102.8  +6.9..+8.9%
+================================================================  ========  =========  ========
+
+Host: 12 B/param fp32 p/m/v, 4 B/param pinned landing + staging, 12 B/param for the rollback's second copy
+(a double buffer writes all of it every step; the older snapshot rollback only for speculated buckets:
+``PlanLike.speculated_fraction``), 2 B/param pinned bf16 weights in weight-flow mode, 1.7 GB runtime (the
+GPU-only run's RSS) and 1.36 B per host parameter (fitted to the inverse run; not attributed). The snapshot
+row was measured with the snapshot engine, its fraction 0.89 comes from the step-time roofline
+(``plan_cli``); with every page written it predicts 107.6 GB (+13%), which is what fit checks use.
+The allocator's slack (fragmentation, workspaces, the process's CUDA context) is assumed: 5% + 1 GiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .hardware import HardwareProfile
+from .plan import CastSide, OffloadPlan, WeightMode
+
+__all__ = ["MemoryEstimate", "ModelShape", "PlanLike", "check_fits", "estimate", "fits", "largest_model_that_fits"]
+
+GiB = 1024**3
+RUNTIME_HOST_BYTES = int(1.7e9)  # host RSS of a GPU-only training process (measured at 3.6B)
+ENGINE_HOST_BYTES_PER_PARAM = 1.36  # host RSS per host parameter beyond the arenas (fitted)
+LOGITS_BYTES_PER_ELEMENT = 12
+INFLIGHT_BUCKETS = 3  # on the GPU at once: one filling, one waiting for its D2H, one upload buffer
+FLOW_RESIDENT_LAYERS = 2  # weight-flow keeps the layer being computed and the one being prefetched
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder that memory depends on."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    name: str = "model"
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers config (Llama/Qwen2/Qwen3/Mistral-like), a dict of its fields, or a preset name."""
+        if isinstance(config, ModelShape):
+            return config
+        if isinstance(config, str):
+            from ..presets import PRESETS, llama_config
+
+            if config not in PRESETS:
+                raise ValueError(f"unknown model preset {config!r}; choose one of {sorted(PRESETS)}")
+            vocab = None if PRESETS[config]["vocab_size"] else 32000
+            return dataclasses.replace(cls.from_config(llama_config(config, vocab_size=vocab)), name=config)
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        if get("num_local_experts") or get("num_experts"):
+            raise ValueError("mixture-of-experts models are not covered by the memory model")
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if get(k) is None]
+        if missing:
+            raise ValueError(f"the model config lacks {missing}: not a Llama-style decoder config")
+        h, heads = int(get("hidden_size")), int(get("num_attention_heads"))
+        model_type = str(get("model_type") or "")
+        return cls(h, int(get("intermediate_size")), int(get("num_hidden_layers")), heads,
+                   int(get("num_key_value_heads") or heads), int(get("head_dim") or h // heads), int(get("vocab_size")),
+                   tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+                   qkv_bias=bool(get("attention_bias", False)) or model_type == "qwen2",  # Qwen2: q/k/v biases
+                   mlp_bias=bool(get("mlp_bias", False)), qk_norm=model_type == "qwen3",
+                   name=str(get("_name_or_path") or model_type or "model"))
+
+    def with_layers(self, num_layers: int) -> ModelShape:
+        return dataclasses.replace(self, num_layers=num_layers, name=f"{self.name} x{num_layers} layers")
+
+    @property
+    def layer_numel(self) -> int:
+        h, f = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        mlp = 3 * h * f + ((2 * f + h) if self.mlp_bias else 0)
+        return attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+
+    @property
+    def embedding_numel(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def non_layer_numel(self) -> int:
+        """Embedding, final norm and (untied) LM head."""
+        return self.embedding_numel * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    @property
+    def numel(self) -> int:
+        return self.non_layer_numel + self.num_layers * self.layer_numel
+
+    def layer_activation_bytes_per_token(self, *, autocast: bool = False) -> int:
+        """Bytes one decoder layer saves for backward, per token (see [Note: memory model])."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return 16 * h + 4 * q + 4 * kv + 8 * self.intermediate_size + (10 * h if autocast else 0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanLike:
+    """What the memory model needs of a plan (an :class:`OffloadPlan` or a hypothetical one).
+
+    Attributes:
+        device_numel: parameters whose fp32 master and Adam state live on the GPU (the tail).
+        host_numel: parameters whose fp32 master and Adam state live on the host.
+        host_bytes_per_param: 16 (p/m/v + landing + staging; inverse rollback) or 28 (+ a second p/m/v copy:
+            double-buffer or snapshot rollback).
+        weight_mode: ``"stationary"`` (bf16 weights on the GPU) or ``"flow"`` (streamed from the host).
+        bucket_bytes: gradient bytes of the largest bucket (on the GPU while in flight).
+        cast_side: ``"cpu"`` (bf16 crosses the link) or ``"gpu"`` (fp32 crosses; buckets are fp32 on the GPU).
+        optimizer: ``"superoffload"``; ``"gpu_adamw"`` (fp32 weights, gradients and AdamW on the GPU with
+            bf16 autocast: the baseline); ``"none"`` (bf16 forward+backward whose gradients persist).
+        speculated_fraction: share of the rollback copy ever written. 1.0 for a double buffer (every step
+            writes the other copy) and the conservative default; for a snapshot rollback, the share of host
+            parameters stepped speculatively (only those write their snapshot).
+    """
+
+    device_numel: int = 0
+    host_numel: int = 0
+    host_bytes_per_param: int = 16
+    weight_mode: Literal["stationary", "flow"] = "stationary"
+    bucket_bytes: int = 32 * 1024 * 1024
+    cast_side: Literal["cpu", "gpu"] = "cpu"
+    optimizer: Literal["superoffload", "gpu_adamw", "none"] = "superoffload"
+    speculated_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.host_bytes_per_param not in (16, 28):
+            raise ValueError(f"host_bytes_per_param={self.host_bytes_per_param}: use 16 (inverse) or 28 (snapshot)")
+        if not 0.0 <= self.speculated_fraction <= 1.0:
+            raise ValueError(f"speculated_fraction={self.speculated_fraction}: use a fraction in [0, 1]")
+
+    @classmethod
+    def from_plan(cls, plan: OffloadPlan, *, bucket_bytes: int | None = None) -> PlanLike:
+        gpu_cast = plan.cast_side is CastSide.GPU
+        largest = max((b.numel for b in plan.buckets), default=0) * (4 if gpu_cast else 2)
+        return cls(device_numel=plan.device_numel, host_numel=plan.host_numel,
+                   host_bytes_per_param=plan.host_bytes() // max(plan.host_numel, 1) if plan.host_numel else 16,
+                   weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
+                   bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu")
+
+    @classmethod
+    def all_host(cls, numel: int, **kw: Any) -> PlanLike:  # every optimizer state on the host, no device tail
+        return cls(host_numel=numel, **kw)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Predicted peaks with their breakdowns (bytes) and the inputs that produced them."""
+
+    shape: ModelShape
+    batch_size: int
+    seq_len: int
+    grad_ckpt: bool
+    plan_like: PlanLike
+    gpu_phases: dict[str, dict[str, int]]  # phase (loss, backward, step) -> component -> bytes allocated
+    host: dict[str, int]  # component -> bytes, every page of the rollback copy resident (conservative)
+    host_snapshot_untouched: int = 0  # bytes of a snapshot rollback copy that are never written
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def gpu_peak_phase(self) -> str:
+        return max(self.gpu_phases, key=lambda k: sum(self.gpu_phases[k].values()))
+
+    @property
+    def gpu(self) -> dict[str, int]:  # the peak phase's breakdown
+        return self.gpu_phases[self.gpu_peak_phase]
+
+    @property
+    def gpu_peak_bytes(self) -> int:
+        """Predicted ``torch.cuda.max_memory_allocated``."""
+        return sum(self.gpu.values())
+
+    @property
+    def gpu_required_bytes(self) -> int:
+        """What must be free on the device: the allocated peak plus the allocator's slack (5% + 1 GiB)."""
+        return self.gpu_peak_bytes + int(0.05 * self.gpu_peak_bytes) + GiB
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Host RSS with every allocated page resident (what fit checks use)."""
+        return sum(self.host.values())
+
+    @property
+    def host_expected_bytes(self) -> int:
+        """Host RSS when only ``speculated_fraction`` of the rollback copy is written."""
+        return self.host_peak_bytes - self.host_snapshot_untouched
+
+
+def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
+             plan_like: PlanLike | None = None) -> MemoryEstimate:
+    """Predict the peak GPU and host memory of one training step (see [Note: memory model]).
+
+    Args:
+        model_config: a transformers config, a dict of its fields, a preset name or a :class:`ModelShape`.
+        plan_like: placement of the optimizer state; default: everything on the host, inverse rollback.
+    """
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    s = ModelShape.from_config(model_config)
+    p = plan_like or PlanLike.all_host(s.numel)
+    n, tokens, h = s.numel, batch_size * seq_len, s.hidden_size
+    autocast, flow = p.optimizer == "gpu_adamw", p.weight_mode == "flow" and p.optimizer == "superoffload"
+    notes: list[str] = []
+    resident = {"weights": 2 * (s.non_layer_numel + min(FLOW_RESIDENT_LAYERS, s.num_layers) * s.layer_numel)
+                if flow else (4 if autocast else 2) * n}
+    if flow:
+        notes.append(f"weight-flow: {FLOW_RESIDENT_LAYERS} layers' bf16 weights resident (modelled, not calibrated)")
+    if p.optimizer != "none":
+        resident["optimizer_state"] = 8 * n if autocast else 12 * p.device_numel
+    else:  # the fwd+bwd probe's gradients persist
+        resident["gradients"] = 2 * n
+
+    layer_act = s.layer_activation_bytes_per_token(autocast=autocast) * tokens
+    loss = dict(resident, activations=s.num_layers * (tokens * h * (4 if autocast else 2) if grad_ckpt else layer_act))
+    loss["final_norm"] = (14 if autocast else 8) * h * tokens
+    loss["logits"] = LOGITS_BYTES_PER_ELEMENT * tokens * s.vocab_size
+    if autocast:
+        loss["autocast_weight_copies"] = 2 * s.embedding_numel  # the LM head's bf16 copy, saved for backward
+
+    # the last decoder layer's backward (its recompute and activation gradients), then the optimizer step
+    backward = dict(resident, activations=int(1.5 * layer_act))
+    step = dict(resident)
+    if p.optimizer == "gpu_adamw":
+        backward["gradients"] = 4 * (n - s.embedding_numel)  # the input embedding's gradient comes last
+        backward["autocast_weight_copies"] = 2 * s.layer_numel
+        step["gradients"] = 4 * n
+    elif p.optimizer == "superoffload":
+        for d in (backward, step):
+            d["tail_gradients"] = 2 * p.device_numel
+            d["bucket_buffers"] = INFLIGHT_BUCKETS * p.bucket_bytes if p.host_numel else 0
+
+    host: dict[str, int] = {"runtime_baseline": RUNTIME_HOST_BYTES}
+    untouched = 0
+    if p.optimizer == "superoffload" and p.host_numel:  # the arenas (runtime/engine.py::_build_buckets)
+        host["fp32_master_adam"] = 12 * p.host_numel
+        host["pinned_landing_staging"] = 4 * p.host_numel
+        if p.host_bytes_per_param == 28:
+            host["rollback_copy"] = 12 * p.host_numel
+            untouched = int(12 * p.host_numel * (1.0 - p.speculated_fraction))
+        host["engine_overhead"] = int(ENGINE_HOST_BYTES_PER_PARAM * p.host_numel)
+    if flow:
+        host["pinned_bf16_weights"] = 2 * n
+
+    return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {"loss": loss, "backward": backward, "step": step},
+                          host, untouched, tuple(notes))
+
+
+# ---------------------------------------------------------------------------------------------- fit checks
+def _overruns(est: MemoryEstimate, profile: HardwareProfile) -> tuple[int, int]:
+    """Bytes by which the GPU and the host budgets are exceeded (0: fits or unknown)."""
+    gpu = 0 if profile.device_free_bytes is None else max(0, est.gpu_required_bytes - profile.device_free_bytes)
+    host = 0 if profile.host_available_bytes is None else max(0, est.host_peak_bytes - profile.host_available_bytes)
+    return gpu, host
+
+
+def fits(est: MemoryEstimate, profile: HardwareProfile) -> bool:
+    """True when the estimate fits the profile's free device memory and available host RAM."""
+    return _overruns(est, profile) == (0, 0)
+
+
+def _again(est: MemoryEstimate, **changes: Any) -> MemoryEstimate:
+    kw = dict(batch_size=est.batch_size, seq_len=est.seq_len, grad_ckpt=est.grad_ckpt, plan_like=est.plan_like)
+    return estimate(est.shape, **(kw | changes))
+
+
+def _largest(lo: int, hi: int, ok: Any) -> int | None:
+    """Largest x in [lo, hi] with ok(x), for a monotone ok; None if none."""
+    if not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _items(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v / GiB:.1f}" for k, v in d.items() if v)
+
+
+def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
+    """Raise :class:`~hf_superoffload.planning.planner.PlanError` with the numbers and what to change
+    when ``est`` does not fit ``profile`` (unknown budgets are not checked)."""
+    from .planner import PlanError  # lazy: the planner may come to use this module
+
+    gpu_over, host_over = _overruns(est, profile)
+    if not gpu_over and not host_over:
+        return
+    p, out = est.plan_like, []
+
+    def gpu_ok(e: MemoryEstimate) -> bool:
+        return _overruns(e, profile)[0] == 0
+
+    if gpu_over:
+        out.append(f"GPU: needs {est.gpu_required_bytes / GiB:.1f} GiB ({est.gpu_peak_bytes / GiB:.1f} GiB allocated "
+                   f"at the {est.gpu_peak_phase} phase: {_items(est.gpu)}; plus allocator slack) but "
+                   f"{(profile.device_free_bytes or 0) / GiB:.1f} GiB is free. Options:")
+        if not est.grad_ckpt and gpu_ok(_again(est, grad_ckpt=True)):
+            out.append("  - enable gradient checkpointing (--grad-ckpt): it then fits")
+        b = _largest(1, est.batch_size - 1, lambda x: gpu_ok(_again(est, batch_size=x))) if est.batch_size > 1 else None
+        sq = None if b else _largest(1, est.seq_len - 1, lambda x: gpu_ok(_again(est, batch_size=1, seq_len=x)))
+        if b:
+            out.append(f"  - batch size {b} fits (same sequence length; accumulate gradients for the same tokens)")
+        elif sq:
+            out.append(f"  - at batch size 1, sequences up to {sq} tokens fit")
+        if est.gpu.get("logits", 0) > 0.25 * est.gpu_peak_bytes:
+            out.append(f"  - the logits take {est.gpu['logits'] / GiB:.1f} GiB (12 B per token and vocabulary entry): "
+                       "a chunked cross-entropy would remove most of it")
+        if p.optimizer == "superoffload" and p.device_numel:
+            out.append(f"  - the device tail holds {14 * p.device_numel / GiB:.1f} GiB: lower gpu_resident_buckets")
+        if p.optimizer == "superoffload" and p.weight_mode == "stationary":
+            flow = _again(est, plan_like=dataclasses.replace(p, weight_mode="flow"))
+            out.append(f"  - weight_placement='flow' would free {(est.gpu_peak_bytes - flow.gpu_peak_bytes) / GiB:.1f} "
+                       "GiB of resident weights (not available yet)")
+        out.append("  - more GPUs: data parallel splits the batch, sequence parallel (Ulysses) the activations")
+    if host_over:
+        out.append(f"host: needs {est.host_peak_bytes / GiB:.1f} GiB ({_items(est.host)}) but "
+                   f"{(profile.host_available_bytes or 0) / GiB:.1f} GiB is available. Options:")
+        if "rollback_copy" in est.host:
+            out.append(f"  - rollback='inverse' saves {est.host['rollback_copy'] / GiB:.1f} GiB")
+        move = min(p.host_numel, int(host_over / (p.host_bytes_per_param + ENGINE_HOST_BYTES_PER_PARAM)) + 1)
+        moved = _again(est, plan_like=dataclasses.replace(p, device_numel=p.device_numel + move,
+                                                          host_numel=p.host_numel - move))
+        out.append(f"  - keep {move / 1e9:.2f}B more parameters' optimizer state on the GPU (gpu_resident_buckets): "
+                   f"the GPU then needs {moved.gpu_required_bytes / GiB:.1f} GiB "
+                   f"({'fits' if gpu_ok(moved) else 'does not fit'})")
+        out.append("  - more host RAM, or more nodes: data parallel shards the host state across nodes")
+    raise PlanError("the run does not fit.\n" + "\n".join(out))
+
+
+def largest_model_that_fits(family_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
+                            profile: HardwareProfile, host_bytes_per_param: int = 16,
+                            bucket_bytes: int = 32 * 1024 * 1024, max_layers: int = 1024,
+                            ) -> tuple[int, MemoryEstimate] | None:
+    """The most decoder layers of ``family_config``'s width that fit ``profile`` (``None``: not even one), with
+    the estimate. Optimizer state stays on the host, less the smallest device tail that makes host RAM fit."""
+    shape, avail = ModelShape.from_config(family_config), profile.host_available_bytes
+    if avail is None and profile.device_free_bytes is None:
+        raise ValueError("the profile knows neither free device memory nor available host RAM: nothing bounds the size")
+    per = host_bytes_per_param + ENGINE_HOST_BYTES_PER_PARAM
+
+    def est_for(layers: int) -> MemoryEstimate:
+        n = shape.with_layers(layers).numel
+        tail = 0 if avail is None else min(n, max(0, math.ceil(n - (avail - RUNTIME_HOST_BYTES) / per)))
+        plan_like = PlanLike(device_numel=tail, host_numel=n - tail, host_bytes_per_param=host_bytes_per_param,
+                             bucket_bytes=bucket_bytes)
+        return estimate(shape.with_layers(layers), batch_size=batch_size, seq_len=seq_len, grad_ckpt=grad_ckpt,
+                        plan_like=plan_like)
+
+    best = _largest(1, max_layers, lambda layers: fits(est_for(layers), profile))
+    return None if best is None else (best, est_for(best))

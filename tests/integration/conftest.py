@@ -1,0 +1,71 @@
+"""Shared helpers for the Hugging Face integration tests (CPU, tiny models, a few steps each)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+
+VOCAB = 128  # hf_superoffload.testing.tiny_llama's vocabulary
+SMALL_BUCKETS = dict(superoffload_bucket_size_mb=0.004, superoffload_gpu_resident_buckets="2")
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Fixed random token blocks (``input_ids`` == ``labels``), deterministic for ``seed``."""
+
+    def __init__(self, n: int, seq: int = 16, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train_kwargs(output_dir: Any, **overrides: Any) -> dict[str, Any]:
+    """TrainingArguments keywords shared by the tests: CPU, no reporting, per-step logs, no checkpoints."""
+    kw: dict[str, Any] = dict(
+        output_dir=str(output_dir), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1,
+        save_strategy="no", per_device_train_batch_size=2, per_device_eval_batch_size=4, learning_rate=1e-3,
+        weight_decay=0.1, lr_scheduler_type="linear", max_grad_norm=1.0, seed=0, dataloader_num_workers=0,
+        dataloader_pin_memory=False,
+    )
+    kw.update(overrides)
+    return kw
+
+
+def master_of(opt: Any, param: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of ``param`` inside a SuperOffloadOptimizer."""
+    eng = opt.engine
+    i = next(k for k, p in enumerate(eng.params) if p is param)
+    pl, off = eng.param_location(i)
+    side = "host" if pl.value == "host" else "device"
+    return eng.flat_state()[side]["master"][off : off + param.numel()].view(param.shape).cpu()
+
+
+@pytest.fixture(scope="session")
+def hf() -> SimpleNamespace:
+    """Helpers for the tests in this folder (test modules cannot import each other in importlib mode)."""
+    return SimpleNamespace(TokenDataset=TokenDataset, train_kwargs=train_kwargs, master_of=master_of,
+                           SMALL_BUCKETS=SMALL_BUCKETS, VOCAB=VOCAB)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Reset accelerate's process-wide singletons around a test that builds its own Accelerator."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -1,0 +1,99 @@
+"""SuperOffloadArguments validation, the refused plain-Trainer path, and skipped steps under Trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
+from hf_superoffload.testing import tiny_llama
+
+
+def _args(tmp_path: Any, **kw: Any) -> SuperOffloadArguments:
+    return SuperOffloadArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"deepspeed": {"zero_optimization": {"stage": 2}}}, "deepspeed is set"),
+        ({"fsdp": "full_shard"}, "fsdp='full_shard' is set"),
+        ({"fp16": True}, "fp16 is not supported"),
+        ({"optim": "adafactor"}, "optim='adafactor' cannot be used"),
+        ({"optim": "adamw_torch", "optim_args": "foo=1"}, "optim_args"),
+        ({"superoffload_bucket_size_mb": -1.0}, "superoffload_bucket_size_mb=-1.0 is invalid"),
+        ({"superoffload_gpu_resident_buckets": "many"}, "superoffload_gpu_resident_buckets='many'"),
+        ({"superoffload_max_redo_rate": 2.0}, "superoffload_max_redo_rate"),
+    ],
+)
+def test_incompatible_or_invalid_arguments_are_refused(tmp_path: Any, kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _args(tmp_path, **kw)
+
+
+def test_fp16_from_the_accelerate_environment_is_refused(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="ACCELERATE_MIXED_PRECISION=fp16"):
+        _args(tmp_path)
+
+
+def test_adamw_names_are_accepted(tmp_path: Any) -> None:
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        assert _args(tmp_path, optim=optim).to_superoffload_config() == SuperOffloadConfig()
+
+
+def test_every_config_field_has_an_argument_and_the_parser_reads_them(tmp_path: Any) -> None:
+    config_fields = {f.name for f in dataclasses.fields(SuperOffloadConfig)}
+    arg_fields = {f.name[len("superoffload_"):] for f in dataclasses.fields(SuperOffloadArguments)
+                  if f.name.startswith("superoffload_")}
+    assert arg_fields == config_fields
+    (args,) = HfArgumentParser(SuperOffloadArguments).parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--use_cpu", "--superoffload_gpu_resident_buckets", "0",
+        "--no_superoffload_speculation", "--superoffload_rollback", "inverse", "--superoffload_cpu_threads", "1",
+        "--superoffload_bucket_size_mb", "8",
+    ])
+    assert args.to_superoffload_config() == SuperOffloadConfig(gpu_resident_buckets=0, speculation=False,
+                                                               rollback="inverse", cpu_threads=1, bucket_size_mb=8)
+
+
+def test_plain_trainer_with_superoffload_arguments_is_refused(tmp_path: Any) -> None:
+    with pytest.raises(TypeError, match="not a SuperOffloadTrainer"):
+        Trainer(model=tiny_llama(), args=_args(tmp_path))
+
+
+def test_superoffload_trainer_needs_its_arguments_and_its_optimizer(tmp_path: Any) -> None:
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="needs SuperOffloadArguments"):
+        SuperOffloadTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True))
+    with pytest.raises(ValueError, match="drop optimizers"):
+        SuperOffloadTrainer(model=model, args=_args(tmp_path),
+                            optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
+        SuperOffloadTrainer(model=model, args=_args(tmp_path),
+                            optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))
+
+
+class _NanAtStep2(SuperOffloadTrainer):
+    def compute_loss(self, model: Any, inputs: Any, *a: Any, **kw: Any) -> Any:
+        loss = super().compute_loss(model, inputs, *a, **kw)
+        return loss * float("nan") if self.state.global_step == 2 else loss
+
+
+def test_non_finite_step_is_skipped_and_the_lr_schedule_does_not_advance(hf: Any, tmp_path: Any) -> None:
+    args = SuperOffloadArguments(**hf.train_kwargs(tmp_path, max_steps=5), **hf.SMALL_BUCKETS)
+    model = tiny_llama(seed=0)
+    trainer = _NanAtStep2(model=model, args=args, train_dataset=hf.TokenDataset(16))
+    trainer.train()
+    opt = trainer.superoffload_optimizer
+    assert opt is not None and opt.skipped_steps == 1
+    assert trainer.lr_scheduler.last_epoch == 4, "the LR scheduler stepped on the skipped step"
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [math.isfinite(h["grad_norm"]) for h in logs] == [True, True, False, True, True]
+    assert logs[-1]["superoffload/skipped_steps"] == 1.0
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -1,0 +1,147 @@
+"""The memory model against the measured H200 points, its structure, and the fit checks (no GPU, no allocation)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.plan_cli import arrival_numels, load_model_config
+from hf_superoffload.planning.hardware import HardwareProfile
+from hf_superoffload.planning.memory_model import (
+    MemoryEstimate,
+    ModelShape,
+    PlanLike,
+    check_fits,
+    estimate,
+    fits,
+    largest_model_that_fits,
+)
+from hf_superoffload.planning.planner import PlanError, make_plan
+
+DATA = Path(__file__).parent / "data"
+GiB = 1024**3
+
+
+def llama(h, f, layers, heads, kv, vocab):
+    return dict(hidden_size=h, intermediate_size=f, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=kv, vocab_size=vocab)
+
+
+L36 = llama(3072, 8192, 28, 24, 8, 128256)
+L8 = llama(4096, 14336, 32, 32, 8, 128256)
+N36 = ModelShape.from_config(L36).numel
+TAIL = 2_080_000_000
+
+# (config, batch, seq, ckpt, plan, measured peak GB) on the team's H200 box, torch.cuda.max_memory_allocated
+GPU_POINTS = {
+    "3.6B GPU AdamW": (L36, 8, 2048, True, PlanLike(optimizer="gpu_adamw"), 77.1),
+    "3.6B all on host": (L36, 8, 2048, True, PlanLike.all_host(N36), 35.7),
+    "3.6B 2.08B tail": (L36, 8, 2048, True, PlanLike(device_numel=TAIL, host_numel=N36 - TAIL), 60.7),
+    "8B GPU AdamW": (L8, 4, 2048, True, PlanLike(optimizer="gpu_adamw"), 128.8),
+    "0.95B fwd+bwd": (llama(2048, 5632, 16, 16, 16, 32000), 8, 2048, False, PlanLike(optimizer="none"), 35.2),
+    "1.88B fwd+bwd": (llama(4096, 11008, 8, 32, 32, 32000), 4, 2048, False, PlanLike(optimizer="none"), 23.2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GPU_POINTS))
+def test_gpu_peak_matches_the_measured_points(case):
+    cfg, b, s, ckpt, plan, measured = GPU_POINTS[case]
+    est = estimate(cfg, batch_size=b, seq_len=s, grad_ckpt=ckpt, plan_like=plan)
+    assert est.gpu_peak_bytes / 1e9 == pytest.approx(measured, rel=0.03)  # the brief asks 10%; we hold 3%
+
+
+@pytest.mark.parametrize("bpp,fraction,low,high", [(16, 1.0, 64.3, 64.3), (28, 0.89, 94.4, 96.2)])
+def test_host_rss_matches_the_measured_points(bpp, fraction, low, high):
+    plan = PlanLike.all_host(N36, host_bytes_per_param=bpp, speculated_fraction=fraction)
+    est = estimate(L36, batch_size=8, seq_len=2048, grad_ckpt=True, plan_like=plan)
+    assert 0.9 * high <= est.host_expected_bytes / 1e9 <= 1.1 * low
+    assert est.host_peak_bytes >= est.host_expected_bytes  # fit checks use the conservative figure
+
+
+def test_parameter_counts_match_the_real_models_built_on_meta():
+    for name in ("llama_3p6b", "llama_8b", "qwen2_0p5b"):
+        config = load_model_config(str(DATA / f"{name}.json"))
+        assert ModelShape.from_config(config).numel == sum(arrival_numels(config)), name
+    assert ModelShape.from_config(L36).numel == 3_606_752_256  # the anchor's N = 3.607B
+    assert ModelShape.from_config("8b").numel == ModelShape.from_config(L8).numel
+
+
+def test_shape_rejects_what_it_cannot_model():
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelShape.from_config(dict(L36, num_local_experts=8))
+    with pytest.raises(ValueError, match="lacks"):
+        ModelShape.from_config({"hidden_size": 8})
+    with pytest.raises(ValueError, match="unknown model preset"):
+        ModelShape.from_config("gigantic")
+    with pytest.raises(ValueError, match="host_bytes_per_param"):
+        PlanLike(host_bytes_per_param=20)
+
+
+def test_the_knobs_move_memory_the_right_way():
+    def est(**kw) -> MemoryEstimate:
+        base = dict(batch_size=8, seq_len=2048, grad_ckpt=True, plan_like=PlanLike.all_host(N36))
+        return estimate(L36, **(base | kw))
+
+    ref = est()
+    assert est(batch_size=16).gpu_peak_bytes > ref.gpu_peak_bytes
+    assert est(grad_ckpt=False).gpu_peak_bytes > 2 * ref.gpu_peak_bytes
+    tail = est(plan_like=PlanLike(device_numel=TAIL, host_numel=N36 - TAIL))
+    assert tail.gpu_peak_bytes > ref.gpu_peak_bytes and tail.host_peak_bytes < ref.host_peak_bytes
+    flow = est(plan_like=PlanLike.all_host(N36, weight_mode="flow"))
+    assert flow.gpu["weights"] < ref.gpu["weights"] and flow.host_peak_bytes > ref.host_peak_bytes
+    double = est(plan_like=PlanLike.all_host(N36, host_bytes_per_param=28))
+    assert double.host["rollback_copy"] == 12 * N36
+    # every phase is reported; the peak is the largest
+    assert set(ref.gpu_phases) == {"loss", "backward", "step"}
+    assert ref.gpu_peak_bytes == max(sum(p.values()) for p in ref.gpu_phases.values())
+    assert ref.gpu_required_bytes > ref.gpu_peak_bytes
+
+
+def test_from_plan_reads_the_planner_output():
+    profile = HardwareProfile.h200_pcie()
+    numels = arrival_numels(load_model_config(str(DATA / "llama_3p6b.json")))
+    plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(gpu_resident_buckets=4, rollback="inverse"),
+                     profile=profile)
+    pl = PlanLike.from_plan(plan)
+    assert (pl.device_numel, pl.host_numel, pl.host_bytes_per_param) == (plan.device_numel, plan.host_numel, 16)
+    assert pl.bucket_bytes == 2 * max(b.numel for b in plan.buckets)
+
+
+def test_check_fits_passes_or_explains_what_to_change():
+    h200 = HardwareProfile.h200_pcie()
+    ok = estimate(L36, batch_size=8, seq_len=2048, grad_ckpt=True)
+    check_fits(ok, h200)  # no exception
+    small = dataclasses.replace(h200, device_free_bytes=30 * GiB)
+    with pytest.raises(PlanError, match=r"GPU: needs .* GiB .* but 30.0 GiB is free") as info:
+        check_fits(ok, small)
+    msg = str(info.value)
+    assert "batch size" in msg and "logits" in msg and "more GPUs" in msg
+    no_ckpt = estimate(L36, batch_size=2, seq_len=2048, grad_ckpt=False)
+    with pytest.raises(PlanError, match="gradient checkpointing"):
+        check_fits(no_ckpt, dataclasses.replace(h200, device_free_bytes=24 * GiB))
+    host_heavy = estimate(L36, batch_size=8, seq_len=2048, grad_ckpt=True,
+                          plan_like=PlanLike.all_host(N36, host_bytes_per_param=28))
+    with pytest.raises(PlanError, match="host: needs") as info:
+        check_fits(host_heavy, dataclasses.replace(h200, host_available_bytes=90 * GiB))
+    assert "rollback='inverse' saves" in str(info.value) and "on the GPU" in str(info.value)
+    # unknown budgets are not checked
+    check_fits(host_heavy, dataclasses.replace(h200, device_free_bytes=None, host_available_bytes=None))
+
+
+def test_largest_model_that_fits_is_the_boundary():
+    h200 = HardwareProfile.h200_pcie()
+    run = dict(batch_size=4, seq_len=2048, grad_ckpt=True)
+    layers, est = largest_model_that_fits(L8, profile=h200, **run)
+    assert fits(est, h200) and est.shape.num_layers == layers
+    assert 32 < layers < 200  # 8B trains here; something well past it does not
+    assert largest_model_that_fits(L8, profile=h200, max_layers=layers + 1, **run)[0] == layers
+    smaller, _ = largest_model_that_fits(L8, profile=dataclasses.replace(h200, device_free_bytes=60 * GiB), **run)
+    assert smaller < layers
+    rtx = HardwareProfile.rtx4090_24gb()
+    assert largest_model_that_fits(L8, profile=rtx, batch_size=8, seq_len=4096, grad_ckpt=True) is None
+    with pytest.raises(ValueError, match="neither"):
+        largest_model_that_fits(L8, profile=dataclasses.replace(h200, device_free_bytes=None,
+                                                                host_available_bytes=None), **run)

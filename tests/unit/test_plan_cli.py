@@ -1,0 +1,159 @@
+"""``hf-superoffload plan`` on model configs shipped as JSON (no network, no GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_superoffload.plan_cli import (
+    EXIT_BAD_INPUT,
+    EXIT_DOES_NOT_FIT,
+    EXIT_FITS,
+    add_plan_parser,
+    main,
+    predict_step_time,
+)
+from hf_superoffload.planning.hardware import CACHE_ENV, HardwareProfile
+from hf_superoffload.planning.memory_model import ModelShape, PlanLike
+
+DATA = Path(__file__).parent / "data"
+
+
+def plan(capsys, *argv: str) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="hf-superoffload")
+    add_plan_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def plan_json(capsys, *argv: str) -> tuple[int, dict]:
+    rc, out, _ = plan(capsys, *argv, "--json")
+    return rc, json.loads(out)
+
+
+def model(name: str) -> str:
+    return str(DATA / f"{name}.json")
+
+
+def test_the_anchor_fits_on_our_box(capsys):
+    rc, out = plan_json(capsys, "--model", model("llama_3p6b"), "--batch-size", "8", "--seq-len", "2048",
+                        "--grad-ckpt", "--profile", "h200")
+    assert rc == EXIT_FITS and out["fits"] and out["reason"] is None
+    assert out["model"]["numel"] == 3_606_752_256
+    assert out["plan"]["buckets"] >= 8
+    assert out["memory_gib"]["gpu_required"] < 139
+    assert 1.0 < out["step_time_s"]["step_s"] < 1.2  # GPU-only anchor: 1.03 s
+    assert out["largest_fitting"]["num_layers"] > 28
+    assert out["gpu_adamw_baseline_gib"]["fits"]
+
+
+def test_text_output_has_the_plan_memory_step_and_largest_model(capsys):
+    rc, out, _ = plan(capsys, "--model", model("llama_3p6b"), "--batch-size", "8", "--seq-len", "2048",
+                      "--grad-ckpt", "--profile", "h200")
+    assert rc == EXIT_FITS
+    for needle in ("hf_superoffload plan:", "predicted GPU memory", "predicted host memory", "predicted step",
+                   "largest model of this width", "fits: yes"):
+        assert needle in out, needle
+
+
+def test_does_not_fit_exits_1_with_the_reason(capsys):
+    rc, out, _ = plan(capsys, "--model", model("llama_8b"), "--batch-size", "8", "--seq-len", "4096",
+                      "--profile", "rtx4090")
+    assert rc == EXIT_DOES_NOT_FIT
+    assert "DOES NOT FIT" in out and "GPU: needs" in out and "gradient checkpointing" not in out.split("fits:")[0]
+    rc, data = plan_json(capsys, "--model", model("llama_70b"), "--batch-size", "1", "--seq-len", "2048",
+                         "--grad-ckpt", "--profile", "h200")
+    assert rc == EXIT_DOES_NOT_FIT and not data["fits"] and "host" in data["reason"]
+
+
+def test_overrides_decide_fit(capsys):
+    argv = ("--model", model("llama_3p6b"), "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt",
+            "--profile", "h200")
+    assert plan(capsys, *argv, "--gpu-mem", "20")[0] == EXIT_DOES_NOT_FIT
+    rc, data = plan_json(capsys, *argv, "--host-mem", "80", "--offload-config", '{"gpu_resident_buckets": 0}')
+    assert rc == EXIT_FITS and data["plan"]["rollback"] == "inverse"  # 28 B/param would not fit in 80 GiB
+    assert data["profile"]["host_available_bytes"] == 80 * 1024**3
+
+
+def test_gh200_and_a_workstation_card_get_different_plans(capsys):
+    argv = ("--model", model("llama_3p6b"), "--batch-size", "1", "--seq-len", "2048", "--grad-ckpt")
+    rc_gh, gh = plan_json(capsys, *argv, "--profile", "gh200")
+    rc_rtx, rtx = plan_json(capsys, *argv, "--profile", "rtx4090")
+    assert rc_gh == rc_rtx == EXIT_FITS
+    assert gh["plan"]["cast_side"] == "gpu" and rtx["plan"]["cast_side"] == "cpu"  # C2C vs PCIe
+    assert gh["plan"]["device_numel"] > rtx["plan"]["device_numel"] > 0  # 94 vs 23 GiB of HBM
+    assert gh["plan"]["rollback"] != rtx["plan"]["rollback"]  # 410 vs 58 GiB of host RAM
+    assert gh["largest_fitting"]["numel"] > rtx["largest_fitting"]["numel"]
+    assert gh["step_time_s"]["step_s"] < rtx["step_time_s"]["step_s"]
+
+
+def test_profile_from_a_json_file_and_presets(capsys, tmp_path):
+    path = tmp_path / "box.json"
+    dataclasses.replace(HardwareProfile.h200_pcie(), device_free_bytes=10 * 1024**3).save(path)
+    rc, data = plan_json(capsys, "--model", "1b", "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt",
+                         "--profile", str(path))
+    assert rc == EXIT_DOES_NOT_FIT and data["model"]["hidden_size"] == 2048
+
+
+def test_measured_profile_on_a_cpu_machine(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    rc, data = plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--profile", "measure",
+                         "--gpu-mem", "8")
+    assert rc == EXIT_FITS and data["profile"]["cpu_adam_gparams"] > 0
+    assert data["step_time_s"] is None  # no GPU rates measured here
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (("--model", "no-such-org/no-such-model"), "cannot load the model config"),
+        (("--model", "tiny", "--profile", "abacus"), "--profile 'abacus'"),
+        (("--model", "tiny", "--batch-size", "0"), ">= 1"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(capsys, monkeypatch, argv, match):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    full = ["--batch-size", "1", "--seq-len", "16", "--profile", "h200", *argv]
+    rc, out, err = plan(capsys, *full)
+    assert rc == EXIT_BAD_INPUT and match in err and not out
+
+
+def test_offline_hub_id_says_so(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = plan(capsys, "--model", "meta-llama/Llama-3.1-8B", "--batch-size", "1", "--seq-len", "16",
+                      "--profile", "h200")
+    assert rc == EXIT_BAD_INPUT and "HF_HUB_OFFLINE" in err and "config.json" in err
+
+
+def test_config_json_without_model_type_is_refused(capsys, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 8}))
+    rc, _, err = plan(capsys, "--model", str(path), "--batch-size", "1", "--seq-len", "16", "--profile", "h200")
+    assert rc == EXIT_BAD_INPUT and "model_type" in err
+
+
+def test_main_entry_point(capsys):
+    rc = main(["--model", model("qwen2_0p5b"), "--batch-size", "1", "--seq-len", "128", "--profile", "gh200"])
+    assert rc == EXIT_FITS and "fits: yes" in capsys.readouterr().out
+
+
+def test_step_time_roofline_on_the_anchor():
+    shape = ModelShape.from_config(json.loads(Path(model("llama_3p6b")).read_text()))
+    st = predict_step_time(shape, PlanLike.all_host(shape.numel), HardwareProfile.h200_pcie(), batch_size=8,
+                           seq_len=2048, grad_ckpt=True)
+    assert st.gpu_s == pytest.approx(1.032, rel=0.02)  # the measured GPU-only step
+    assert st.backward_window_s == pytest.approx(0.75 * st.gpu_s)
+    assert st.cpu_s == pytest.approx(0.87, rel=0.05)  # 3.6B at ~4.2 Gparam/s under DMA contention
+    assert st.speculated_fraction == pytest.approx(0.89, abs=0.02)
+    assert st.step_s >= st.gpu_s + st.tail_s
+    slow = dataclasses.replace(HardwareProfile.h200_pcie(), cpu_adam_gparams=1.0)
+    assert predict_step_time(shape, PlanLike.all_host(shape.numel), slow, batch_size=8, seq_len=2048,
+                             grad_ckpt=True).exposed_s > 1.0
+    assert predict_step_time(shape, PlanLike.all_host(shape.numel), HardwareProfile.read("cpu"), batch_size=8,
+                             seq_len=2048, grad_ckpt=True) is None
