@@ -15,6 +15,14 @@ if [ "${RUN_TESTS:-1}" = 1 ]; then
   timeout ${TEST_TIMEOUT:-300} python3 -P -m pytest -p no:cacheprovider --import-mode=importlib -q -x ${TEST_PATHS:-tests/runtime tests/unit} \
     > "$OUT/tests.txt" 2>&1; echo "tests rc=$?" >> "$OUT/tests.txt"; tail -5 "$OUT/tests.txt"
 fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  timeout 180 python3 -c "from hf_superoffload.planning.hardware import HardwareProfile as H; import json; print(json.dumps(H.measure('cuda', refresh=True).to_dict()))" \
+    > "$OUT/profile.json" 2> "$OUT/profile_err.txt"; echo "profile rc=$?"; cut -c1-1200 "$OUT/profile.json"
+fi
+if [ "${BENCH_CPU:-0}" = 1 ]; then
+  timeout 300 python3 benchmarks/bench_cpu_adam.py --numel ${CPU_NUMEL:-134217728} --threads 8 15 16 --repeats 5 \
+    --out "$OUT/cpu_adam.json" > "$OUT/cpu_adam.txt" 2>&1; echo "cpu bench rc=$?"; tail -32 "$OUT/cpu_adam.txt"
+fi
 for mode in ${MODES:-gpu ours ours_host}; do
   timeout ${MODE_TIMEOUT:-240} python3 benchmarks/anchor.py $mode >> "$OUT/anchor.jsonl" 2>> "$OUT/anchor_err.txt"
   echo "$mode rc=$?"; tail -1 "$OUT/anchor.jsonl" | cut -c1-600
