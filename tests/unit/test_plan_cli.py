@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_superoffload.plan_cli import (
     EXIT_BAD_INPUT,
@@ -106,7 +107,8 @@ def test_measured_profile_on_a_cpu_machine(capsys, tmp_path, monkeypatch):
     rc, data = plan_json(capsys, "--model", "tiny", "--batch-size", "2", "--seq-len", "64", "--profile", "measure",
                          "--gpu-mem", "8")
     assert rc == EXIT_FITS and data["profile"]["cpu_adam_gparams"] > 0
-    assert data["step_time_s"] is None  # no GPU rates measured here
+    if not torch.cuda.is_available():
+        assert data["step_time_s"] is None  # no GPU rates measured here
 
 
 @pytest.mark.parametrize(
