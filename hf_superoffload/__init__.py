@@ -2,8 +2,13 @@
 
 Full-parameter training with fp32 master weights and Adam states in host memory, a SIMD CPU Adam
 overlapped with the GPU (speculation-then-validation), a GPU-resident tail of buckets, and casts placed
-where the link makes them cheapest.
+where the link makes them cheapest. The HF adapters are imported lazily (no transformers import here).
 """
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
 
 from .config import SuperOffloadConfig
 from .optimizer import SuperOffloadOptimizer
@@ -11,4 +16,26 @@ from .planning.plan import OffloadPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["OffloadPlan", "SuperOffloadConfig", "SuperOffloadOptimizer", "__version__"]
+__all__ = [
+    "OffloadPlan",
+    "SuperOffloadArguments",
+    "SuperOffloadConfig",
+    "SuperOffloadOptimizer",
+    "SuperOffloadPlugin",
+    "SuperOffloadTrainer",
+    "__version__",
+    "prepare_superoffload",
+]
+
+_LAZY = {
+    "SuperOffloadArguments": ".integrations.arguments",
+    "SuperOffloadTrainer": ".integrations.transformers",
+    "SuperOffloadPlugin": ".integrations.accelerate",
+    "prepare_superoffload": ".integrations.accelerate",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
