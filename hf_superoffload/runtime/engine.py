@@ -675,10 +675,3 @@ class OffloadEngine:
     @property
     def pinned_bytes(self) -> int:
         return sum(a.nbytes for a in self._arenas.values() if a.pinned)
-
-    def is_bucket_param(self, p: torch.Tensor) -> bool:
-        return any(p is q for q in self.params)
-
-    @staticmethod
-    def finite(x: float) -> bool:
-        return math.isfinite(x)
