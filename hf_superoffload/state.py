@@ -38,6 +38,7 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
         "host": dict(flat["host"]),
         "device": {k: v.detach().to("cpu", copy=True) for k, v in flat["device"].items()},
         "counters": dict(counters),
+        "governor": engine.governor.state_dict(),
     }
 
 
@@ -72,5 +73,7 @@ def load_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> dict[str, in
                                      f"({src.numel()} elements, parameter {i} needs {off + n})")
                 ours[dst_side][kind][dst_off : dst_off + n].copy_(src[off : off + n])
         engine.param_steps = [int(s) for s in sd["param_steps"].tolist()]
+    if "governor" in sd:  # speculation decisions resume where they were (results are identical either way)
+        engine.governor.load_state_dict(sd["governor"])
     engine.refresh_params_from_masters()
     return {k: int(v) for k, v in sd.get("counters", {}).items()}

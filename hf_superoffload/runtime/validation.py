@@ -84,6 +84,17 @@ class SpeculationGovernor:
         self.pauses += int(paused and not self._paused)
         self._paused = paused
 
+    def state_dict(self) -> dict[str, object]:
+        return {"recent": list(self._recent), "redo_steps": self.redo_steps, "steps": self.steps,
+                "speculative_steps": self.speculative_steps, "pauses": self.pauses, "paused": self._paused}
+
+    def load_state_dict(self, sd: dict[str, object]) -> None:
+        self._recent.clear()
+        self._recent.extend(bool(x) for x in sd["recent"])  # type: ignore[union-attr]
+        self.redo_steps, self.steps = int(sd["redo_steps"]), int(sd["steps"])  # type: ignore[arg-type]
+        self.speculative_steps, self.pauses = int(sd["speculative_steps"]), int(sd["pauses"])  # type: ignore[arg-type]
+        self._paused = bool(sd["paused"])
+
     @property
     def redo_rate(self) -> float:
         """Fraction of all steps whose verdict needed a redo (clipping fired or hyper-parameters changed)."""

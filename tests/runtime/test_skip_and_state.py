@@ -112,6 +112,7 @@ def test_state_dict_round_trip_resumes_bit_identically(same_plan):
                                   config=CFG if same_plan else CFG.replace(gpu_resident_buckets=0))
     opt_c.load_state_dict(ckpt["opt"])
     assert opt_c.skipped_steps == opt_b.skipped_steps and opt_c.clipped_steps == opt_b.clipped_steps
+    assert opt_c.engine.governor.state_dict() == opt_b.engine.governor.state_dict()
     train(model_c, opt_c, batches[4:])
     same = torch.equal if same_plan else (lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-4))
     for x, y in zip(model_a.parameters(), model_c.parameters()):
