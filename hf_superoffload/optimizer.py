@@ -19,7 +19,7 @@ from .planning.plan import OffloadPlan
 from .planning.planner import make_plan
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.validation import Hyper, SpeculationGovernor, StepVerdict
-from .state import engine_state_dict, load_engine_state
+from .state import engine_state_dict, load_engine_state, validate_engine_state
 
 __all__ = ["SuperOffloadOptimizer"]
 
@@ -94,6 +94,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm or None
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
+            if not params:
+                raise ValueError("the model has no trainable parameters (every requires_grad is False)")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
@@ -211,7 +213,17 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def engine(self) -> OffloadEngine:
         return self._engine
 
+    def abort_step(self) -> None:
+        """Drop the step in progress after an exception between backward and ``step()`` (KeyboardInterrupt, an
+        out-of-memory error): speculative updates are undone and the state is as before that backward.
+        ``zero_grad()`` and ``close()`` do this too."""
+        self._engine.abort_step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._engine.step_in_progress:
+            logger.warning("hf_superoffload: zero_grad() while a step is in progress (an interrupted backward?): "
+                           "the step is dropped and the optimizer state is as before it")
+            self._engine.abort_step()
         for p in self._engine.params:
             if p.grad is not None:
                 if set_to_none:
@@ -254,8 +266,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if "superoffload" not in state_dict:
             raise ValueError("this state dict was not saved by SuperOffloadOptimizer (no 'superoffload' entry); "
                              "a plain torch optimizer's state cannot seed the offloaded masters")
+        # everything is checked before anything is copied: a refused state leaves the optimizer as it was
+        validate_engine_state(self._engine, state_dict["superoffload"])
+        saved = [len(g["params"]) for g in state_dict.get("param_groups", [])]
+        ours = [len(g["params"]) for g in self.param_groups]
+        if saved != ours:
+            raise ValueError(f"the checkpoint has a different number of parameter groups or group sizes (saved {saved}, "
+                             f"now {ours}); resume with the same param groups")
         self._engine.synchronize()
-        counters = load_engine_state(self._engine, state_dict["superoffload"])
+        counters = load_engine_state(self._engine, state_dict["superoffload"], validate=False)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self.skipped_steps = counters.get("skipped_steps", 0)
         self.clipped_steps = counters.get("clipped_steps", 0)

@@ -49,13 +49,15 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import warnings
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..optimizer import SuperOffloadOptimizer
 from ._common import (
@@ -175,19 +177,51 @@ class SuperOffloadTrainer(Trainer):
             logger.warning("hf_superoffload: %s has no %s (saved with save_only_model?): the optimizer restarts "
                            "from the checkpoint's bf16 weights with fresh Adam state", checkpoint, OPTIMIZER_NAME)
             return
-        state = torch.load(opt_file, map_location="cpu", weights_only=True)
-        self._superoffload.load_state_dict(state)  # copies into the existing host buffers
+        try:
+            state = torch.load(opt_file, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"cannot read the optimizer checkpoint {opt_file}: the file is truncated or damaged "
+                             f"({type(e).__name__}). Resume from an earlier checkpoint.") from e
+        try:
+            self._superoffload.load_state_dict(state)  # copies into the existing host buffers
+        except ValueError as e:
+            raise ValueError(f"{opt_file}: {e}") from e
         del state
         if os.path.isfile(sched_file) and self.lr_scheduler is not None:
             with warnings.catch_warnings(record=True) as caught:
                 self.lr_scheduler.load_state_dict(torch.load(sched_file, map_location="cpu", weights_only=True))
             reissue_pt_warnings(caught)
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     # ---- logging -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs and self._superoffload is not None and self._telemetry.steps:
             logs.update(self._telemetry.as_log(self._superoffload))
         super().log(logs, start_time)
+
+
+def last_complete_checkpoint(folder: str) -> str:
+    """The highest-numbered ``checkpoint-N`` in ``folder`` that holds ``trainer_state.json`` (Trainer writes it
+    last, so a checkpoint without it was interrupted while being saved); incomplete ones are skipped with a
+    warning."""
+    found = []
+    for name in os.listdir(folder):
+        m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
+        if m and os.path.isdir(os.path.join(folder, name)):
+            found.append((int(m.group(1)), os.path.join(folder, name)))
+    skipped = []
+    for _, path in sorted(found, reverse=True):
+        if os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
+            if skipped:
+                logger.warning("hf_superoffload: skipping incomplete checkpoint(s) %s (no %s: the run stopped while "
+                               "saving); resuming from %s", skipped, TRAINER_STATE_NAME, path)
+            return path
+        skipped.append(path)
+    raise ValueError(f"No valid checkpoint found in output directory ({folder})")
 
 
 class _SuperOffloadCallback(TrainerCallback):

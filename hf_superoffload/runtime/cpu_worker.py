@@ -75,7 +75,8 @@ class CpuWorker:
         if self._closed:
             return
         self._closed = True
-        self._queue.put(_Task(-(2**62), next(self._seq), "shutdown", None))
+        # after every queued task: a close() right after step() still finishes that step's buckets
+        self._queue.put(_Task(2**62, next(self._seq), "shutdown", None))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=60)
 

@@ -19,10 +19,12 @@ Schedule of one optimizer step (see docs/design.md for the notes named here):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,6 +44,9 @@ from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
 __all__ = ["OffloadEngine", "StepStats"]
 
 logger = logging.getLogger("hf_superoffload")
+
+# The live engine whose hooks drive each parameter (by id; the value is checked with `is` before use).
+_ENGINE_OF_PARAM: weakref.WeakValueDictionary[int, OffloadEngine] = weakref.WeakValueDictionary()
 
 
 @dataclass(slots=True)
@@ -146,12 +151,20 @@ class OffloadEngine:
         self.consistent = True
         """False once a worker failure left a validated step half applied (the state must not be saved)."""
 
+        for p in self.params:
+            other = _ENGINE_OF_PARAM.get(id(p))
+            if other is not None and not other._closed and any(q is p for q in other.params):
+                logger.warning("hf_superoffload: these parameters are still driven by an earlier SuperOffloadOptimizer "
+                               "that was not closed; closing it now (call opt.close() before building a new one)")
+                other.close()
         if self.plan.host_numel:
             # Build/load the CPU Adam library now, not inside the first step (a first JIT build takes ~15 s).
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), self.plan.cpu_threads)
         self._build_buckets()
         self._install_hooks(modules)
         self._worker = CpuWorker(device=self.device, on_error=self._wake_all)
+        for p in self.params:
+            _ENGINE_OF_PARAM[id(p)] = self
 
     # ------------------------------------------------------------------------------------------------
     # construction
@@ -521,6 +534,10 @@ class OffloadEngine:
         """
         if self.step_in_progress:
             return
+        if self._worker.failed:
+            if not self.consistent:
+                self._worker.raise_if_failed()
+            return  # abort_step undid the failed step in this thread: nothing is in flight or will be uploaded
         self._worker.drain(self.timeout_s)
         for b in self.host_buckets:
             self.wait_bucket(b)
@@ -543,11 +560,16 @@ class OffloadEngine:
             pending = [b for b in self.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
             states = {b.index: b.state for b in pending}
         pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
-        for b in pending:
-            self._worker.submit(self._need_order(b), f"finishing {b.describe()}",
-                                lambda b=b: self._finish_task(b, ctx, verdict, states[b.index] is BucketState.SPECULATED))
-        with torch.profiler.record_function("superoffload::device_adam"):
-            self._step_device(verdict)
+        try:
+            for b in pending:
+                self._worker.submit(self._need_order(b), f"finishing {b.describe()}",
+                                    lambda b=b: self._finish_task(b, ctx, verdict, states[b.index] is BucketState.SPECULATED))
+            with torch.profiler.record_function("superoffload::device_adam"):
+                self._step_device(verdict)
+        except BaseException:
+            if verdict.kind is not StepVerdict.SKIP:
+                self.consistent = False  # host buckets are being committed with this verdict: it cannot be undone
+            raise
         if verdict.kind is not StepVerdict.SKIP:
             self._cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             for b in self.buckets:
@@ -595,6 +617,17 @@ class OffloadEngine:
         """
         if self._ctx is None:
             return
+        if self._ctx.verdict is not None:
+            # step() already published its verdict and queued the buckets with it: let them finish, undo nothing
+            # (step() marked the engine inconsistent unless the verdict was SKIP)
+            with contextlib.suppress(BaseException):
+                self._worker.drain(self.timeout_s)
+            for b in self.device_buckets:
+                b.grad = None
+            self._ctx = None
+            self._arrived = [0] * len(self.buckets)
+            self._flushed = [False] * len(self.buckets)
+            return
         skip = Verdict(StepVerdict.SKIP, 1.0, self._ctx.spec_hyper, float("nan"))
         with self._lock:
             self._ctx.verdict = skip
@@ -607,6 +640,10 @@ class OffloadEngine:
                 self._finish_task(b, ctx, skip, spec)
             for b in broken:
                 logger.error("hf_superoffload: %s failed inside its CPU step; its state may be partly updated", b.describe())
+                if ctx.dst == ctx.src:
+                    self.consistent = False  # stepped in place: the committed state itself may be half updated
+                elif b.staging is not None:
+                    b.staging.copy_(b.pmv[ctx.src][0])  # double buffer: the committed copy is intact
                 b.ready.set()
         else:
             for b, spec in pending:
@@ -620,12 +657,22 @@ class OffloadEngine:
         self._flushed = [False] * len(self.buckets)
 
     def close(self) -> None:
+        """Finish the last step (or undo one interrupted mid-backward), then stop the worker and remove hooks."""
         if self._closed:
             return
-        self._closed = True
-        for h in self._handles:
-            h.remove()
-        self._worker.close()
+        try:
+            if self.step_in_progress:
+                self.abort_step()  # e.g. KeyboardInterrupt in backward: back to the state before that step
+            elif not self._worker.failed:
+                self._worker.drain(self.timeout_s)  # the last step's buckets are final before the worker stops
+        finally:
+            self._closed = True
+            for p in self.params:
+                if _ENGINE_OF_PARAM.get(id(p)) is self:
+                    del _ENGINE_OF_PARAM[id(p)]
+            for h in self._handles:
+                h.remove()
+            self._worker.close()
 
     # ------------------------------------------------------------------------------------------------
     # state

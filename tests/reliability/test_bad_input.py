@@ -133,9 +133,7 @@ def _bad_construction(case: str) -> tuple[Any, Any, type[Exception], str]:
 
 @pytest.mark.parametrize("case", [
     "params_first", "foreign_param", "param_in_two_groups", "frozen_param_passed", "two_devices", "fp16_model",
-    pytest.param("nothing_trainable", marks=pytest.mark.xfail(
-        strict=True, reason="torch.optim.Optimizer.__init__ raises first, with 'optimizer got an empty parameter list', "
-        "which does not say that every parameter is frozen; our clearer check comes after it. Proposed fix (G).")),
+    pytest.param("nothing_trainable"),
 ])
 def test_invalid_models_and_params_are_refused_clearly(case: str) -> None:
     model, params, exc, match = _bad_construction(case)

@@ -106,9 +106,6 @@ def test_close_stops_the_worker_of_a_healthy_optimizer(rel: Any) -> None:
     assert opt.state_dict()["superoffload"]["format"] == "hf_superoffload.optimizer.v1"
 
 
-@pytest.mark.xfail(strict=True, reason="close() right after step() drops the worker's queued finishing tasks (the "
-                   "shutdown task has the highest priority): the last step's weights are lost and state_dict() "
-                   "then waits worker_timeout_s for tasks that never run. Proposed fix in docs/reliability.md (A).")
 def test_close_right_after_step_finishes_that_step_without_hanging(rel: Any, monkeypatch: Any) -> None:
     """E.g. Ctrl-C in the next forward, then ``opt.close()``; or a script that closes without synchronize()."""
     cfg = rel.CFG.replace(speculation=False, worker_timeout_s=5)  # the CPU work runs after step() returns
@@ -139,9 +136,6 @@ def test_close_right_after_step_finishes_that_step_without_hanging(rel: Any, mon
     rel.assert_same_state(expected, rel.snapshot(model, opt, sync=False))
 
 
-@pytest.mark.xfail(strict=True, reason="an optimizer that was replaced without close() keeps its worker thread and "
-                   "its gradient hooks on the model; the next optimizer on that model then fails at its second "
-                   "backward with a misleading 'gradient accumulation' error. Proposed fix (D).")
 def test_a_second_optimizer_on_the_same_model_works_or_is_refused_clearly(rel: Any) -> None:
     threads_before = rel.worker_threads()
     model = tiny_llama()
@@ -193,9 +187,6 @@ def test_exception_in_backward_then_abort_step_restores_the_state(rel: Any, roll
     assert opt.engine.param_steps == [s + 2 for s in before["steps"]]
 
 
-@pytest.mark.xfail(strict=True, reason="after an exception in backward the step stays 'in progress': close() does not "
-                   "undo it (inverse rollback keeps the speculated values), state_dict() refuses ('between backward() "
-                   "and step()'), and the next backward fails. Proposed fix (A): close()/zero_grad()/abort_step().")
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 def test_keyboard_interrupt_in_backward_then_close_and_resume_from_state_dict(rel: Any, rollback: str) -> None:
     cfg = rel.CFG.replace(rollback=rollback)
@@ -275,9 +266,6 @@ def test_keyboard_interrupt_in_the_speculative_cpu_step_restores_the_state(rel: 
         assert not t.is_alive()
 
 
-@pytest.mark.xfail(strict=True, reason="after a worker failure that abort_step fully undid (engine.consistent is "
-                   "True), state_dict() still re-raises the WorkerError, so the restored state cannot be carried to "
-                   "a new optimizer. Proposed fix (B).")
 def test_after_a_rolled_back_worker_failure_a_new_optimizer_continues_from_state_dict(rel: Any,
                                                                                       monkeypatch: Any) -> None:
     data = rel.batches(4)
@@ -323,10 +311,6 @@ def test_keyboard_interrupt_in_the_cpu_step_after_validation_refuses_checkpoints
 
 # ---------------------------------------------------------------------------------------------------------
 # KeyboardInterrupt in the training thread inside step(), after the verdict was published
-@pytest.mark.xfail(strict=True, reason="an exception in step() after validation (here: in the GPU-resident tail's "
-                   "AdamW; on a GPU e.g. a CUDA OOM) is treated like one before it: abort_step() cannot take back the "
-                   "host buckets already committed and uploaded, so the weights move while masters and step counts do "
-                   "not, and the engine still reports itself consistent. Proposed fix (C).")
 def test_keyboard_interrupt_in_step_after_validation_is_undone_or_blocks_checkpoints(rel: Any,
                                                                                      monkeypatch: Any) -> None:
     model = tiny_llama()

@@ -167,10 +167,6 @@ def test_sigkill_while_saving_a_checkpoint_leaves_no_partial_optimizer_file_and_
     _assert_equal_states(uninterrupted, _resume(kill_child, out, tmp_path / "resumed", "checkpoint-3"))
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError,
-                   reason="resume_from_checkpoint=True takes the highest-numbered checkpoint folder (transformers' "
-                   "get_last_checkpoint), even the one a kill left incomplete; Trainer then fails on its missing "
-                   "trainer_state.json. Proposed fix (F): SuperOffloadTrainer picks the newest complete checkpoint.")
 def test_resume_latest_after_a_kill_during_save_skips_the_incomplete_checkpoint(
     sigkill_in_save: tuple[Path, int, int], uninterrupted: dict[str, torch.Tensor], tmp_path: Path, kill_child: Any
 ) -> None:
