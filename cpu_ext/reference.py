@@ -95,7 +95,7 @@ def adamw_step_(
     beta2: float,
     eps: float,
     weight_decay: float,
-    grad_scale: float = 1.0,
+    grad_scale: float | torch.Tensor = 1.0,
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
@@ -106,7 +106,7 @@ def adamw_step_(
     for dst, src in check_source((param, exp_avg, exp_avg_sq), source, _others(grad, param_bf16_out)):
         dst.view(-1).copy_(src.view(-1))
     g = grad.view(-1).to(torch.float32)
-    if grad_scale != 1.0:
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
         g = g * grad_scale
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     bc1 = 1.0 - beta1**step
@@ -141,7 +141,7 @@ def adamw_undo_(
     """
     _check(param, grad, exp_avg, exp_avg_sq)
     g = grad.view(-1).to(torch.float32)
-    if grad_scale != 1.0:
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
         g = g * grad_scale
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     bc1 = 1.0 - beta1**step

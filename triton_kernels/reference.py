@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cpu_ext import reference as _adamw_reference
+
 __all__ = ["adamw_flat_", "flatten_grads_with_stats_", "scatter_flat_", "stochastic_round_to_bf16", "upcast_"]
 
 
@@ -132,19 +134,8 @@ def adamw_flat_(
     coefficient needs no host sync); ``step`` is the 1-based count after this update. ``param_out_bf16``
     receives the updated parameters rounded to bf16.
     """
-    if step < 1:
-        raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
-    g = grad.view(-1).to(torch.float32)
-    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
-        g = g * grad_scale
-    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
-    if weight_decay != 0:
-        p.mul_(1.0 - lr * weight_decay)
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = (1.0 - beta2**step) ** 0.5
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-(lr / bc1))
-    if param_out_bf16 is not None:
-        param_out_bf16.view(-1).copy_(p)
+    # one eager AdamW for the whole package: the CPU op's twin runs on any device
+    _adamw_reference.adamw_step_(
+        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_out_bf16,
+    )
