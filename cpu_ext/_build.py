@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,6 +73,25 @@ def _extension_name() -> str:
     return f"hf_superoffload_cpu_adam_{h.hexdigest()[:16]}"
 
 
+# A build takes ~15-60 s; a lock file much older than that was left by a build that was killed (Ctrl-C, OOM
+# killer). torch's file baton would wait for it forever, so it is removed (measured: a killed first build
+# left such a lock on the dev box and the next import hung).
+_STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(name: str) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > _STALE_LOCK_S:
+        logger.warning("removing a stale build lock %s (%.0f s old: an earlier build was interrupted)", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 def _build() -> LoadState:
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         logger.info("%s is set: CPU Adam uses the torch fallback", DISABLE_ENV)
@@ -80,6 +100,7 @@ def _build() -> LoadState:
         from torch.utils import cpp_extension
 
         name = _extension_name()
+        _clear_stale_lock(name)
         logger.info("loading the CPU Adam extension %s (the first use compiles it, ~1 min)", name)
         cpp_extension.load(
             name=name,
