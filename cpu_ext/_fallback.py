@@ -12,7 +12,7 @@ import torch
 
 from . import reference
 
-__all__ = ["adamw_step_", "adamw_undo_", "grad_sumsq_nonfinite"]
+__all__ = ["adamw_step_", "grad_sumsq_nonfinite"]
 
 _SUMSQ_CHUNK = 1 << 24  # elements per fp64 temporary (128 MiB)
 
@@ -62,28 +62,6 @@ def adamw_step_(
     )
     if param_bf16_out is not None:
         param_bf16_out.view(-1).copy_(p)  # the separate cast pass
-
-
-def adamw_undo_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    *,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_scale: float = 1.0,
-    param_bf16_out: torch.Tensor | None = None,
-) -> None:
-    """Same contract as ``ops.cpu_adamw_undo_`` (the eager reference)."""
-    reference.adamw_undo_(
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out,
-    )
 
 
 def grad_sumsq_nonfinite(grad: torch.Tensor) -> tuple[float, int]:

@@ -134,7 +134,7 @@ def cpu_adamw_undo_(
             float(weight_decay), float(grad_scale), param_bf16_out, threads,
         )
         return
-    _fallback.adamw_undo_(
+    _fallback.reference.adamw_undo_(  # rare (rollback only): the eager twin is the fallback
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out,
     )

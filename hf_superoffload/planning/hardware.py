@@ -52,9 +52,12 @@ def _affinity_cores() -> int:
 def default_cpu_threads() -> int:
     """Cores in this process's affinity mask, minus one for the Python thread that feeds the GPU.
 
-    Deliberately independent of ``OMP_NUM_THREADS``: ``accelerate launch`` exports 1 there.
+    Deliberately independent of ``OMP_NUM_THREADS``: ``accelerate launch`` exports 1 there. The rule lives
+    with the kernel (:func:`hf_superoffload.ops.default_num_threads`); the planner only reports it.
     """
-    return max(1, _affinity_cores() - 1)
+    from .. import ops
+
+    return ops.default_num_threads()
 
 
 def _meminfo(key: str) -> int | None:

@@ -716,9 +716,5 @@ class OffloadEngine:
             torch.cuda.current_stream(self.device).synchronize()
 
     @property
-    def host_bytes(self) -> int:
-        return sum(a.nbytes for a in self._arenas.values())
-
-    @property
     def pinned_bytes(self) -> int:
         return sum(a.nbytes for a in self._arenas.values() if a.pinned)
