@@ -17,6 +17,7 @@ from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile
 from .planning.plan import OffloadPlan
 from .planning.planner import make_plan
+from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.validation import Hyper, SpeculationGovernor, StepVerdict
 from .state import engine_state_dict, load_engine_state, validate_engine_state
@@ -53,6 +54,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         config: offload settings.
         profile: the hardware facts the planner uses (default: read from the model's device).
         log_plan: log the plan summary at INFO (integrations log it once, on the main process).
+        process_group: data parallelism. When ``torch.distributed`` is initialised with more than one rank,
+            the optimizer is data parallel over this group (default: the default group) by itself, ZeRO-style:
+            gradients are reduce-scattered per bucket during backward, every rank steps 1/N of the optimizer
+            state in its own host memory, and the updated weights are all-gathered before the next forward.
+            Pass the unwrapped model (no DDP/FSDP). The parameters are broadcast from the group's first rank.
+        gradient_divisor: gradients are summed over the group and divided by this (default: the group size,
+            i.e. averaged). Sequence parallelism sets it to the number of data-parallel replicas.
     """
 
     def __init__(
@@ -68,6 +76,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         config: SuperOffloadConfig | None = None,
         profile: HardwareProfile | None = None,
         log_plan: bool = True,
+        process_group: Any = None,
+        gradient_divisor: float | None = None,
         **unsupported: Any,
     ) -> None:
         for key, value in unsupported.items():
@@ -78,8 +88,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"SuperOffloadOptimizer got an unexpected argument {key!r}")
         if not isinstance(model, torch.nn.Module):
             raise TypeError("SuperOffloadOptimizer(model, ...) takes the model first; pass params= for groups")
-        if type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
-            raise ValueError("pass the unwrapped model: SuperOffloadOptimizer does not work under DDP/FSDP wrappers")
+        if type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") or any(
+            type(m).__name__ in ("FSDPModule", "DistributedDataParallel") or hasattr(m, "_fsdp_state")
+            for m in model.modules()
+        ):
+            raise ValueError("pass the unwrapped model: SuperOffloadOptimizer does the data parallelism itself "
+                             "(ZeRO-style sharded offload) and does not work under DDP/FSDP wrappers")
         if not lr >= 0:
             raise ValueError(f"lr={lr} is invalid: use a learning rate >= 0")
         if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -106,9 +120,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.clipped_steps = 0
         element_size = 2
+        comm = ShardGroup.from_environment(process_group, gradient_divisor)
+        ranks = _local_ranks(comm) if comm is not None else {}
         profile = profile or HardwareProfile.read(ordered[0].device)
         self.plan: OffloadPlan = make_plan([p.numel() for p in ordered], element_size=element_size,
-                                           config=self.config, profile=profile)
+                                           config=self.config, profile=profile, **ranks)
+        if comm is not None:
+            _broadcast_params(ordered, comm)
         fp32_values = None
         if converted:
             # fp32 model: the exact fp32 values seed the masters, then the model keeps bf16 copies.
@@ -129,6 +147,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             timeout_s=self.config.worker_timeout_s,
             governor=SpeculationGovernor(enabled=self.plan.speculation, max_redo_rate=self.config.max_redo_rate,
                                          window=self.config.redo_window),
+            comm=comm,
         )
         self._engine.max_grad_norm_fn = lambda: self.max_grad_norm
         if fp32_values is not None:
@@ -288,3 +307,37 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()
+
+
+def _local_ranks(comm: ShardGroup) -> dict[str, int]:
+    """World/rank and the ranks sharing this host (they split its cores and RAM): from the launcher's
+    ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` (torchrun, accelerate launch), else by comparing host names."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    local_world, local_rank = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("LOCAL_RANK")
+    if comm.world_size == dist.get_world_size() and local_world is not None and local_rank is not None:
+        lw, lr = int(local_world), int(local_rank)
+    else:
+        hosts: list[str] = [""] * comm.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=comm.group)
+        mine = hosts[comm.rank]
+        lw = hosts.count(mine)
+        lr = hosts[: comm.rank].count(mine)
+    return {"world_size": comm.world_size, "rank": comm.rank, "local_world_size": min(lw, comm.world_size),
+            "local_rank": min(lr, max(lw, 1) - 1)}
+
+
+def _broadcast_params(params: list[torch.nn.Parameter], comm: ShardGroup) -> None:
+    """Every rank starts from the first rank's values (as DDP does at construction)."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(comm.group, 0)
+    with torch.no_grad():
+        for p in params:
+            t = p.data if p.data.is_contiguous() else p.data.contiguous()
+            dist.broadcast(t, src=src, group=comm.group)
+            if t is not p.data:
+                p.data.copy_(t)

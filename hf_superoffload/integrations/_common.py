@@ -89,6 +89,59 @@ class SuperOffloadAcceleratedOptimizer(AcceleratedOptimizer):
         return t
 
 
+    # data parallel: the state lives in per-rank shard files written by the save hook, never in optimizer.bin
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer.engine.comm is None:
+            return super().state_dict()
+        return {"superoffload_shard_files": SHARD_PATTERN, "param_groups": self.optimizer.state_dict()["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "superoffload_shard_files" in state_dict:
+            return  # loaded from the shard files by the load hook, before this call
+        super().load_state_dict(state_dict)
+
+
+SHARD_PATTERN = "optimizer_rank{rank}.pt"
+
+
+def save_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: str) -> None:
+    """Write ``opt``'s state atomically into ``folder``: one file per rank when data parallel (each rank writes its
+    own; call it on every rank), else ``single_name``."""
+    os.makedirs(folder, exist_ok=True)
+    name = SHARD_PATTERN.format(rank=opt.plan.rank) if opt.engine.comm is not None else single_name
+    atomic_torch_save(opt.state_dict(), os.path.join(folder, name))
+
+
+def read_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: str) -> tuple[str, dict[str, Any] | None]:
+    """This rank's optimizer state in ``folder`` (``None`` if it has none): its own shard when as many ranks
+    wrote the checkpoint; the merged shards when the number of ranks changed; ``single_name`` of a
+    single-process run (it loads into any number of ranks)."""
+    import re
+
+    shards = sorted(f for f in os.listdir(folder) if re.fullmatch(r"optimizer_rank\d+\.pt", f))
+    if not shards:
+        path = os.path.join(folder, single_name)
+        return path, (_load_state_file(path) if os.path.isfile(path) else None)
+    if len(shards) == opt.plan.world_size and opt.engine.comm is not None:
+        path = os.path.join(folder, SHARD_PATTERN.format(rank=opt.plan.rank))
+        return path, _load_state_file(path)
+    from ..state import consolidate_state_dicts
+
+    logger.warning("hf_superoffload: %s holds %d optimizer shards and this run has %d rank(s): merging them "
+                   "(every rank reads all shards once)", folder, len(shards), opt.plan.world_size)
+    states = [_load_state_file(os.path.join(folder, f)) for f in shards]
+    merged = {**states[0], "superoffload": consolidate_state_dicts([s["superoffload"] for s in states])}
+    return os.path.join(folder, SHARD_PATTERN.format(rank="*")), merged
+
+
+def _load_state_file(path: str) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read the optimizer checkpoint {path}: the file is truncated or damaged "
+                         f"({type(e).__name__}). Resume from an earlier checkpoint.") from e
+
+
 def find_superoffload_optimizer(optimizer: Any) -> SuperOffloadOptimizer | None:
     """The :class:`SuperOffloadOptimizer` inside ``optimizer`` (possibly wrapped), else ``None``."""
     seen = 0

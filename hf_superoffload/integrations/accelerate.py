@@ -21,10 +21,12 @@ holds only accelerate's own keys. Offload settings come, highest priority first,
 every process); a YAML/JSON file named by ``config_file=`` or ``HF_SUPEROFFLOAD_CONFIG`` (a mapping of
 ``SuperOffloadConfig`` fields, optionally under a top-level ``superoffload:`` key); ``SuperOffloadConfig``'s defaults.
 
-**What ``prepare_superoffload`` does** (accelerate 1.15, one process, no DeepSpeed/FSDP):
+**What ``prepare_superoffload`` does** (accelerate 1.15, no DeepSpeed/FSDP):
 
-- the model goes through ``accelerator.prepare_model`` first (device placement, bf16 autocast if configured; one
-  process means no DDP wrapper), so the optimizer is built on the device-resident parameters;
+- the model goes through ``accelerator.prepare_model`` first (device placement, bf16 autocast if configured; never
+  a DDP wrapper: with several processes the optimizer does the data parallelism itself, ZeRO-style, and each rank
+  checkpoints its own shard, ``optimizer_rank{r}.pt``, through a ``save_state`` hook), so the optimizer is built
+  on the device-resident parameters;
 - the optimizer (built from keyword arguments, taken as a ready ``SuperOffloadOptimizer``, or converted from a
   fresh ``torch.optim.AdamW``) is wrapped in ``SuperOffloadAcceleratedOptimizer`` with ``device_placement=False``
   and registered pre-marked, so its host state never moves to the GPU, ``save_state``/``load_state`` checkpoint
@@ -67,6 +69,8 @@ from ..optimizer import SuperOffloadOptimizer
 from ._common import (
     SuperOffloadAcceleratedOptimizer,
     find_superoffload_optimizer,
+    read_optimizer_state,
+    save_optimizer_state,
     warn_if_threads_throttled,
 )
 
@@ -218,7 +222,9 @@ def prepare_superoffload(
     """
     _check_accelerator(accelerator)
     if not getattr(model, "_is_accelerate_prepared", False):
-        model = accelerator.prepare_model(model)
+        # several processes: the optimizer reduces gradients itself (sharded offload), so no DDP wrapper;
+        # evaluation_mode is accelerate's switch for "device placement and autocast only"
+        model = accelerator.prepare_model(model, evaluation_mode=accelerator.num_processes > 1)
     base = accelerator.unwrap_model(model)
     if isinstance(optimizer_or_kwargs, SuperOffloadOptimizer):
         opt = optimizer_or_kwargs
@@ -237,6 +243,8 @@ def prepare_superoffload(
     wrapped = SuperOffloadAcceleratedOptimizer(opt)
     accelerator.prepare_optimizer(wrapped)  # pre-marked: registered for save_state/load_state, not moved
     _route_clipping(accelerator, wrapped)
+    if opt.engine.comm is not None:
+        _checkpoint_shards(accelerator, opt)
     from .. import ops
 
     logger.info("%s\n  CPU Adam backend: %s", opt.plan.summary(), ops.backend(), main_process_only=True)
@@ -248,9 +256,6 @@ def _check_accelerator(accelerator: Any) -> None:
     if dt in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
         raise ValueError(f"prepare_superoffload: distributed_type={dt.value} owns the optimizer and gradients; use an "
                          "accelerate config with distributed_type: NO (e.g. hf_superoffload's configs/single_gpu.yaml)")
-    if accelerator.num_processes > 1:
-        raise ValueError(f"prepare_superoffload: {accelerator.num_processes} processes; SuperOffload runs one process "
-                         "on one GPU for now (num_processes: 1 in the accelerate config)")
     if accelerator.mixed_precision == "fp16":
         raise ValueError("prepare_superoffload: mixed_precision fp16 needs loss scaling, which SuperOffload does not do; "
                          "use mixed_precision bf16 (or no) in the accelerate config")
@@ -283,6 +288,28 @@ def _optimizer_kwargs(spec: Any) -> dict[str, Any]:
         raise TypeError("prepare_superoffload: pass the SuperOffloadOptimizer itself, not an accelerate-wrapped one")
     raise TypeError(f"prepare_superoffload: cannot use a {type(spec).__name__}; pass SuperOffloadOptimizer keyword "
                     "arguments (dict), a SuperOffloadOptimizer, or a fresh torch.optim.AdamW")
+
+
+def _checkpoint_shards(accelerator: Any, opt: SuperOffloadOptimizer) -> None:
+    """Data parallel: ``save_state`` writes every rank's optimizer shard (``optimizer_rank{r}.pt``) through a save
+    hook (accelerate itself writes ``optimizer.bin`` on the main process only); ``load_state`` reads them back, or
+    merges them when the number of ranks changed."""
+
+    def save_hook(models: Any, weights: Any, output_dir: str) -> None:
+        save_optimizer_state(opt, output_dir, "superoffload_optimizer.pt")
+
+    def load_hook(models: Any, input_dir: str) -> None:
+        path, state = read_optimizer_state(opt, input_dir, "superoffload_optimizer.pt")
+        if state is None:
+            raise ValueError(f"{input_dir} holds no SuperOffload optimizer shards ({path}); it was not saved by a "
+                             "data-parallel SuperOffload run")
+        try:
+            opt.load_state_dict(state)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
 
 
 def _route_clipping(accelerator: Any, wrapped: SuperOffloadAcceleratedOptimizer) -> None:

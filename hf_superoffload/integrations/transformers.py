@@ -41,7 +41,13 @@ partially-filled buckets by a partial norm: double clipping); ``AcceleratedOptim
 round-trips the host optimizer state through the GPU (measured on an H200: a 12 B/param peak; an OOM for large
 models); and the stock wrapper does not
 forward ``step_was_skipped``, so the LR would advance on skipped steps. Failing at construction is better than
-any of these silently. Multi-process runs (DDP) are refused too: SuperOffload trains one GPU per process for now.
+any of these silently.
+
+Multi-process runs (``accelerate launch --num_processes N``, ``torchrun``): the optimizer does the data
+parallelism itself (ZeRO-style sharded offload, [Note: data parallel sharding]), so the model is prepared
+without a DDP wrapper (device placement and autocast only); each rank saves its own optimizer shard
+(``optimizer_rank{r}.pt``), and a checkpoint resumes into any number of processes (the shards are merged when
+the count changed).
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ from ._common import (
     SuperOffloadAcceleratedOptimizer,
     TelemetryWindow,
     atomic_torch_save,
+    read_optimizer_state,
+    save_optimizer_state,
     warn_if_threads_throttled,
 )
 from .arguments import SuperOffloadArguments, building_superoffload_trainer, superoffload_config_from_args
@@ -102,10 +110,7 @@ class SuperOffloadTrainer(Trainer):
         with building_superoffload_trainer():
             super().__init__(model, args, *rest, **kwargs)
         if self.args.world_size > 1:
-            raise ValueError(
-                f"SuperOffloadTrainer runs one process on one GPU; this run has world_size={self.args.world_size}. "
-                "Launch a single process (accelerate launch --num_processes 1, or plain python)."
-            )
+            _prepare_without_ddp(self.accelerator)
         self.add_callback(_SuperOffloadCallback(self))
 
     # ---- optimizer ---------------------------------------------------------------------------------
@@ -161,9 +166,15 @@ class SuperOffloadTrainer(Trainer):
         super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if not self.args.should_save or self._superoffload is None:
+        if self._superoffload is None:
             return
-        atomic_torch_save(self._superoffload.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
+        if self._superoffload.engine.comm is not None:  # every rank writes its shard, then they meet
+            save_optimizer_state(self._superoffload, output_dir, OPTIMIZER_NAME)
+            self.accelerator.wait_for_everyone()
+        elif self.args.should_save:
+            save_optimizer_state(self._superoffload, output_dir, OPTIMIZER_NAME)
+        if not self.args.should_save:
+            return
         if self.lr_scheduler is not None:
             with warnings.catch_warnings(record=True) as caught:
                 atomic_torch_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -172,16 +183,12 @@ class SuperOffloadTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or self._superoffload is None:
             return
-        opt_file, sched_file = os.path.join(checkpoint, OPTIMIZER_NAME), os.path.join(checkpoint, SCHEDULER_NAME)
-        if not os.path.isfile(opt_file):
+        sched_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        opt_file, state = read_optimizer_state(self._superoffload, checkpoint, OPTIMIZER_NAME)
+        if state is None:
             logger.warning("hf_superoffload: %s has no %s (saved with save_only_model?): the optimizer restarts "
                            "from the checkpoint's bf16 weights with fresh Adam state", checkpoint, OPTIMIZER_NAME)
             return
-        try:
-            state = torch.load(opt_file, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"cannot read the optimizer checkpoint {opt_file}: the file is truncated or damaged "
-                             f"({type(e).__name__}). Resume from an earlier checkpoint.") from e
         try:
             self._superoffload.load_state_dict(state)  # copies into the existing host buffers
         except ValueError as e:
@@ -202,6 +209,17 @@ class SuperOffloadTrainer(Trainer):
         if "loss" in logs and self._superoffload is not None and self._telemetry.steps:
             logs.update(self._telemetry.as_log(self._superoffload))
         super().log(logs, start_time)
+
+
+def _prepare_without_ddp(accelerator: Any) -> None:
+    """The optimizer reduces gradients itself: ``accelerator.prepare`` must place the model and apply autocast but
+    not wrap it in DDP (instance only; ``evaluation_mode`` is accelerate's switch for exactly that)."""
+    original = accelerator.prepare_model
+
+    def prepare_model(model: Any, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
+        return original(model, device_placement=device_placement, evaluation_mode=True)
+
+    accelerator.prepare_model = prepare_model
 
 
 def last_complete_checkpoint(folder: str) -> str:

@@ -47,7 +47,10 @@ class BucketSpec:
         param_indices: indices into the engine's parameter list, in arrival order.
         numel: total elements.
         placement: where its optimizer state lives.
-        offset: element offset of the bucket inside its placement's flat arenas.
+        offset: element offset of this rank's shard inside its placement's flat arenas.
+        shard: elements of the bucket each data-parallel rank owns (``ceil(numel / world_size)``; the
+            bucket is padded to ``shard * world_size``). ``numel`` on a single process.
+        lo: first element (bucket coordinates) of this rank's shard.
     """
 
     index: int
@@ -55,6 +58,17 @@ class BucketSpec:
     numel: int
     placement: Placement
     offset: int
+    shard: int = -1
+    lo: int = 0
+
+    def __post_init__(self) -> None:
+        if self.shard < 0:
+            object.__setattr__(self, "shard", self.numel)
+
+    @property
+    def length(self) -> int:
+        """Real (unpadded) elements of this rank's shard; the rest of ``shard`` is padding."""
+        return max(0, min(self.shard, self.numel - self.lo))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +83,10 @@ class OffloadPlan:
         speculation: whether CPU buckets may step before validation.
         cpu_threads: threads of the CPU Adam.
         pin_memory: page-lock the DMA buffers (exact size).
-        host_numel / device_numel: elements whose optimizer state lives on each side.
+        host_numel / device_numel: elements whose optimizer state lives on each side (this rank's shards).
+        world_size / rank: data parallelism: each rank owns the slice ``[lo, lo + shard)`` of every bucket
+            ([Note: data parallel sharding]); 1 / 0 on a single process.
+        cpu_affinity: cores this rank's CPU Adam runs on (ranks sharing a host split them); ``None``: any.
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -83,6 +100,9 @@ class OffloadPlan:
     host_numel: int
     device_numel: int
     notes: tuple[str, ...] = field(default=())
+    world_size: int = 1
+    rank: int = 0
+    cpu_affinity: tuple[int, ...] | None = None
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -113,5 +133,25 @@ class OffloadPlan:
             f"speculation: {'on' if self.speculation else 'off'}; cpu threads: {self.cpu_threads}; "
             f"pinned: {self.pin_memory}",
         ]
+        if self.world_size > 1:
+            cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"
+            lines.append(f"  data parallel: rank {self.rank} of {self.world_size} owns 1/{self.world_size} of every "
+                         f"bucket's optimizer state; CPU Adam on {cores}")
         lines += [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _ranges(cores: tuple[int, ...]) -> str:
+    """``(0, 1, 2, 5)`` -> ``"0-2,5"``."""
+    out: list[str] = []
+    start = prev = None
+    for c in sorted(cores):
+        if prev is not None and c == prev + 1:
+            prev = c
+            continue
+        if start is not None:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+        start = prev = c
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(out)

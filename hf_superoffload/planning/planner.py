@@ -8,7 +8,7 @@ from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
 from .plan import BucketSpec, CastSide, OffloadPlan, Placement, Rollback, WeightMode
 
-__all__ = ["PlanError", "make_plan", "partition_buckets"]
+__all__ = ["PlanError", "make_plan", "partition_buckets", "split_cores"]
 
 # Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
 _HOST_HEADROOM_BYTES = 4 * 1024**3
@@ -42,7 +42,8 @@ def partition_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int
 
 
 def _tail_count(
-    groups: list[list[int]], numels: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile
+    groups: list[list[int]], numels: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile,
+    world_size: int = 1,
 ) -> tuple[int, str]:
     """How many of the last-arriving buckets keep their optimizer on the device.
 
@@ -58,15 +59,16 @@ def _tail_count(
         limit = config.device_memory_fraction * profile.device_free_bytes / _DEVICE_BYTES_PER_PARAM
         why = f"{config.device_memory_fraction:.0%} of {profile.device_free_bytes / 1024**3:.0f} GiB free device memory"
     else:
-        limit = config.gpu_resident_fraction * total
+        limit = config.gpu_resident_fraction * total / world_size
         why = f"target {config.gpu_resident_fraction:.0%} of parameters"
-    count, covered = 0, 0
-    for g in reversed(groups):
+    count, covered, per_rank = 0, 0, 0
+    for g in reversed(groups):  # ``limit`` counts this rank's elements: it holds 1/world_size of each bucket
         size = sum(numels[i] for i in g)
-        if covered + size > limit:
+        if per_rank + -(-size // world_size) > limit:
             break
         count += 1
         covered += size
+        per_rank += -(-size // world_size)
     return count, f"device tail: {count} bucket(s) = {covered / max(total, 1):.0%} of parameters (auto: {why})"
 
 
@@ -87,23 +89,48 @@ def _cast_side(config: SuperOffloadConfig, profile: HardwareProfile) -> tuple[Ca
     return CastSide.CPU, f"casts fused into the CPU Adam; bf16 crosses {shown} link both ways (auto)"
 
 
+def split_cores(cores: Sequence[int], local_rank: int, local_world_size: int) -> tuple[int, ...]:
+    """This rank's share of the host's cores: consecutive, disjoint blocks, one per rank on the host."""
+    cores = sorted(cores)
+    if local_world_size <= 1:
+        return tuple(cores)
+    per = len(cores) // local_world_size
+    if per < 1:
+        raise PlanError(f"{local_world_size} ranks share this host but only {len(cores)} cores are in the affinity "
+                        "mask; run fewer processes per host or give the job more cores")
+    return tuple(cores[local_rank * per : (local_rank + 1) * per])
+
+
 def make_plan(
     numels: Sequence[int],
     *,
     element_size: int,
     config: SuperOffloadConfig,
     profile: HardwareProfile,
+    world_size: int = 1,
+    rank: int = 0,
+    local_world_size: int = 1,
+    local_rank: int = 0,
+    cores: Sequence[int] | None = None,
 ) -> OffloadPlan:
     """Plan buckets, their placement and the runtime policies.
 
     Args:
         numels: trainable parameter sizes in gradient-arrival order.
         element_size: bytes per element of the model's gradients (2 for bf16).
+        world_size, rank: data parallelism: every bucket is split into ``world_size`` equal shards and this
+            rank owns shard ``rank`` ([Note: data parallel sharding]).
+        local_world_size, local_rank: ranks sharing this host: they split its RAM and its cores.
+        cores: the cores this process may use (default: its affinity mask), split between the local ranks.
     """
+    if not (world_size >= 1 and 0 <= rank < world_size and 1 <= local_world_size <= world_size
+            and 0 <= local_rank < local_world_size):
+        raise PlanError(f"inconsistent ranks: rank {rank} of {world_size}, local rank {local_rank} of "
+                        f"{local_world_size}; check the launcher's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE")
     bucket_numel = max(1, int(config.bucket_size_mb * 1024 * 1024 / element_size))
     bucket_numel = min(bucket_numel, max(1, -(-sum(numels) // _MIN_BUCKETS)))
     groups = partition_buckets(numels, bucket_numel)
-    n_tail, tail_note = _tail_count(groups, numels, config, profile)
+    n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
     notes = [tail_note]
 
     buckets: list[BucketSpec] = []
@@ -111,9 +138,21 @@ def make_plan(
     for k, g in enumerate(groups):
         placement = Placement.DEVICE if k >= len(groups) - n_tail else Placement.HOST
         size = sum(numels[i] for i in g)
-        buckets.append(BucketSpec(k, tuple(g), size, placement, offsets[placement]))
-        offsets[placement] += size
+        shard = -(-size // world_size)
+        buckets.append(BucketSpec(k, tuple(g), size, placement, offsets[placement], shard, rank * shard))
+        offsets[placement] += shard
     host_numel, device_numel = offsets[Placement.HOST], offsets[Placement.DEVICE]
+    affinity: tuple[int, ...] | None = None
+    threads = config.cpu_threads or profile.cpu_threads
+    if local_world_size > 1:
+        if cores is None:
+            import os
+
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        affinity = split_cores(cores, local_rank, local_world_size)
+        threads = config.cpu_threads or max(1, len(affinity) - 1)
+        notes.append(f"{local_world_size} ranks share this host: {len(affinity)} cores and 1/{local_world_size} of its "
+                     f"RAM each; CPU Adam uses {threads} threads")
 
     cast_side, why = _cast_side(config, profile)
     notes.append(why)
@@ -122,6 +161,8 @@ def make_plan(
         raise PlanError("weight_placement='flow' is not available yet; use 'stationary' or 'auto'")
 
     avail = profile.host_available_bytes
+    if avail is not None and local_world_size > 1:
+        avail //= local_world_size  # every rank on this host holds its own shard of the state
     base = host_numel * 16  # p/m/v + bf16 landing and staging (CPU cast) or an fp32 landing (GPU cast)
     if avail is not None and base + _HOST_HEADROOM_BYTES > avail:
         gib = 1024**3
@@ -153,9 +194,12 @@ def make_plan(
         cast_side=cast_side,
         rollback=rollback,
         speculation=config.speculation,
-        cpu_threads=config.cpu_threads or profile.cpu_threads,
+        cpu_threads=threads,
         pin_memory=config.pin_memory and profile.device_type == "cuda",
         host_numel=host_numel,
         device_numel=device_numel,
         notes=tuple(notes),
+        world_size=world_size,
+        rank=rank,
+        cpu_affinity=affinity,
     )

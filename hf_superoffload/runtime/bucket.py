@@ -52,13 +52,15 @@ class _BucketBase:
     spec: BucketSpec
     params: list[torch.nn.Parameter]
     sizes: list[int]
-    runs: tuple[Run, ...]  # this step's stepped slices (parameters that received a gradient)
+    runs: tuple[Run, ...]  # this step's stepped slices of this rank's shard (shard coordinates)
+    bucket_runs: tuple[Run, ...]  # the same for the whole bucket (bucket coordinates; every rank agrees)
 
     def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]) -> None:
         self.spec = spec
         self.params = params
         self.sizes = [p.numel() for p in params]
         self.runs = ()
+        self.bucket_runs = ()
 
     @property
     def index(self) -> int:
@@ -77,6 +79,26 @@ class _BucketBase:
             offset += n
         return tuple(runs)
 
+    def clip_runs(self, runs: tuple[Run, ...]) -> tuple[Run, ...]:
+        """``runs`` (bucket coordinates) restricted to this rank's shard, in shard coordinates."""
+        lo, hi = self.spec.lo, self.spec.lo + self.spec.length
+        if lo == 0 and hi == self.spec.numel:
+            return runs
+        return tuple(Run(max(r.start, lo) - lo, min(r.end, hi) - lo, r.group, r.step)
+                     for r in runs if r.start < hi and r.end > lo)
+
+    def pieces(self) -> list[tuple[int, int, int, int]]:
+        """``(k, start, end, at)``: elements ``[start, end)`` of ``params[k]`` (flattened) are this rank's
+        shard elements ``[at, at + end - start)``."""
+        lo, hi = self.spec.lo, self.spec.lo + self.spec.length
+        out, offset = [], 0
+        for k, n in enumerate(self.sizes):
+            s, e = max(offset, lo), min(offset + n, hi)
+            if s < e:
+                out.append((k, s - offset, e - offset, s - lo))
+            offset += n
+        return out
+
 
 class HostBucket(_BucketBase):
     """A bucket whose fp32 master and Adam state live in host RAM.
@@ -86,11 +108,14 @@ class HostBucket(_BucketBase):
             (master, exp_avg, exp_avg_sq) into that copy's arenas.
         landing: ``[numel]`` model-dtype view into the page-locked gradient landing arena (D2H target).
         staging: ``[numel]`` model-dtype view into the page-locked weight staging arena (H2D source).
-        gaps: slices of the bucket that were not stepped this step (parameters without a gradient).
+        gaps: slices of the shard that were not stepped this step (parameters without a gradient).
         d2h: the landing gradient and the event after which the host may read it.
-        h2d_event: recorded after the weights were scattered into the parameters.
+        h2d_event: recorded after the upload that reads ``staging`` (or the master) was queued.
+        fwd_event: the event the next forward's stream waits on: the scatter into the parameters (single
+            process: ``h2d_event``; data parallel: after the all-gather of every rank's shard).
+        uploaded: set once this rank's shard is final and uploaded (data parallel: the gatherer waits on it).
         ready: set when the parameters on the device are final for the current step (or will be once a
-            stream waits on ``h2d_event``); the next forward blocks on it.
+            stream waits on ``fwd_event``); the next forward blocks on it.
         applied: (hyper-parameters, grad scale) of the step currently applied to the state, for undo.
     """
 
@@ -100,6 +125,9 @@ class HostBucket(_BucketBase):
     gaps: tuple[tuple[int, int], ...]
     d2h: Handoff | None
     h2d_event: torch.cuda.Event | None
+    fwd_event: torch.cuda.Event | None
+    uploaded: threading.Event
+    gather_src: torch.Tensor | None
     ready: threading.Event
     stream_waited: bool
     applied: tuple[tuple, float] | None
@@ -109,6 +137,10 @@ class HostBucket(_BucketBase):
         self.state = BucketState.IDLE
         self.d2h = None
         self.h2d_event = None
+        self.fwd_event = None
+        self.gather_src = None
+        self.uploaded = threading.Event()
+        self.uploaded.set()
         self.ready = threading.Event()
         self.ready.set()
         self.stream_waited = True
@@ -130,9 +162,10 @@ class HostBucket(_BucketBase):
             if r.start > covered:
                 gaps.append((covered, r.start))
             covered = r.end
-        if covered < self.spec.numel:
-            gaps.append((covered, self.spec.numel))
+        if covered < self.spec.length:
+            gaps.append((covered, self.spec.length))
         self.gaps = tuple(gaps)
+        self.uploaded.clear()
         self.ready.clear()
         self.stream_waited = False
         self.applied = None
@@ -150,10 +183,21 @@ class HostBucket(_BucketBase):
         self._expect(BucketState.RUNNING)
         self.state = BucketState.SPECULATED
 
-    def to_uploaded(self, h2d_event: torch.cuda.Event | None) -> None:
+    def to_uploaded(self, h2d_event: torch.cuda.Event | None, *, final: bool = True) -> None:
+        """This rank's shard is uploaded; ``final``: it is the whole bucket (no all-gather follows)."""
         self._expect(BucketState.RUNNING)
         self.h2d_event = h2d_event
         self.state = BucketState.UPLOADED
+        self.uploaded.set()
+        if final:
+            self.fwd_event = h2d_event
+            self.ready.set()
+
+    def to_gathered(self, fwd_event: torch.cuda.Event | None) -> None:
+        """Data parallel: every rank's shard was gathered and scattered into the parameters."""
+        self._expect(BucketState.UPLOADED)
+        self.fwd_event = fwd_event
+        self.gather_src = None
         self.ready.set()
 
     def to_idle_skipped(self) -> None:
@@ -161,6 +205,7 @@ class HostBucket(_BucketBase):
         self.h2d_event = None
         self.stream_waited = True
         self.state = BucketState.IDLE
+        self.uploaded.set()
         self.ready.set()
 
     def describe(self) -> str:

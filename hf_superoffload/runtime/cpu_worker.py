@@ -9,6 +9,7 @@ training thread at its next interaction; ``on_error`` wakes every waiter at once
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -34,7 +35,8 @@ class _Task:
 class CpuWorker:
     """A single daemon thread executing submitted callables by priority (lower first)."""
 
-    def __init__(self, *, device: torch.device, on_error: Callable[[], None], name: str = "superoffload-cpu") -> None:
+    def __init__(self, *, device: torch.device, on_error: Callable[[], None], name: str = "superoffload-cpu",
+                 affinity: tuple[int, ...] | None = None) -> None:
         self._queue: queue.PriorityQueue[_Task] = queue.PriorityQueue()
         self._seq = itertools.count()
         self._device = device
@@ -44,6 +46,7 @@ class CpuWorker:
         self._outstanding = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._affinity = affinity
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -86,6 +89,9 @@ class CpuWorker:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is per thread; the worker writes into leaf parameters
+        if self._affinity and hasattr(os, "sched_setaffinity"):
+            # this thread only (Linux: pid 0 is the calling thread); the CPU Adam's threads inherit it
+            os.sched_setaffinity(0, self._affinity)
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         while True:

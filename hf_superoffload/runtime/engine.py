@@ -36,6 +36,7 @@ from .. import ops
 from ..planning.plan import CastSide, OffloadPlan, Placement, Rollback
 from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
 from .bucket import BucketState, DeviceBucket, HostBucket
+from .collectives import ShardGroup
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
 from .streams import Handoff, StreamSet
@@ -106,6 +107,13 @@ class StepStats:
         }
 
 
+def _add_stats_(x: torch.Tensor, stats: torch.Tensor) -> None:
+    """``stats += [sum of squares, non-finite count]`` of ``x`` as stored (no host sync)."""
+    xf = x.float()
+    stats[0] += xf.square().sum()
+    stats[1] += (~torch.isfinite(xf)).sum()
+
+
 class OffloadEngine:
     """Wires plan, buckets, hooks, streams and the CPU worker for one optimizer."""
 
@@ -120,6 +128,7 @@ class OffloadEngine:
         check_finite: bool,
         timeout_s: float,
         governor: SpeculationGovernor,
+        comm: ShardGroup | None = None,
     ) -> None:
         """
         Args:
@@ -127,6 +136,8 @@ class OffloadEngine:
             param_group: the optimizer param group of each parameter.
             hyper_fn: reads the live per-group hyper-parameters (LR schedulers change them).
             modules: modules whose forward must wait for their parameters (every module of the model).
+            comm: data parallelism: the group the optimizer state is sharded over ([Note: data parallel
+                sharding]); the plan's ``world_size``/``rank`` must match it.
         """
         self.params = list(params)
         self.param_group = list(param_group)
@@ -136,6 +147,13 @@ class OffloadEngine:
         self.check_finite = check_finite
         self.timeout_s = timeout_s
         self.governor = governor
+        self.comm = comm
+        ranks = (comm.world_size, comm.rank) if comm else (1, 0)
+        if ranks != (plan.world_size, plan.rank):
+            raise ValueError(f"the plan is for rank {plan.rank} of {plan.world_size} but the process group says "
+                             f"{(comm.rank, comm.world_size) if comm else (0, 1)}")
+        self._div = comm.grad_divisor if comm else 1.0
+        """Gradients are summed over the ranks and divided by this (folded into the Adam's grad scale)."""
         self.device = self.params[0].device
         self.dtype = self.params[0].dtype
         self.streams = StreamSet.create(self.device)
@@ -162,7 +180,12 @@ class OffloadEngine:
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), self.plan.cpu_threads)
         self._build_buckets()
         self._install_hooks(modules)
-        self._worker = CpuWorker(device=self.device, on_error=self._wake_all)
+        self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity)
+        # data parallel: one thread issues the all-gathers, in need order, so every rank issues them alike
+        self._gatherer = (CpuWorker(device=self.device, on_error=self._wake_all, name="superoffload-gather")
+                          if comm else None)
+        self._gather_seq = 0
+        self._present = [0] * len(self.buckets)
         for p in self.params:
             _ENGINE_OF_PARAM[id(p)] = self
 
@@ -202,7 +225,7 @@ class OffloadEngine:
         self._bucket_of: list[HostBucket | DeviceBucket] = [None] * len(self.params)  # type: ignore[list-item]
         for spec in plan.buckets:
             ps = [self.params[i] for i in spec.param_indices]
-            sl = slice(spec.offset, spec.offset + spec.numel)
+            sl = slice(spec.offset, spec.offset + spec.shard)
             if spec.placement is Placement.HOST:
                 b = HostBucket(spec, ps)
                 b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(copies)]
@@ -238,11 +261,11 @@ class OffloadEngine:
     def _load_masters_from_params(self) -> None:
         """fp32 master := the parameters' current values (exact for fp32 models); staging := bf16 of it."""
         for b in self.buckets:
-            offset = 0
             master = self._master(b)
-            for p, n in zip(b.params, b.sizes):
-                master[offset : offset + n].copy_(p.detach().reshape(-1))
-                offset += n
+            if b.spec.length < b.spec.shard:
+                master[b.spec.length :].zero_()  # padding of the last rank's shard: never stepped
+            for k, start, end, at in b.pieces():
+                master[at : at + end - start].copy_(b.params[k].detach().reshape(-1)[start:end])
             if isinstance(b, HostBucket) and b.staging is not None:
                 b.staging.copy_(master)
 
@@ -303,6 +326,7 @@ class OffloadEngine:
                 "(Trainer and Accelerate do this for you); call optimizer.step() before the next backward."
             )
         self._arrived[b.index] += 1
+        self._present[b.index] += i + 1
         if self._arrived[b.index] == len(b.params):
             try:
                 self._flush(b)
@@ -313,6 +337,8 @@ class OffloadEngine:
     def _ensure_ctx(self) -> _StepContext:
         if self._ctx is None:
             self._worker.raise_if_failed()
+            if self._gatherer is not None:  # the last step's all-gathers precede this step's reduce-scatters
+                self._gatherer.drain(self.timeout_s)
             self._grad_stats.zero_()
             self._ctx = _StepContext(speculative=self.plan.speculation and self.governor.speculate_next(),
                                      spec_hyper=self.hyper_fn(), max_grad_norm=self.max_grad_norm_fn(),
@@ -324,11 +350,16 @@ class OffloadEngine:
         self._flushed[b.index] = True
         grads = [p.grad for p in b.params]
         has = [g is not None for g in grads]
-        runs = b.plan_runs(has, [self.param_group[i] for i in b.spec.param_indices],
-                           [self.param_steps[i] for i in b.spec.param_indices])
+        b.bucket_runs = b.plan_runs(has, [self.param_group[i] for i in b.spec.param_indices],
+                                    [self.param_steps[i] for i in b.spec.param_indices])
+        runs = b.clip_runs(b.bucket_runs)  # this rank's shard
         stats_row = self._grad_stats[b.index]
         with torch.profiler.record_function("superoffload::flush"):
-            if isinstance(b, DeviceBucket):
+            if isinstance(b, DeviceBucket) and self.comm is not None:
+                shard = self._reduce_scatter(b, grads, async_op=False)
+                _add_stats_(shard, stats_row)
+                b.grad, b.runs = shard, runs
+            elif isinstance(b, DeviceBucket):
                 flat = torch.empty(b.spec.numel, dtype=self.dtype, device=self.device)
                 flatten_grads_with_stats_(grads, b.sizes, flat, stats_row)
                 b.grad, b.runs = flat, runs
@@ -342,8 +373,22 @@ class OffloadEngine:
         for p in b.params:
             p.grad = None
 
+    def _reduce_scatter(self, b: HostBucket | DeviceBucket, grads: list[torch.Tensor | None], *,
+                        async_op: bool) -> tuple[torch.Tensor, Any] | torch.Tensor:
+        """Flatten ``b``'s gradients into a padded bucket and reduce-scatter it: this rank's shard of the sum."""
+        assert self.comm is not None
+        spec = b.spec
+        full = torch.empty(spec.shard * self.comm.world_size, dtype=self.dtype, device=self.device)
+        flatten_grads_with_stats_(grads, b.sizes, full[: spec.numel], None)
+        full[spec.numel :].zero_()
+        shard = torch.empty(spec.shard, dtype=self.dtype, device=self.device)
+        work = self.comm.reduce_scatter(shard, full, async_op=async_op)
+        return (shard, work) if async_op else shard
+
     def _offload_grads(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor) -> Handoff:
         s = self.streams
+        if self.comm is not None:
+            return self._offload_shard(b, grads, stats_row)
         if not s.is_cuda:
             flatten_grads_with_stats_(grads, b.sizes, b.landing, stats_row)
             return Handoff(b.landing, None)
@@ -357,6 +402,29 @@ class OffloadEngine:
             b.landing.copy_(flat, non_blocking=True)
             self._grad_stats_host[b.index].copy_(stats_row, non_blocking=True)
             event = s.record(s.d2h)
+        flat.record_stream(s.d2h)
+        return Handoff(b.landing, event)
+
+    def _offload_shard(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor) -> Handoff:
+        """Data parallel: reduce-scatter, then this rank's shard (and its statistics) goes to the host."""
+        s = self.streams
+        if not s.is_cuda:
+            shard = self._reduce_scatter(b, grads, async_op=False)
+            flatten_grads_with_stats_([shard], [b.spec.shard], b.landing, stats_row)
+            return Handoff(b.landing, None)
+        compute = torch.cuda.current_stream(self.device)
+        shard, work = self._reduce_scatter(b, grads, async_op=True)
+        s.d2h.wait_stream(compute)
+        if b.h2d_event is not None:
+            s.d2h.wait_event(b.h2d_event)
+        with torch.cuda.stream(s.d2h):
+            work.wait()  # the D2H stream (not the host) waits for the reduce-scatter
+            flat = torch.empty(b.spec.shard, dtype=b.landing.dtype, device=self.device)
+            flatten_grads_with_stats_([shard], [b.spec.shard], flat, stats_row)  # the padding is zero
+            b.landing.copy_(flat, non_blocking=True)
+            self._grad_stats_host[b.index].copy_(stats_row, non_blocking=True)
+            event = s.record(s.d2h)
+        shard.record_stream(s.d2h)
         flat.record_stream(s.d2h)
         return Handoff(b.landing, event)
 
@@ -374,7 +442,7 @@ class OffloadEngine:
             verdict = ctx.verdict
             if verdict is None:
                 ctx.saw_nonfinite |= nonfinite_count > 0
-                ctx.partial_sumsq += sumsq
+                ctx.partial_sumsq += sumsq / self._div**2
                 if ctx.max_grad_norm and math.sqrt(ctx.partial_sumsq) + 1e-6 > ctx.max_grad_norm:
                     ctx.clip_certain = True
                 if not ctx.speculative or ctx.saw_nonfinite or ctx.clip_certain:
@@ -384,7 +452,7 @@ class OffloadEngine:
         if verdict is not None:
             self._finish(b, ctx, verdict, speculated=False)
             return
-        self._cpu_step(b, ctx, ctx.spec_hyper, 1.0)
+        self._cpu_step(b, ctx, ctx.spec_hyper, 1.0 / self._div)
         with self._lock:
             self._acc.speculated_buckets += 1
             verdict = ctx.verdict
@@ -472,6 +540,9 @@ class OffloadEngine:
     def _upload(self, b: HostBucket, copy: int) -> None:
         s = self.streams
         source = b.staging if b.staging is not None else b.pmv[copy][0]  # GPU cast: the fp32 master itself
+        if self.comm is not None:
+            self._upload_shard(b, source)
+            return
         with torch.profiler.record_function("superoffload::upload"):
             if not s.is_cuda:
                 scatter_flat_(source, b.params)
@@ -488,8 +559,63 @@ class OffloadEngine:
             self._acc.h2d_bytes += source.numel() * source.element_size()
             b.to_uploaded(event)
 
+    def _upload_shard(self, b: HostBucket, source: torch.Tensor) -> None:
+        """Data parallel: only this rank's shard goes up; the gatherer assembles the bucket in need order."""
+        s = self.streams
+        with torch.profiler.record_function("superoffload::upload"):
+            if not s.is_cuda:
+                b.gather_src = source
+                event = None
+            else:
+                with torch.cuda.stream(s.h2d):
+                    assert b.d2h is not None
+                    b.d2h.wait_stream(s.h2d)
+                    shard = torch.empty(b.spec.shard, dtype=source.dtype, device=self.device)
+                    shard.copy_(source, non_blocking=True)
+                    event = s.record(s.h2d)
+                b.gather_src = shard
+        with self._lock:
+            self._acc.h2d_bytes += source.numel() * source.element_size()
+            b.to_uploaded(event, final=False)
+
+    def _gather(self, b: HostBucket) -> None:
+        """Gatherer thread: all-gather every rank's updated shard of ``b`` and scatter it into the parameters."""
+        assert self.comm is not None
+        if not b.uploaded.wait(self.timeout_s):
+            raise TimeoutError(f"hf_superoffload: {b.describe()} was not uploaded after {self.timeout_s:.0f}s")
+        self._worker.raise_if_failed()
+        src = b.gather_src
+        assert src is not None
+        s = self.streams
+        with torch.profiler.record_function("superoffload::all_gather"):
+            if not s.is_cuda:
+                full = torch.empty(b.spec.shard * self.comm.world_size, dtype=src.dtype)
+                self.comm.all_gather(full, src)
+                scatter_flat_(full[: b.spec.numel], b.params)
+                event = None
+            else:
+                with torch.cuda.stream(s.gather):
+                    if b.h2d_event is not None:
+                        s.gather.wait_event(b.h2d_event)
+                    full = torch.empty(b.spec.shard * self.comm.world_size, dtype=src.dtype, device=self.device)
+                    self.comm.all_gather(full, src)  # the gather stream waits for it, not this thread
+                    scatter_flat_(full[: b.spec.numel], b.params)
+                    event = s.record(s.gather)
+                src.record_stream(s.gather)
+        with self._lock:
+            b.to_gathered(event)
+
+    def _gather_device(self, b: DeviceBucket) -> None:
+        """Data parallel, training thread: every rank's shard of a device-tail bucket into its parameters."""
+        assert self.comm is not None
+        shard = b.master.to(self.dtype) if self.dtype != torch.float32 else b.master
+        full = torch.empty(b.spec.shard * self.comm.world_size, dtype=shard.dtype, device=self.device)
+        self.comm.all_gather(full, shard)
+        scatter_flat_(full[: b.spec.numel], b.params)
+
     def _wake_all(self) -> None:
         for b in self.host_buckets:
+            b.uploaded.set()
             b.ready.set()
 
     # ------------------------------------------------------------------------------------------------
@@ -521,9 +647,11 @@ class OffloadEngine:
                     "CPU is this slow, or report a bug."
                 )
         self._worker.raise_if_failed()
+        if self._gatherer is not None:
+            self._gatherer.raise_if_failed()
         if for_stream and not b.stream_waited:
-            if b.h2d_event is not None:
-                torch.cuda.current_stream(self.device).wait_event(b.h2d_event)
+            if b.fwd_event is not None:
+                torch.cuda.current_stream(self.device).wait_event(b.fwd_event)
             b.stream_waited = True
             self._unwaited.discard(b.index)
 
@@ -539,6 +667,8 @@ class OffloadEngine:
                 self._worker.raise_if_failed()
             return  # abort_step undid the failed step in this thread: nothing is in flight or will be uploaded
         self._worker.drain(self.timeout_s)
+        if self._gatherer is not None:
+            self._gatherer.drain(self.timeout_s)
         for b in self.host_buckets:
             self.wait_bucket(b)
 
@@ -552,9 +682,12 @@ class OffloadEngine:
             if not self._flushed[b.index]:
                 self._flush(b)
         with torch.profiler.record_function("superoffload::validate"):
-            sumsq, nonfinite = self._grad_stats.sum(dim=0).tolist()  # the one host sync of the step
+            if self.comm is None:
+                sumsq, nonfinite = self._grad_stats.sum(dim=0).tolist()  # the one host sync of the step
+            else:
+                sumsq, nonfinite = self._global_stats()
         verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hyper=self.hyper_fn(),
-                         spec_hyper=ctx.spec_hyper, check_finite=self.check_finite)
+                         spec_hyper=ctx.spec_hyper, check_finite=self.check_finite, grad_divisor=self._div)
         with self._lock:
             ctx.verdict = verdict
             pending = [b for b in self.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
@@ -566,6 +699,11 @@ class OffloadEngine:
                                     lambda b=b: self._finish_task(b, ctx, verdict, states[b.index] is BucketState.SPECULATED))
             with torch.profiler.record_function("superoffload::device_adam"):
                 self._step_device(verdict)
+            if self._gatherer is not None and verdict.kind is not StepVerdict.SKIP:
+                for b in sorted(self.host_buckets, key=self._need_order):  # the same order on every rank
+                    self._gather_seq += 1
+                    self._gatherer.submit(self._gather_seq, f"all-gather of {b.describe()}",
+                                          lambda b=b: self._gather(b))
         except BaseException:
             if verdict.kind is not StepVerdict.SKIP:
                 self.consistent = False  # host buckets are being committed with this verdict: it cannot be undone
@@ -573,7 +711,7 @@ class OffloadEngine:
         if verdict.kind is not StepVerdict.SKIP:
             self._cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             for b in self.buckets:
-                for r in b.runs:
+                for r in b.bucket_runs:
                     offset = 0
                     for i, n in zip(b.spec.param_indices, b.sizes):
                         if r.start <= offset < r.end:
@@ -584,13 +722,41 @@ class OffloadEngine:
         with self._lock:
             st, self._acc = self._acc, StepStats()
         st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, ctx.speculative
-        st.clip_coef, st.iteration_s = verdict.grad_scale, now - self._last_step_t
+        st.clip_coef, st.iteration_s = verdict.grad_scale * self._div, now - self._last_step_t
         self._last_step_t = now
         self.stats = st
         self._ctx = None
         self._arrived = [0] * len(self.buckets)
         self._flushed = [False] * len(self.buckets)
+        self._present = [0] * len(self.buckets)
         return st
+
+    def _global_stats(self) -> tuple[float, float]:
+        """Data parallel: the step's sum of squares and non-finite count over every rank's shards.
+
+        The same all-reduce checks that every rank got gradients for the same parameters: a parameter used on
+        some ranks only would step on some shards only and the replicas would drift apart.
+        """
+        assert self.comm is not None
+        if self.streams.is_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)  # host buckets' rows land there
+        key = torch.tensor(self._present, dtype=torch.float64)
+        local = torch.cat([self._grad_stats.sum(dim=0).double().cpu(), key, key * key])
+        t = local.to(self.device)
+        self.comm.all_reduce_sum(t)
+        values = t.tolist()
+        nb, w = len(self.buckets), self.comm.world_size
+        sums, squares = values[2 : 2 + nb], values[2 + nb :]
+        bad = [k for k in range(nb) if abs(w * squares[k] - sums[k] ** 2) > 1e-6 * max(1.0, sums[k] ** 2)]
+        if bad:
+            b = self.buckets[bad[0]]
+            raise RuntimeError(
+                f"hf_superoffload: the ranks got gradients for different parameters in {b.describe()} (first "
+                "mismatch). Data-parallel training needs every rank to use the same parameters in every step (as "
+                "DDP without find_unused_parameters): freeze parameters a rank may skip, or make the model use them "
+                "on every rank."
+            )
+        return values[0], values[1]
 
     def _step_device(self, verdict: Verdict) -> None:
         for b in self.device_buckets:
@@ -603,7 +769,9 @@ class OffloadEngine:
                         b.master[sl], b.grad[sl], b.exp_avg[sl], b.exp_avg_sq[sl], step=r.step, lr=lr,
                         beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=verdict.grad_scale,
                     )
-                if b.runs:
+                if self.comm is not None:
+                    self._gather_device(b)  # every rank, even one whose shard had nothing to step
+                elif b.runs:
                     scatter_flat_(b.master, b.params)
             b.grad = None
 
@@ -665,6 +833,8 @@ class OffloadEngine:
                 self.abort_step()  # e.g. KeyboardInterrupt in backward: back to the state before that step
             elif not self._worker.failed:
                 self._worker.drain(self.timeout_s)  # the last step's buckets are final before the worker stops
+                if self._gatherer is not None and not self._gatherer.failed:
+                    self._gatherer.drain(self.timeout_s)
         finally:
             self._closed = True
             for p in self.params:
@@ -673,11 +843,16 @@ class OffloadEngine:
             for h in self._handles:
                 h.remove()
             self._worker.close()
+            if self._gatherer is not None:
+                self._gatherer.close()
 
     # ------------------------------------------------------------------------------------------------
     # state
     def param_location(self, i: int) -> tuple[Placement, int]:
-        """(placement, element offset in that placement's arenas) of parameter ``i``."""
+        """(placement, element offset in that placement's arenas) of parameter ``i`` (one process only: with
+        data parallelism a parameter may straddle shards, see :meth:`param_pieces`)."""
+        if self.comm is not None:
+            raise RuntimeError("param_location() is for a single process; use param_pieces() with data parallelism")
         b = self._bucket_of[i]
         offset = b.spec.offset
         for j, n in zip(b.spec.param_indices, b.sizes):
@@ -693,25 +868,41 @@ class OffloadEngine:
             "device": {"master": self._dev_master, "exp_avg": self._dev_exp_avg, "exp_avg_sq": self._dev_exp_avg_sq},
         }
 
+    def param_pieces(self, i: int) -> list[tuple[Placement, int, int, int]]:
+        """``(placement, arena offset, start, end)``: elements ``[start, end)`` of parameter ``i`` (flattened)
+        that this rank holds, at that offset of its placement's arenas (the whole parameter on one process)."""
+        b = self._bucket_of[i]
+        k = b.spec.param_indices.index(i)
+        return [(b.spec.placement, b.spec.offset + at, start, end) for kk, start, end, at in b.pieces() if kk == k]
+
     def seed_masters(self, values: Sequence[torch.Tensor | None]) -> None:
         """Overwrite the masters of parameters with exact values (fp32 models), then refresh the weights."""
         flat = self.flat_state()
         with torch.no_grad():
             for i, v in enumerate(values):
                 if v is not None:
-                    pl, off = self.param_location(i)
-                    side = "host" if pl is Placement.HOST else "device"
-                    flat[side]["master"][off : off + v.numel()].copy_(v.reshape(-1))
+                    for pl, off, start, end in self.param_pieces(i):
+                        side = "host" if pl is Placement.HOST else "device"
+                        flat[side]["master"][off : off + end - start].copy_(v.reshape(-1)[start:end])
         self.refresh_params_from_masters()
 
     def refresh_params_from_masters(self) -> None:
-        """After loading state: staging := bf16(master) and parameters := bf16(master)."""
+        """After loading state: staging := bf16(master) and parameters := bf16(master).
+
+        Data parallel: a collective (every rank's shards are gathered); every rank must call it.
+        """
         with torch.no_grad():
             for b in self.buckets:
                 master = self._master(b)
                 if isinstance(b, HostBucket) and b.staging is not None:
                     b.staging.copy_(master)
-                scatter_flat_(master, b.params)
+                if self.comm is None:
+                    scatter_flat_(master, b.params)
+                    continue
+                shard = master.to(device=self.device, dtype=self.dtype)
+                full = torch.empty(b.spec.shard * self.comm.world_size, dtype=self.dtype, device=self.device)
+                self.comm.all_gather(full, shard)
+                scatter_flat_(full[: b.spec.numel], b.params)
         if self.streams.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
 

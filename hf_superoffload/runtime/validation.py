@@ -35,20 +35,25 @@ class Verdict:
 
 def decide(
     *, sumsq: float, nonfinite: bool, max_grad_norm: float | None, hyper: Hyper, spec_hyper: Hyper | None,
-    check_finite: bool,
+    check_finite: bool, grad_divisor: float = 1.0,
 ) -> Verdict:
-    """The verdict, matching ``clip_grad_norm_(max_norm)`` (coef = max_norm / (norm + 1e-6), clamped to 1)."""
-    norm = math.sqrt(sumsq) if sumsq >= 0 else float("nan")
+    """The verdict, matching ``clip_grad_norm_(max_norm)`` (coef = max_norm / (norm + 1e-6), clamped to 1).
+
+    ``sumsq`` is of the gradients as held (data parallel: summed over ranks); the gradient the update uses is
+    that divided by ``grad_divisor``, so ``grad_scale`` = clip coefficient / ``grad_divisor`` (what a
+    speculative step applies when the verdict is COMMIT).
+    """
+    norm = math.sqrt(sumsq) / grad_divisor if sumsq >= 0 else float("nan")
     if (nonfinite or not math.isfinite(norm)) and check_finite:
-        return Verdict(StepVerdict.SKIP, 1.0, hyper, float("nan") if nonfinite else norm)
+        return Verdict(StepVerdict.SKIP, 1.0 / grad_divisor, hyper, float("nan") if nonfinite else norm)
     scale = 1.0
     if max_grad_norm is not None and max_grad_norm > 0:
         coef = max_grad_norm / (norm + 1e-6)
         if coef < 1.0:
             scale = coef
     if scale != 1.0 or (spec_hyper is not None and hyper != spec_hyper):
-        return Verdict(StepVerdict.REDO, scale, hyper, norm)
-    return Verdict(StepVerdict.COMMIT, 1.0, hyper, norm)
+        return Verdict(StepVerdict.REDO, scale / grad_divisor, hyper, norm)
+    return Verdict(StepVerdict.COMMIT, 1.0 / grad_divisor, hyper, norm)
 
 
 class SpeculationGovernor:

@@ -1,0 +1,87 @@
+"""One rank of a data-parallel test run (launched by tests/distributed/test_data_parallel.py).
+
+argv: scenario out_dir [key=value ...]. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+Each rank trains the same tiny Llama on its slice of the same global batches and saves what the test checks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.testing import tiny_llama
+
+LR = 1e-3
+GLOBAL_BS = 4
+
+
+def batches(n: int, seed: int = 1, seq: int = 16, vocab: int = 128) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (GLOBAL_BS, seq), generator=g) for _ in range(n)]
+
+
+def poison(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook: one element becomes NaN (the step must be skipped on every rank)."""
+    grad = grad.clone()
+    grad.view(-1)[0] = float("nan")
+    return grad
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    kw = dict(a.split("=", 1) for a in sys.argv[3:])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(kw.get("timeout", 60))))
+    rank = dist.get_rank() if world > 1 else 0
+    torch.set_num_threads(1)
+    steps, start = int(kw.get("steps", 30)), int(kw.get("start", 0))
+    max_norm = float(kw.get("max_norm", 1.0))
+    cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=int(kw.get("tail", 2)),
+                             rollback=kw.get("rollback", "auto"), max_redo_rate=1.0, cpu_threads=1)
+    model = tiny_llama(seed=0)
+    opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_norm, config=cfg)
+    if "load" in kw:
+        opt.load_state_dict(torch.load(kw["load"].format(rank=rank), weights_only=False))
+    per = GLOBAL_BS // world
+    data = batches(start + steps)
+    losses = []
+    for step in range(start, start + steps):
+        ids = data[step][rank * per : (rank + 1) * per]
+        hook = None
+        if scenario == "nan" and step == int(kw.get("nan_step", 5)) and rank == world - 1:
+            hook = next(model.parameters()).register_hook(poison)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if hook is not None:
+            hook.remove()
+        if scenario == "fail" and step == int(kw.get("fail_step", 3)) and rank == world - 1:
+            raise RuntimeError("injected failure on the last rank")
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().float().reshape(1)
+        if world > 1:
+            dist.all_reduce(t)
+        losses.append(float(t) / world)
+        if "save_at" in kw and step == int(kw["save_at"]):
+            torch.save(opt.state_dict(), out / f"opt_rank{rank}.pt")
+    opt.synchronize()
+    torch.save({"losses": losses, "grad_norm": opt.last_grad_norm, "skipped": opt.skipped_steps,
+                "clipped": opt.clipped_steps,
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "state": opt.state_dict()["superoffload"], "plan": opt.plan.summary()},
+               out / f"result_rank{rank}.pt")
+    opt.close()
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
