@@ -173,6 +173,33 @@ def case_sp4(groups):
         sp.set_active_groups(groups)
 
 
+def case_trainer_step(groups):
+    """SuperOffloadTrainer's SP training step: ranks bring ragged batches of their own; the gradients summed
+    over the SP ranks equal the mean of the batches' single-process gradients (as data parallelism)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from hf_superoffload.integrations._sequence_parallel import sequence_parallel_training_step
+
+    batches = [_batch(30 + r, 2, 12 - 3 * r) for r in range(groups.sp_size)]
+    refs = [_reference(b) for b in batches]
+    model = tiny_llama(seed=0, dtype=torch.float32, attn_implementation="sdpa")
+    sp.enable_sequence_parallel(model, groups)
+    trainer = SimpleNamespace(
+        _prepare_inputs=lambda x: x, current_gradient_accumulation_steps=2,
+        compute_loss_context_manager=contextlib.nullcontext,
+        accelerator=SimpleNamespace(backward=lambda loss: loss.backward(), unwrap_model=lambda m: m))
+    loss = sequence_parallel_training_step(trainer, model, batches[groups.sp_rank], groups, chunk_size=5)
+    grads = {}
+    for n, prm in model.named_parameters():
+        g = prm.grad.detach().clone() * 2  # undo the gradient-accumulation division
+        dist.all_reduce(g, group=groups.sp_group)
+        grads[n] = g
+    ref_grads = {n: sum(rg[n] for _, rg in refs) / len(refs) for n in refs[0][1]}
+    return {"sp_loss": float(loss) * 2, "ref_loss": sum(rl for rl, _ in refs) / len(refs),
+            "grad_rel_err": _compare(ref_grads, grads)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", required=True)

@@ -62,7 +62,7 @@ def _launch(tmp: Path, nproc: int, sp_size: int, cases: list[str], timeout: floa
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    return _launch(tmp_path_factory.mktemp("sp2"), 2, 2, ["a2a", "gqa", "kv1", "uneven", "ckpt", "padmask", "errors"])
+    return _launch(tmp_path_factory.mktemp("sp2"), 2, 2, ["a2a", "gqa", "kv1", "uneven", "ckpt", "padmask", "errors", "trainer_step"])
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,14 @@ def test_two_rank_parity(two_ranks, case):
     single-process whole-sequence ones."""
     for rank_res in two_ranks:
         _assert_parity(rank_res[case])
+
+
+@pytest.mark.timeout(240)
+def test_trainer_sequence_parallel_step(two_ranks):
+    """SuperOffloadTrainer's SP step: each rank's own (ragged) batch is trained by the whole group; the SP-summed
+    gradients equal the mean of the batches' single-process gradients."""
+    for rank_res in two_ranks:
+        _assert_parity(rank_res["trainer_step"])
 
 
 @pytest.mark.timeout(240)
@@ -234,3 +242,18 @@ def test_attention_without_groups_is_refused():
     model = tiny_llama(dtype=torch.float32, attn_implementation=sp.ATTN_IMPLEMENTATION)
     with pytest.raises(RuntimeError, match="init_sequence_parallel"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_trainer_arguments_sequence_parallel_size(tmp_path):
+    from hf_superoffload.integrations.arguments import SuperOffloadArguments
+    from hf_superoffload.integrations.transformers import SuperOffloadTrainer
+    from hf_superoffload.testing import tiny_llama
+
+    kw = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no")
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match=f"sequence_parallel_size={bad!r} is invalid"):
+            SuperOffloadArguments(sequence_parallel_size=bad, **kw)
+    args = SuperOffloadArguments(sequence_parallel_size=2, **kw)
+    assert "sequence_parallel_size" not in args.superoffload_fields()  # not a SuperOffloadConfig field
+    with pytest.raises(ValueError, match="one process per GPU"):
+        SuperOffloadTrainer(model=tiny_llama(dtype=torch.float32), args=args)
