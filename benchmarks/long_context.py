@@ -68,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    ap.add_argument("--optimizer", choices=["superoffload", "sgd", "none"], default="superoffload")
+    ap.add_argument("--optimizer", choices=["superoffload", "sgd", "none"], default="superoffload",
+                    help="superoffload: SuperOffloadOptimizer (multi-rank needs its data-parallel version); sgd: "
+                         "all-reduce + clip + SGD on the GPU (rehearsal); none: forward/backward only")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--attn", choices=["sdpa", "flash_attention_2", "flash_attention_3"], default="sdpa",
                     help="local attention inside Ulysses")
@@ -139,13 +141,9 @@ def sgd_step(model: Any, lr: float, groups: Any) -> None:
 
     params = [p for p in model.parameters() if p.grad is not None]
     if dist.get_world_size() > 1:
-        flat = torch.cat([p.grad.reshape(-1).float() for p in params])
-        dist.all_reduce(flat)
-        flat /= groups.dp_size
-        off = 0
-        for p in params:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-            off += p.numel()
+        for p in params:  # per tensor, in the gradient dtype: no fp32 copy of all gradients
+            dist.all_reduce(p.grad)
+            p.grad.div_(groups.dp_size)
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     with torch.no_grad():
         for p in params:
