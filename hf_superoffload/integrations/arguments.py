@@ -86,6 +86,7 @@ class SuperOffloadArguments(TrainingArguments):
         superoffload_pin_memory: Page-lock the host buffers that DMA touches.
         superoffload_worker_timeout_s: Longest wait for one bucket before an error that names it.
         superoffload_check_finite: Skip the whole step (bit-exact) on any non-finite gradient.
+        sequence_parallel_size: Ulysses sequence parallelism: ranks per sequence (1 = off).
     """
 
     superoffload_bucket_size_mb: float = field(
@@ -143,8 +144,17 @@ class SuperOffloadArguments(TrainingArguments):
         default=_D.check_finite,
         metadata=_help("SuperOffload: skip the whole step, bit-exactly, when any gradient is non-finite (the LR "
                        "schedule does not advance either)."))
+    # ---- sequence parallelism (issue #11; hf_superoffload/sequence_parallel, integrations/_sequence_parallel.py)
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata=_help("Ulysses sequence parallelism: how many ranks share each sequence (1 = off). Must divide "
+                       "the number of processes and the model's attention heads; see docs/sequence_parallel.md."))
 
     def __post_init__(self) -> None:
+        if isinstance(self.sequence_parallel_size, bool) or not isinstance(self.sequence_parallel_size, int) \
+                or self.sequence_parallel_size < 1:
+            raise ValueError(f"SuperOffloadArguments.sequence_parallel_size={self.sequence_parallel_size!r} is "
+                             "invalid: use an integer >= 1 (1 turns sequence parallelism off)")
         _refuse_incompatible(self)
         super().__post_init__()
         if self.mixed_precision == "fp16":  # from ACCELERATE_MIXED_PRECISION (accelerate launch/config)

@@ -112,6 +112,26 @@ class SuperOffloadTrainer(Trainer):
         if self.args.world_size > 1:
             _prepare_without_ddp(self.accelerator)
         self.add_callback(_SuperOffloadCallback(self))
+        # ---- sequence parallelism (issue #11): Ulysses attention + a training step over the SP group ----
+        self._sp_groups = None
+        if self.args.sequence_parallel_size > 1:
+            from ._sequence_parallel import setup_sequence_parallel
+
+            self._sp_groups = setup_sequence_parallel(self.model, self.args.sequence_parallel_size)
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if self._sp_groups is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        from ._sequence_parallel import sequence_parallel_training_step
+
+        return sequence_parallel_training_step(self, model, inputs, self._sp_groups)
+
+    def prediction_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sp_groups is not None:
+            raise ValueError("evaluation/prediction is not supported with sequence_parallel_size > 1 (batches are "
+                             "not sharded there); evaluate in a separate run with sequence_parallel_size=1")
+        return super().prediction_step(*args, **kwargs)
+    # ---- end sequence parallelism ----
 
     # ---- optimizer ---------------------------------------------------------------------------------
     @property
