@@ -528,7 +528,7 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
         rec["threads"] = {"torch": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
         model, step_fn, extra = _make_system(system, wl, dev, spec)
         rec.update(extra)
-        rec["params"] = sum(p.numel() for p in model.parameters())
+        rec["params_counted"] = sum(p.numel() for p in model.parameters())
         sync()
         rec["init_s"] = round(time.perf_counter() - t0, 2)
         opt = getattr(step_fn, "opt", None)
