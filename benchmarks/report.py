@@ -197,7 +197,7 @@ def suite_table(rows: list[dict[str, Any]], everything: list[dict[str, Any]] | N
             f"| {SUITE_LABEL.get(r['system'], r['system'])} | {_fmt(r.get('step_s_median') if ok else None, '.3f', '-')} | "
             f"{_fmt(tok, ',.0f', '-')} | {_fmt(ratio, '.2f', '-')} | {_fmt(r.get('model_tflops') if ok else None, '.0f', '-')} | "
             f"{_fmt(r.get('mfu') if ok else None, '.1%', '-')} | {_fmt(r.get('peak_gpu_gb'), '.1f', '-')} | "
-            f"{_fmt(r.get('peak_host_rss_gb') or None, '.1f', '-')} | {_notes(r)} |")
+            f"{_fmt(r.get('peak_host_rss_gb') if r.get('status') in ('ok', 'oom') else None, '.1f', '-')} | {_notes(r)} |")
     if rows:
         r0 = rows[0]
         hw = r0.get("hardware", {})
@@ -205,7 +205,7 @@ def suite_table(rows: list[dict[str, Any]], everything: list[dict[str, Any]] | N
         vers = next((r.get("versions") for r in rows if r.get("versions")), {}) or {}
         out.append("")
         out.append(
-            f"Workload `{r0['workload']}`: {r0['params'] / 1e9:.3f}B params, batch {r0['batch_size']} x {r0['seq_len']}; "
+            f"Workload `{r0['workload']}`: {_count(r0['params'])} params, batch {r0['batch_size']} x {r0['seq_len']}; "
             f"{r0['warmup']} warm-up + {r0['steps']} timed steps; run `{r0['run_id']}`, commit `{str(r0.get('commit'))[:12]}`; "
             f"{gpu}, {hw.get('cpu')} ({hw.get('affinity_cores')} cores), {hw.get('ram_gb')} GB RAM; "
             + ", ".join(f"{k} {v}" for k, v in vers.items() if v) + f". x GPU-only against {ref_note}. "

@@ -346,6 +346,37 @@ class Absent(Exception):
     """The system cannot run here; the row is recorded as absent with this reason."""
 
 
+def _not_implemented(exc: BaseException) -> bool:
+    """Weight flow not implemented yet (as opposed to a flow plan that does not fit, which is a failure)."""
+    name = type(exc).__name__
+    return name == "NotImplementedError" or (name == "PlanError" and "not available" in str(exc))
+
+
+def _precheck_plan(system: str, wl: Workload, dev: Any, spec: dict[str, Any]) -> None:
+    """Ask the planner on a meta-device model before building the real one: an option the planner does not
+    implement yet (``PlanError``) makes the row absent without spending device time on a model build."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{k: getattr(wl, k) for k in _DIMS}, max_position_embeddings=wl.seq_len,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg)
+    numels = [p.numel() for p in meta.parameters()][::-1]
+    config, _ = _ours_config(system, spec.get("ours_config", {}), numels, dev)
+    try:
+        from hf_superoffload.planning.hardware import HardwareProfile
+        from hf_superoffload.planning.planner import make_plan
+
+        make_plan(numels, element_size=2, config=config, profile=HardwareProfile.read(dev))
+    except ImportError:
+        return
+    except Exception as exc:
+        if _not_implemented(exc):
+            raise Absent(f"{type(exc).__name__}: {exc}") from exc
+        raise
+
+
 def _make_system(system: str, wl: Workload, dev: Any, spec: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """(model, step function, extra record fields) for ``system``. Raises :class:`Absent`."""
     import torch
@@ -359,6 +390,8 @@ def _make_system(system: str, wl: Workload, dev: Any, spec: dict[str, Any]) -> t
             import deepspeed
         except Exception as exc:
             raise Absent(f"deepspeed not importable: {type(exc).__name__}: {exc}") from exc
+    if system == "ours_flow":
+        _precheck_plan(system, wl, dev, spec)
     dtype = torch.float32 if system in ("gpu", "fsdp2_offload") else torch.bfloat16
     model, init_dtype = _build_model(wl, dev, dtype)
     extra["init_dtype"] = init_dtype
@@ -394,8 +427,7 @@ def _make_system(system: str, wl: Workload, dev: Any, spec: dict[str, Any]) -> t
         try:
             opt = SuperOffloadOptimizer(model, lr=LR, max_grad_norm=clip, config=config, log_plan=False)
         except Exception as exc:
-            not_yet = type(exc).__name__ in ("PlanError", "NotImplementedError")
-            if system == "ours_flow" and not_yet:
+            if system == "ours_flow" and _not_implemented(exc):
                 raise Absent(f"{type(exc).__name__}: {exc}") from exc
             raise
         extra["plan"] = _plan_facts(opt.plan)
@@ -578,9 +610,6 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
                 "overlap": round(statistics.median(t.get("overlap", float("nan")) for t in telemetry), 4),
                 "verdicts": [t["verdict"] for t in telemetry],
             }
-        if opt is not None:
-            with contextlib.suppress(Exception):
-                opt.close()
         if cuda:
             rec["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
             rec["peak_gpu_reserved_gb"] = round(torch.cuda.max_memory_reserved(dev) / 1e9, 2)
@@ -608,13 +637,8 @@ def worker_main(argv: list[str]) -> int:
     Path(result_path).write_text(json.dumps(rec))
     sys.stdout.flush()
     sys.stderr.flush()
-    if system == "fsdp2_offload":
-        with contextlib.suppress(Exception):
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    # DeepSpeed and the offload engines leave threads and children behind; the record is written, so leave fast.
+    # The record is written. Leave without teardown (optimizer close, NCCL/gloo destroy, DeepSpeed's worker): a
+    # hang there must not cost device time; the driver ends the process group, the OS frees pinned memory.
     os._exit(0)
 
 
