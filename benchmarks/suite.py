@@ -567,18 +567,20 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
         times: list[float] = []
         losses: list[float] = []
         telemetry: list[dict[str, Any]] = []
-        phase = "warmup"
+        phase, done = "warmup", 0
         try:
             for _ in range(spec["warmup"]):
                 step_fn()
+                done += 1
             sync()
-            phase = "timed"
+            phase, done = "timed", 0
             t_window = time.perf_counter()
             for _ in range(spec["steps"]):
                 t = time.perf_counter()
                 loss = step_fn()
                 sync()
                 times.append(time.perf_counter() - t)
+                done += 1
                 losses.append(round(float(loss.detach()), 4))
                 if opt is not None:
                     telemetry.append(_step_stats(opt.last_step_stats))
@@ -594,7 +596,7 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
             rec["status"] = "ok"
         except torch.OutOfMemoryError as exc:
             rec["status"] = "oom"
-            rec["reason"] = f"out of GPU memory during {phase} step {len(times) + 1}: {str(exc).splitlines()[0]}"
+            rec["reason"] = f"out of GPU memory in {phase} step {done + 1}: {str(exc).splitlines()[0]}"
         rec["step_s_all"] = [round(x, 4) for x in times]
         rec["losses"] = losses
         if times:

@@ -147,3 +147,53 @@ def test_workload_shapes():
     assert suite.WORKLOADS["8b_big"].batch_size * 2048 > suite.WORKLOADS["8b"].tokens
     # anchor 3.6B GPU-only: 15,871 tokens/s -> 360.2 model TFLOP/s, MFU 36.4%
     assert wl.flops_per_token() * 15871 / 1e12 == pytest.approx(360.2, rel=2e-3)
+
+
+def _spec(suite, tmp_path):
+    import dataclasses
+
+    return {"workload": dataclasses.asdict(suite.WORKLOADS["tiny"]), "device": "cpu", "warmup": 1, "steps": 2,
+            "profile": False, "profile_steps": 1, "out_dir": str(tmp_path), "run_id": "t", "ours_config": {}}
+
+
+def test_worker_records_oom_and_failure(tmp_path, monkeypatch):
+    """An out-of-memory step gives status oom with where it happened; any other error gives failed + traceback."""
+    import torch
+
+    suite = _module("suite")
+    calls = []
+
+    def oom_on_second_step(system, wl, dev, spec):
+        def step():
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return torch.tensor(1.0)
+
+        return torch.nn.Linear(2, 2), step, {}
+
+    monkeypatch.setattr(suite, "_make_system", oom_on_second_step)
+    rec = suite.run_worker("gpu", _spec(suite, tmp_path))
+    assert rec["status"] == "oom"
+    assert "in timed step 1" in rec["reason"] and "2.00 GiB" in rec["reason"]
+    assert rec["step_s_all"] == [] and "tokens_per_s" not in rec
+
+    def broken(system, wl, dev, spec):
+        raise RuntimeError("CPUAdam JIT build failed: nvcc not found")
+
+    monkeypatch.setattr(suite, "_make_system", broken)
+    rec = suite.run_worker("ds_zero2", _spec(suite, tmp_path))
+    assert rec["status"] == "failed" and "nvcc not found" in rec["reason"]
+    assert "RuntimeError" in rec["traceback_tail"]
+
+
+def test_driver_timeout_and_budget(tmp_path):
+    """A worker past its timeout is killed and recorded; a spent budget skips the rest without spawning."""
+    out = tmp_path / "r.jsonl"
+    cmd = [sys.executable, str(BENCH / "suite.py"), "--workload", "tiny", "--device", "cpu", "--out", str(out),
+           "--systems", "gpu", "ours", "--timeout-for", "gpu=0.5", "--budget", "2", "--min-left", "1.9"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    gpu, ours = (json.loads(line) for line in out.read_text().splitlines())
+    assert gpu["status"] == "timeout" and gpu["exit_code"] is None and gpu["wall_s"] < 15
+    assert ours["status"] == "skipped" and "budget" in ours["reason"] and "command" not in ours
