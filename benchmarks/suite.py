@@ -233,7 +233,7 @@ def _tree_rss_bytes(root: int) -> int:
 
 
 class TreeRssSampler(threading.Thread):
-    def __init__(self, pid: int, period_s: float = 0.25) -> None:
+    def __init__(self, pid: int, period_s: float = 0.5) -> None:
         super().__init__(daemon=True)
         self.pid, self.period_s, self.peak = pid, period_s, 0
         self._stop_event = threading.Event()
