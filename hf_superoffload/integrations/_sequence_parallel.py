@@ -10,6 +10,7 @@ and no sample is dropped or repeated. Ragged batches are right-padded to the lon
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -71,10 +72,14 @@ def sequence_parallel_training_step(trainer: Any, model: torch.nn.Module, inputs
     batches = gather_group_batches(inputs, groups)
     ga = trainer.current_gradient_accumulation_steps
     total = torch.zeros((), device=inputs["input_ids"].device)
-    for batch in batches:
+    opt = getattr(trainer, "superoffload_optimizer", None)
+    for k, batch in enumerate(batches):
         shard = sp.shard_batch(batch, groups)
-        with trainer.compute_loss_context_manager():
-            out = sp.causal_lm_loss(trainer.accelerator.unwrap_model(model), shard, groups, chunk_size=chunk_size)
-        trainer.accelerator.backward(out.loss / (len(batches) * ga))
+        # the optimizer offloads gradients on the last backward of the step only
+        last = k == len(batches) - 1
+        with contextlib.nullcontext() if last or opt is None else opt.no_sync():
+            with trainer.compute_loss_context_manager():
+                out = sp.causal_lm_loss(trainer.accelerator.unwrap_model(model), shard, groups, chunk_size=chunk_size)
+            trainer.accelerator.backward(out.loss / (len(batches) * ga))
         total += out.global_loss / len(batches)
     return total / ga

@@ -160,6 +160,9 @@ class SuperOffloadTrainer(Trainer):
             opt_model, groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
             config=superoffload_config_from_args(args), log_plan=False,
+            # sequence parallelism: the SP ranks of a group hold parts of the same samples' gradients (summed);
+            # only the data-parallel replicas are averaged
+            gradient_divisor=(args.world_size // args.sequence_parallel_size) if args.world_size > 1 else None,
         )
         opt.set_sync_predicate(lambda: self.accelerator.sync_gradients)
         warn_if_threads_throttled(opt)
