@@ -3,9 +3,7 @@
 # Usage: bash benchmarks/gpu_session.sh [MODES...]   (results under $OUT)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGE=/tmp/pkg; rm -rf $STAGE; mkdir -p $STAGE
-cp -r hf_superoffload $STAGE/; cp -r triton_kernels $STAGE/hf_superoffload/triton_kernels; cp -r cpu_ext $STAGE/hf_superoffload/cpu_ext
-export PYTHONPATH=$STAGE HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+source benchmarks/_stage.sh
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; free -g | head -2; lscpu | grep -E "Model name|Flags" | sed 's/Flags:/Flags:/' | cut -c1-2000

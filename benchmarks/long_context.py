@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", choices=sorted(MODELS), default="8b")
     ap.add_argument("--seq-len", type=parse_len, default=parse_len("64k"), help="global tokens per sequence")
     ap.add_argument("--batch", type=int, default=1, help="sequences per sequence-parallel group per step")
+    ap.add_argument("--sp", type=int, default=0,
+                    help="ranks per sequence (default: all); --sp 1 is plain data parallelism (scaling runs)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -130,7 +132,11 @@ def build_optimizer(name: str, model: Any, lr: float, groups: Any) -> Any:
     if name == "superoffload":
         from hf_superoffload import SuperOffloadOptimizer
 
-        return SuperOffloadOptimizer(model, lr=lr, max_grad_norm=1.0, weight_decay=0.0, log_plan=False)
+        opt = SuperOffloadOptimizer(model, lr=lr, max_grad_norm=1.0, weight_decay=0.0, log_plan=False,
+                                    gradient_divisor=groups.dp_size)
+        if opt.plan.rank == 0:
+            print(opt.plan.summary(), flush=True)
+        return opt
     return None
 
 
@@ -165,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = sp.init_sequence_parallel(world, device_type=dev_type, inner_attention=args.attn)
+    groups = sp.init_sequence_parallel(args.sp or world, device_type=dev_type, inner_attention=args.attn)
     dev = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     shape = MODELS[args.model]
@@ -181,7 +187,10 @@ def run(args: argparse.Namespace) -> int:
             model = LlamaForCausalLM(cfg)
     finally:
         torch.set_default_dtype(prev)
-    sp.enable_sequence_parallel(model, groups, inner_attention=args.attn)
+    if groups.sp_size > 1:
+        sp.enable_sequence_parallel(model, groups, inner_attention=args.attn)
+    else:
+        model.config._attn_implementation = args.attn
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
@@ -249,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
                 "loss": round(loss, 4), "init_s": round(init_s, 1)}
         if args.optimizer == "superoffload" and getattr(opt, "last_step_stats", None) is not None:
             st = opt.last_step_stats
-            line["offload"] = {k: getattr(st, k) for k in ("verdict", "cpu_s", "wait_s", "grad_norm") if hasattr(st, k)}
+            line["offload"] = {k: getattr(st, k) for k in ("verdict", "cpu_s", "wait_s", "grad_norm", "speculative")
+                               if hasattr(st, k)}
         if i >= args.warmup:
             times.append(dt)
         lines.append(line)

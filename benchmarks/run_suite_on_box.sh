@@ -19,10 +19,8 @@
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
-STAGE=${STAGE:-/tmp/pkg}; rm -rf $STAGE; mkdir -p $STAGE
-cp -r hf_superoffload $STAGE/; cp -r triton_kernels $STAGE/hf_superoffload/triton_kernels; cp -r cpu_ext $STAGE/hf_superoffload/cpu_ext
+source benchmarks/_stage.sh
 DS_SITE=${DS_SITE:-/tmp/site}
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # DeepSpeed's JIT build refuses an nvcc whose CUDA version differs from torch's; the CPU Adam op does not care
 export DS_SKIP_CUDA_CHECK=${DS_SKIP_CUDA_CHECK:-1}
 # DeepSpeed's CPUAdam is built just in time and needs a CUDA toolchain (CUDA_HOME with nvcc and headers)
@@ -35,7 +33,7 @@ if [ -d .whl ] && ! PYTHONPATH=$DS_SITE python3 -c "import deepspeed" > /dev/nul
     .whl/*.whl .whl/deepspeed-0.19.8.tar.gz > "$OUT/ds_install.txt" 2>&1
   echo "deepspeed install rc=$? in $(( $(date +%s) - t )) s (log: ds_install.txt)"; tail -3 "$OUT/ds_install.txt"
 fi
-export PYTHONPATH=$STAGE:$DS_SITE${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PYTHONPATH:$DS_SITE
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   nproc; free -g | head -2; lscpu | grep -E "Model name|Flags" | cut -c1-2000

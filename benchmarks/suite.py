@@ -545,6 +545,8 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
         dev = torch.device(spec["device"])
         cuda = dev.type == "cuda"
         if cuda:
+            if dev.index is None:  # torch 2.11's set_device wants an index
+                dev = torch.device("cuda", 0)
             torch.cuda.set_device(dev)
             if spec.get("gpu_mem_cap_gib"):
                 total = torch.cuda.get_device_properties(dev).total_memory

@@ -33,19 +33,40 @@ def poison(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
+def inject_delay(where: str) -> None:
+    """Make one stage slow on the GPU (``torch.cuda._sleep``) so a missing stream wait shows up as wrong numbers."""
+    from hf_superoffload.runtime import engine as engine_mod
+
+    name = {"flatten": "flatten_grads_with_stats_", "scatter": "scatter_flat_"}[where]
+    real = getattr(engine_mod, name)
+
+    def slow(*a, **k):
+        torch.cuda._sleep(50_000_000)
+        return real(*a, **k)
+
+    setattr(engine_mod, name, slow)
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     kw = dict(a.split("=", 1) for a in sys.argv[3:])
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = kw.get("device", "cpu")
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = f"cuda:{torch.cuda.current_device()}"
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(kw.get("timeout", 60))))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(seconds=float(kw.get("timeout", 60))))
     rank = dist.get_rank() if world > 1 else 0
+    if "delay" in kw:
+        inject_delay(kw["delay"])
     torch.set_num_threads(1)
     steps, start = int(kw.get("steps", 30)), int(kw.get("start", 0))
     max_norm = float(kw.get("max_norm", 1.0))
     cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=int(kw.get("tail", 2)),
                              rollback=kw.get("rollback", "auto"), max_redo_rate=1.0, cpu_threads=1)
-    model = tiny_llama(seed=0)
+    model = tiny_llama(seed=0, device=device)
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_norm, config=cfg)
     if "load" in kw:
         opt.load_state_dict(torch.load(kw["load"].format(rank=rank), weights_only=False))
@@ -53,7 +74,7 @@ def main() -> None:
     data = batches(start + steps)
     losses = []
     for step in range(start, start + steps):
-        ids = data[step][rank * per : (rank + 1) * per]
+        ids = data[step][rank * per : (rank + 1) * per].to(device)
         hook = None
         if scenario == "nan" and step == int(kw.get("nan_step", 5)) and rank == world - 1:
             hook = next(model.parameters()).register_hook(poison)
@@ -74,7 +95,7 @@ def main() -> None:
     opt.synchronize()
     torch.save({"losses": losses, "grad_norm": opt.last_grad_norm, "skipped": opt.skipped_steps,
                 "clipped": opt.clipped_steps,
-                "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
                 "state": opt.state_dict()["superoffload"], "plan": opt.plan.summary()},
                out / f"result_rank{rank}.pt")
     opt.close()

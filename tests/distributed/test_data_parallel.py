@@ -22,16 +22,17 @@ WORKER = Path(__file__).with_name("_dp_worker.py")
 LR = 1e-3
 
 
-def reference(steps: int, *, max_norm: float = 1.0, nan_step: int | None = None):
+def reference(steps: int, *, max_norm: float = 1.0, nan_step: int | None = None, device: str = "cpu"):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_dp_worker", WORKER)
     w = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(w)
-    model = tiny_llama(seed=0)
+    model = tiny_llama(seed=0, device=device)
     ropt = ReferenceAdamW(model, max_grad_norm=max_norm, lr=LR, weight_decay=0.1)
     losses = []
     for step, ids in enumerate(w.batches(steps)):
+        ids = ids.to(device)
         hook = next(model.parameters()).register_hook(w.poison) if step == nan_step else None
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -72,7 +73,7 @@ def assert_matches_reference(res, ref_model, ropt, ref_losses, *, tight_steps: i
     merged = consolidate_state_dicts([r["state"] for r in res])
     ours = masters_by_name(ref_model, merged)
     names = {id(p): n for n, p in ref_model.named_parameters()}
-    worst = max((ours[names[id(p)]] - m.detach()).abs().max().item() for p, m in ropt.pairs)
+    worst = max((ours[names[id(p)]] - m.detach().cpu()).abs().max().item() for p, m in ropt.pairs)
     assert worst < 8 * LR, f"final masters differ from the reference by {worst}"
     for r in res[1:]:  # every replica holds the same weights, bit for bit
         for n, t in res[0]["params"].items():
@@ -138,3 +139,20 @@ def test_a_failing_rank_makes_every_rank_fail_fast(launcher, tmp_path):
     assert all(rc != 0 for rc in fin.returncodes), fin.outputs
     assert "injected failure" in fin.outputs[1]
     assert fin.seconds < 100, f"the ranks took {fin.seconds:.0f}s to fail"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("delay", [None, "flatten", "scatter"])
+def test_two_gpus_over_nccl_match_the_reference(launcher, tmp_path, delay):
+    """The CUDA path: reduce-scatter on the D2H stream's behalf, all-gather on the gather stream; delays injected
+    before the flatten (backward side) or the scatter (gather side) expose a missing stream wait."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    kw = {"device": "cuda", "steps": 20}
+    if delay:
+        kw["delay"] = delay
+    fin = run(launcher, tmp_path, "train", **kw)
+    assert fin.returncodes == [0, 0], "\n".join(fin.outputs)
+    res = results(tmp_path, 2)
+    ref_model, ropt, ref_losses = reference(20, device="cuda")
+    assert_matches_reference(res, ref_model, ropt, ref_losses)
