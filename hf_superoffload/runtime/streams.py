@@ -21,17 +21,20 @@ class StreamSet:
         d2h: gradients device -> host, overlapped with the rest of backward (``None`` on CPU).
         h2d: updated weights host -> device and their scatter into parameters, overlapped with
             the CPU Adam of other buckets and with the next forward (``None`` on CPU).
+        weights: weight flow's per-unit host -> device fetches (``runtime/weight_flow.py``), overlapped with the
+            compute of the previous unit (``None`` on CPU).
     """
 
     device: torch.device
     d2h: torch.cuda.Stream | None
     h2d: torch.cuda.Stream | None
+    weights: torch.cuda.Stream | None = None
 
     @classmethod
     def create(cls, device: torch.device) -> StreamSet:
         if device.type != "cuda":
             return cls(device, None, None)
-        return cls(device, torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return cls(device, torch.cuda.Stream(device), torch.cuda.Stream(device), torch.cuda.Stream(device))
 
     @property
     def is_cuda(self) -> bool:
