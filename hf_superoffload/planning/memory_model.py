@@ -384,6 +384,7 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
 def largest_model_that_fits(family_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
                             profile: HardwareProfile, host_bytes_per_param: int = 16,
                             bucket_bytes: int = 32 * 1024 * 1024, max_layers: int = 1024,
+                            weight_mode: Literal["stationary", "flow"] = "stationary",
                             ) -> tuple[int, MemoryEstimate] | None:
     """The most decoder layers of ``family_config``'s width that fit ``profile`` (``None``: not even one), with
     the estimate. Optimizer state stays on the host, less the smallest device tail that makes host RAM fit."""
@@ -396,7 +397,7 @@ def largest_model_that_fits(family_config: Any, *, batch_size: int, seq_len: int
         n = shape.with_layers(layers).numel
         tail = 0 if avail is None else min(n, max(0, math.ceil(n - (avail - RUNTIME_HOST_BYTES) / per)))
         plan_like = PlanLike(device_numel=tail, host_numel=n - tail, host_bytes_per_param=host_bytes_per_param,
-                             bucket_bytes=bucket_bytes)
+                             bucket_bytes=bucket_bytes, weight_mode=weight_mode)
         return estimate(shape.with_layers(layers), batch_size=batch_size, seq_len=seq_len, grad_ckpt=grad_ckpt,
                         plan_like=plan_like)
 
