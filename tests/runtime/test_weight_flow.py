@@ -248,7 +248,7 @@ def test_forward_between_backward_and_step_is_refused():
     opt.step()
 
 
-def test_eval_state_dict_and_close():
+def test_eval_state_dict_and_close(tmp_path):
     data = batches(6)
     model, opt, flow = run(FLOW, data, ckpt="non_reentrant")
     stationary_model, sopt, stationary = run(FLOW.replace(weight_placement="stationary"), data, ckpt="non_reentrant")
@@ -264,6 +264,17 @@ def test_eval_state_dict_and_close():
         assert torch.equal(sd[k], ref_sd[k]), k
     sub = model.model.layers[1].state_dict()
     assert torch.equal(sub["mlp.up_proj.weight"], ref_sd["model.layers.1.mlp.up_proj.weight"])
+    # save_pretrained goes through the state dict: the saved model is the trained one
+    from transformers import LlamaForCausalLM
+
+    model.save_pretrained(tmp_path / "flow")
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "flow", dtype=torch.bfloat16)
+    for (k, v), (k2, v2) in zip(loaded.named_parameters(), stationary_model.named_parameters(), strict=True):
+        assert k == k2 and torch.equal(v, v2), k
+    with opt.materialized():
+        for p, q in zip(model.parameters(), stationary_model.parameters(), strict=True):
+            assert torch.equal(p, q)
+    assert opt.engine._flow.stats.materialized_units == 0
     # close() hands back a model whose parameters hold their weights
     opt.close()
     for p, q in zip(model.parameters(), stationary_model.parameters(), strict=True):
@@ -411,3 +422,15 @@ def test_cuda_flow_parity_with_stationary_and_reference(ckpt, delay, monkeypatch
     st = opt.engine._flow.stats
     assert st.peak_units <= 2
     assert all(p.untyped_storage().nbytes() == 0 for u in opt.engine._flow.units for p in u.params)
+
+
+def test_optimizer_state_round_trip_refreshes_the_streamed_weights():
+    data = batches(7)
+    model, opt = build(FLOW, ckpt="non_reentrant")
+    train(model, opt, data[:4])
+    sd = opt.state_dict()
+    fresh, fopt = build(FLOW, ckpt="non_reentrant")  # initial weights: staging must be rewritten by the load
+    fopt.load_state_dict(sd)
+    for a, b in zip(weights(fresh, fopt), weights(model, opt), strict=True):
+        assert torch.equal(a, b)
+    assert train(fresh, fopt, data[4:]) == train(model, opt, data[4:])
