@@ -264,6 +264,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Block until every parameter on the device holds its final value for the last step."""
         self._engine.synchronize()
 
+    @contextmanager
+    def materialized(self) -> Iterator[None]:
+        """Inside the block every parameter holds its final weights on the device. Needed to read the weights
+        in weight-flow mode (docs/weight_flow.md), where they otherwise live on the host between uses."""
+        with self._engine.materialized():
+            yield
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_engine", None) is not None:
             raise ValueError("SuperOffloadOptimizer cannot add param groups after construction; build a new optimizer "

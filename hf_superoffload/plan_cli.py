@@ -24,6 +24,10 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
 * exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``; the remainder and the uploads beyond the next
   forward, ``max(0, max(rem, h2d_s) - W_f)`` plus one bucket's latency when ``rem > 0``; the device tail's
   AdamW, 28 B/param at ``device_memory_gbps``, runs after validation and is fully exposed.
+* weight flow: the streamed weights cross the link twice per step, 2 B/param before their forward and again
+  before their backward. ``h2d_s`` is then the forward's fetch (the step's uploads are gone: staging is the
+  weights' home), and the backward's fetch shares the backward window with the gradients' D2H, each at the
+  concurrent rate: ``max(0, max(d2h_s', fetch_s') - W_b)`` replaces the D2H term.
 * ``step_s = gpu_s + tail_s + exposed``. Redo steps (clipping fired) add ``cpu_s`` and are not counted.
 """
 
@@ -54,7 +58,7 @@ from .planning.memory_model import (
     largest_model_that_fits,
 )
 from .planning.plan import OffloadPlan, Placement
-from .planning.planner import PlanError, make_plan
+from .planning.planner import PlanError, Workload, make_plan
 
 __all__ = ["StepTime", "add_plan_parser", "arrival_numels", "load_model_config", "main", "main_plan",
            "predict_step_time"]
@@ -166,7 +170,12 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     latency = bucket / rate_eff + plan_like.bucket_bytes / (p.h2d_gbps * 1e9) if host else 0.0
     spec = min(cpu_s, max(0.0, w_b - latency))
     rem = cpu_s - spec
-    exposed = max(0.0, d2h_s - w_b) + max(0.0, max(rem, h2d_s) - w_f) + (latency if rem > 0 else 0.0)
+    backward_link = max(0.0, d2h_s - w_b)
+    if plan_like.weight_mode == "flow":
+        h2d_s = 2 * host / (p.h2d_gbps * 1e9)  # the forward's fetch
+        d2h_c, h2d_c = (p.d2h_concurrent_gbps or p.d2h_gbps) * 1e9, (p.h2d_concurrent_gbps or p.h2d_gbps) * 1e9
+        backward_link = max(0.0, max(e * host / d2h_c, 2 * host / h2d_c) - w_b)
+    exposed = backward_link + max(0.0, max(rem, h2d_s) - w_f) + (latency if rem > 0 else 0.0)
     tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
     return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed, gpu_s + tail_s + exposed,
                     spec / cpu_s if cpu_s > 0 else 1.0)
@@ -231,22 +240,24 @@ def main_plan(args: argparse.Namespace) -> int:
         print(f"hf-superoffload plan: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     run = dict(batch_size=args.batch_size, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
+    workload = Workload(shape, **run)
     notes: list[str] = []
     reasons: list[str] = []
     plan: OffloadPlan | None = None
     try:
-        plan = make_plan(numels, element_size=2, config=cfg, profile=profile)
+        plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload)
         plan_like = PlanLike.from_plan(plan)
         n_tail = _fit_tail(plan, estimate(shape, plan_like=plan_like, **run), profile)
         if n_tail is not None and cfg.gpu_resident_buckets == "auto":
             cfg = cfg.replace(gpu_resident_buckets=n_tail)
-            plan = make_plan(numels, element_size=2, config=cfg, profile=profile)
+            plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload)
             plan_like = PlanLike.from_plan(plan)
             notes.append(f"device tail reduced to {n_tail} bucket(s) to leave room for activations")
         host_est = estimate(shape, plan_like=plan_like, **run)
         over = profile.host_available_bytes is not None and host_est.host_peak_bytes > profile.host_available_bytes
         if over and cfg.rollback == "auto" and plan.rollback.value != "inverse":
-            plan = make_plan(numels, element_size=2, config=cfg.replace(rollback="inverse"), profile=profile)
+            plan = make_plan(numels, element_size=2, config=cfg.replace(rollback="inverse"), profile=profile,
+                             workload=workload)
             plan_like = PlanLike.from_plan(plan)
             notes.append("rollback: inverse, because the second state copy does not fit with the runtime's own RSS")
     except PlanError as e:  # show the numbers of the leanest plan: every state on the host, inverse rollback
@@ -268,7 +279,7 @@ def main_plan(args: argparse.Namespace) -> int:
     largest = None
     if profile.device_free_bytes is not None or profile.host_available_bytes is not None:
         largest = largest_model_that_fits(shape, profile=profile, host_bytes_per_param=plan_like.host_bytes_per_param,
-                                          max_layers=MAX_LAYERS, **run)
+                                          max_layers=MAX_LAYERS, weight_mode=plan_like.weight_mode, **run)
     out = {
         "fits": reason is None, "reason": reason,
         "model": {"source": args.model, "numel": sum(numels), **dataclasses.asdict(shape)},

@@ -41,8 +41,8 @@ case                                                              measured  pred
 
 Host: 12 B/param fp32 p/m/v, 4 B/param pinned landing + staging, 12 B/param for the rollback's second copy
 (a double buffer writes all of it every step; the older snapshot rollback only for speculated buckets:
-``PlanLike.speculated_fraction``), 2 B/param pinned bf16 weights in weight-flow mode, 1.7 GB runtime (the
-GPU-only run's RSS) and 1.36 B per host parameter (fitted to the inverse run; not attributed). The snapshot
+``PlanLike.speculated_fraction``), nothing more in weight-flow mode (the staging arena is the weights' home),
+1.7 GB runtime (the GPU-only run's RSS) and 1.36 B per host parameter (fitted to the inverse run; not attributed). The snapshot
 row was measured with the snapshot engine, its fraction 0.89 comes from the step-time roofline
 (``plan_cli``); with every page written it predicts 107.6 GB (+13%), which is what fit checks use.
 The allocator's slack (fragmentation, workspaces, the process's CUDA context) is assumed: 5% + 1 GiB.
@@ -250,10 +250,17 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
     n, tokens, h = s.numel, batch_size * seq_len, s.hidden_size
     autocast, flow = p.optimizer == "gpu_adamw", p.weight_mode == "flow" and p.optimizer == "superoffload"
     notes: list[str] = []
-    resident = {"weights": 2 * (s.non_layer_numel + min(FLOW_RESIDENT_LAYERS, s.num_layers) * s.layer_numel)
-                if flow else (4 if autocast else 2) * n}
     if flow:
-        notes.append(f"weight-flow: {FLOW_RESIDENT_LAYERS} layers' bf16 weights resident (modelled, not calibrated)")
+        # runtime/weight_flow.py: the unit in use and the one prefetched. The largest pair is two layers, or the
+        # LM head (or, tied, the shared embedding, resident from the LM head's backward to the embedding's)
+        # with a layer; the device tail's weights stay resident.
+        streamed = min(FLOW_RESIDENT_LAYERS, s.num_layers) * s.layer_numel
+        streamed = max(streamed, s.embedding_numel + (s.layer_numel if s.num_layers else 0))
+        resident = {"weights": 2 * (min(streamed, n) + p.device_numel)}
+        notes.append(f"weight-flow: {2 * streamed / GiB:.2f} GiB of streamed bf16 weights resident at most "
+                     "(modelled, not calibrated)")
+    else:
+        resident = {"weights": (4 if autocast else 2) * n}
     if p.optimizer != "none":
         resident["optimizer_state"] = 8 * n if autocast else 12 * p.device_numel
     else:  # the fwd+bwd probe's gradients persist
@@ -287,8 +294,6 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             host["rollback_copy"] = 12 * p.host_numel
             untouched = int(12 * p.host_numel * (1.0 - p.speculated_fraction))
         host["engine_overhead"] = int(ENGINE_HOST_BYTES_PER_PARAM * p.host_numel)
-    if flow:
-        host["pinned_bf16_weights"] = 2 * n
 
     return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {"loss": loss, "backward": backward, "step": step},
                           host, untouched, tuple(notes))
@@ -359,7 +364,7 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
         if p.optimizer == "superoffload" and p.weight_mode == "stationary":
             flow = _again(est, plan_like=dataclasses.replace(p, weight_mode="flow"))
             out.append(f"  - weight_placement='flow' would free {(est.gpu_peak_bytes - flow.gpu_peak_bytes) / GiB:.1f} "
-                       "GiB of resident weights (not available yet)")
+                       f"GiB of resident weights ({'fits' if gpu_ok(flow) else 'does not fit'})")
         out.append("  - more GPUs: data parallel splits the batch, sequence parallel (Ulysses) the activations")
     if host_over:
         out.append(f"host: needs {est.host_peak_bytes / GiB:.1f} GiB ({_items(est.host)}) but "
@@ -379,6 +384,7 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
 def largest_model_that_fits(family_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
                             profile: HardwareProfile, host_bytes_per_param: int = 16,
                             bucket_bytes: int = 32 * 1024 * 1024, max_layers: int = 1024,
+                            weight_mode: Literal["stationary", "flow"] = "stationary",
                             ) -> tuple[int, MemoryEstimate] | None:
     """The most decoder layers of ``family_config``'s width that fit ``profile`` (``None``: not even one), with
     the estimate. Optimizer state stays on the host, less the smallest device tail that makes host RAM fit."""
@@ -391,7 +397,7 @@ def largest_model_that_fits(family_config: Any, *, batch_size: int, seq_len: int
         n = shape.with_layers(layers).numel
         tail = 0 if avail is None else min(n, max(0, math.ceil(n - (avail - RUNTIME_HOST_BYTES) / per)))
         plan_like = PlanLike(device_numel=tail, host_numel=n - tail, host_bytes_per_param=host_bytes_per_param,
-                             bucket_bytes=bucket_bytes)
+                             bucket_bytes=bucket_bytes, weight_mode=weight_mode)
         return estimate(shape.with_layers(layers), batch_size=batch_size, seq_len=seq_len, grad_ckpt=grad_ckpt,
                         plan_like=plan_like)
 

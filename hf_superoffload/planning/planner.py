@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
 from .plan import BucketSpec, CastSide, OffloadPlan, Placement, Rollback, WeightMode
 
-__all__ = ["PlanError", "make_plan", "partition_buckets", "split_cores"]
+__all__ = ["PlanError", "Workload", "make_plan", "partition_buckets", "split_cores"]
 
 # Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
 _HOST_HEADROOM_BYTES = 4 * 1024**3
@@ -20,6 +22,26 @@ _MIN_BUCKETS = 8
 
 class PlanError(ValueError):
     """The requested run cannot fit; the message gives the numbers and what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """What a training step looks like, when known (``hf-superoffload plan``): lets ``weight_placement="auto"``
+    weigh activations against resident weights with the memory model.
+
+    Attributes:
+        model: a transformers config, a dict of its fields, a preset name or a ``ModelShape``.
+    """
+
+    model: Any
+    batch_size: int
+    seq_len: int
+    grad_ckpt: bool
+
+
+# Without a workload, "auto" streams the weights when their bf16 copy alone would take more than this share of
+# the free device memory: the rest is what activations, logits and in-flight buckets get.
+_FLOW_WEIGHT_SHARE = 0.5
 
 
 def partition_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
@@ -101,6 +123,44 @@ def split_cores(cores: Sequence[int], local_rank: int, local_world_size: int) ->
     return tuple(cores[local_rank * per : (local_rank + 1) * per])
 
 
+def _weight_mode(numels: Sequence[int], bucket_bytes: int, config: SuperOffloadConfig, profile: HardwareProfile,
+                 workload: Workload | None) -> tuple[WeightMode, str]:
+    """Stationary bf16 weights when they fit beside the activations, else weight flow (docs/weight_flow.md)."""
+    if config.weight_placement == "stationary":
+        return WeightMode.STATIONARY, "weights: stationary on the device (configured)"
+    if config.weight_placement == "flow":
+        return WeightMode.FLOW, "weights: flow, streamed from host staging per layer (configured)"
+    free = profile.device_free_bytes
+    gib = 1024**3
+    if config.cast_side == "gpu":
+        return WeightMode.STATIONARY, "weights: stationary (auto: cast_side='gpu' keeps no bf16 staging to stream)"
+    if free is None:
+        return WeightMode.STATIONARY, "weights: stationary (auto: device memory unknown)"
+    total = sum(numels)
+    if workload is None:
+        weights = 2 * total
+        if weights > _FLOW_WEIGHT_SHARE * free:
+            return WeightMode.FLOW, (f"weights: flow (auto: bf16 weights {weights / gib:.1f} GiB exceed "
+                                     f"{_FLOW_WEIGHT_SHARE:.0%} of {free / gib:.1f} GiB free device memory)")
+        return WeightMode.STATIONARY, (f"weights: stationary (auto: bf16 weights {weights / gib:.1f} GiB within "
+                                       f"{_FLOW_WEIGHT_SHARE:.0%} of {free / gib:.1f} GiB free device memory)")
+    from .memory_model import PlanLike, estimate  # the memory model imports plan types: import it lazily
+
+    def need(mode: str) -> int:
+        plan_like = PlanLike(host_numel=total, weight_mode=mode, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
+        return estimate(workload.model, batch_size=workload.batch_size, seq_len=workload.seq_len,
+                        grad_ckpt=workload.grad_ckpt, plan_like=plan_like).gpu_required_bytes
+
+    stationary = need("stationary")
+    if stationary <= free:
+        return WeightMode.STATIONARY, (f"weights: stationary (auto: predicted {stationary / gib:.1f} GiB with no "
+                                       f"device tail, {free / gib:.1f} GiB free)")
+    flow = need("flow")
+    return WeightMode.FLOW, (f"weights: flow (auto: stationary weights need {stationary / gib:.1f} GiB, "
+                             f"{free / gib:.1f} GiB free; flow needs {flow / gib:.1f} GiB"
+                             f"{'' if flow <= free else ', which does not fit either'})")
+
+
 def make_plan(
     numels: Sequence[int],
     *,
@@ -112,6 +172,7 @@ def make_plan(
     local_world_size: int = 1,
     local_rank: int = 0,
     cores: Sequence[int] | None = None,
+    workload: Workload | None = None,
 ) -> OffloadPlan:
     """Plan buckets, their placement and the runtime policies.
 
@@ -122,6 +183,8 @@ def make_plan(
             rank owns shard ``rank`` ([Note: data parallel sharding]).
         local_world_size, local_rank: ranks sharing this host: they split its RAM and its cores.
         cores: the cores this process may use (default: its affinity mask), split between the local ranks.
+        workload: the model shape, batch and sequence length, when known (``weight_placement="auto"`` then
+            uses the memory model; without it, the weights' share of free device memory).
     """
     if not (world_size >= 1 and 0 <= rank < world_size and 1 <= local_world_size <= world_size
             and 0 <= local_rank < local_world_size):
@@ -130,8 +193,25 @@ def make_plan(
     bucket_numel = max(1, int(config.bucket_size_mb * 1024 * 1024 / element_size))
     bucket_numel = min(bucket_numel, max(1, -(-sum(numels) // _MIN_BUCKETS)))
     groups = partition_buckets(numels, bucket_numel)
-    n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
-    notes = [tail_note]
+    largest = max((sum(numels[i] for i in g) for g in groups), default=0) * element_size
+    weight_mode, weight_note = _weight_mode(numels, largest, config, profile, workload)
+    if weight_mode is WeightMode.FLOW and world_size > 1:
+        if config.weight_placement == "flow":
+            raise PlanError("weight_placement='flow' with data parallelism is not supported yet: use "
+                            "weight_placement='stationary' (or 'auto'), or train with one process")
+        weight_mode = WeightMode.STATIONARY
+        weight_note += "; data parallelism keeps them stationary (flow is single-process for now)"
+    if weight_mode is WeightMode.FLOW and config.cast_side == "gpu":
+        raise PlanError("weight_placement='flow' streams the bf16 weights from the host staging arena, which "
+                        "exists with cast_side='cpu': set cast_side='cpu' or 'auto'")
+    if weight_mode is WeightMode.FLOW and config.gpu_resident_buckets == "auto":
+        # device memory is what weight flow saves: do not spend it on optimizer state
+        n_tail, tail_note = 0, "device tail: none (auto: weight flow leaves device memory to activations)"
+    else:
+        n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
+        if weight_mode is WeightMode.FLOW and n_tail:
+            tail_note += "; their bf16 weights stay on the device"
+    notes = [tail_note, weight_note]
 
     buckets: list[BucketSpec] = []
     offsets = {Placement.HOST: 0, Placement.DEVICE: 0}
@@ -154,11 +234,11 @@ def make_plan(
         notes.append(f"{local_world_size} ranks share this host: {len(affinity)} cores and 1/{local_world_size} of its "
                      f"RAM each; CPU Adam uses {threads} threads")
 
-    cast_side, why = _cast_side(config, profile)
+    if weight_mode is WeightMode.FLOW:
+        cast_side, why = CastSide.CPU, "casts fused into the CPU Adam; bf16 crosses the link (weight flow needs it)"
+    else:
+        cast_side, why = _cast_side(config, profile)
     notes.append(why)
-
-    if config.weight_placement == "flow":
-        raise PlanError("weight_placement='flow' is not available yet; use 'stationary' or 'auto'")
 
     avail = profile.host_available_bytes
     if avail is not None and local_world_size > 1:
@@ -190,7 +270,7 @@ def make_plan(
 
     return OffloadPlan(
         buckets=tuple(buckets),
-        weight_mode=WeightMode.STATIONARY,
+        weight_mode=weight_mode,
         cast_side=cast_side,
         rollback=rollback,
         speculation=config.speculation,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..planning.plan import CastSide, OffloadPlan, Placement, Rollback
+from ..planning.plan import CastSide, OffloadPlan, Placement, Rollback, WeightMode
 from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
 from .bucket import BucketState, DeviceBucket, HostBucket
 from .collectives import ShardGroup
@@ -41,6 +41,7 @@ from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
 from .streams import Handoff, StreamSet
 from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
+from .weight_flow import WeightStreamer
 
 __all__ = ["OffloadEngine", "StepStats"]
 
@@ -180,6 +181,9 @@ class OffloadEngine:
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), self.plan.cpu_threads)
         self._build_buckets()
         self._install_hooks(modules)
+        self._flow: WeightStreamer | None = None
+        if self.plan.weight_mode is WeightMode.FLOW:
+            self._flow = self._build_streamer(modules)
         self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity)
         # data parallel: one thread issues the all-gathers, in need order, so every rank issues them alike
         self._gatherer = (CpuWorker(device=self.device, on_error=self._wake_all, name="superoffload-gather")
@@ -296,6 +300,59 @@ class OffloadEngine:
                     self.wait_bucket(b)
 
         return pre_forward
+
+    # ------------------------------------------------------------------------------------------------
+    # weight flow (WeightMode.FLOW only)
+    def _build_streamer(self, modules: Sequence[torch.nn.Module]) -> WeightStreamer:
+        if not self._cast_on_cpu:
+            raise ValueError("weight flow streams the bf16 staging arena: it needs CastSide.CPU (the planner "
+                             "ensures it; build the plan with make_plan)")
+        sources: dict[int, tuple[torch.nn.Parameter, torch.Tensor, HostBucket]] = {}
+        for b in self.host_buckets:
+            assert b.staging is not None
+            offset = 0
+            for p, n in zip(b.params, b.sizes):
+                sources[id(p)] = (p, b.staging[offset : offset + n], b)
+                offset += n
+
+        def on_h2d(nbytes: int) -> None:
+            with self._lock:
+                self._acc.h2d_bytes += nbytes
+
+        return WeightStreamer(root=modules[0], sources=sources, staging_final=self._staging_final,
+                              stream=self.streams.weights, on_h2d=on_h2d, synchronize=self.synchronize)
+
+    def _staging_final(self, b: HostBucket, block: bool) -> bool:
+        """Whether ``b``'s staging holds its final weights for the current step (weight flow reads them there).
+
+        A bucket is flushed (and may then be stepped speculatively, overwriting staging) only after every one
+        of its parameters got its gradient, i.e. after their last use in this step's backward. A forward in
+        the window between that and ``step()`` would read a half-updated step: it is refused.
+        """
+        if b.state in (BucketState.IDLE, BucketState.UPLOADED) and b.ready.is_set():
+            return True
+        ctx = self._ctx
+        if ctx is not None and ctx.verdict is None:
+            raise RuntimeError(
+                f"weight flow: {b.describe()} is needed between backward() and optimizer.step(), after its "
+                "gradients were offloaded; its host weights are being updated. Call optimizer.step() before the "
+                "next forward (for gradient accumulation run the non-final micro-batches inside "
+                "`with optimizer.no_sync():`)."
+            )
+        if not block:
+            return False
+        self.wait_bucket(b, for_stream=False)
+        return True
+
+    @contextmanager
+    def materialized(self) -> Iterator[None]:
+        """Inside the block every parameter holds its final weights on the device (all modes)."""
+        self.synchronize()
+        if self._flow is None:
+            yield
+            return
+        with self._flow.materialized():
+            yield
 
     # ------------------------------------------------------------------------------------------------
     # gradient accumulation boundary
@@ -538,6 +595,10 @@ class OffloadEngine:
             self._acc.cpu_s += time.perf_counter() - t0
 
     def _upload(self, b: HostBucket, copy: int) -> None:
+        if self._flow is not None:  # weight flow: staging is the weights' home, the streamer fetches from it
+            with self._lock:
+                b.to_uploaded(None)
+            return
         s = self.streams
         source = b.staging if b.staging is not None else b.pmv[copy][0]  # GPU cast: the fp32 master itself
         if self.comm is not None:
@@ -837,6 +898,11 @@ class OffloadEngine:
                     self._gatherer.drain(self.timeout_s)
         finally:
             self._closed = True
+            if self._flow is not None:  # the model keeps its final weights on the device
+                try:
+                    self._flow.close(materialize=self.consistent and not self._worker.failed)
+                except BaseException:
+                    logger.exception("hf_superoffload: could not bring the streamed weights back to the device")
             for p in self.params:
                 if _ENGINE_OF_PARAM.get(id(p)) is self:
                     del _ENGINE_OF_PARAM[id(p)]
@@ -896,13 +962,15 @@ class OffloadEngine:
                 master = self._master(b)
                 if isinstance(b, HostBucket) and b.staging is not None:
                     b.staging.copy_(master)
-                if self.comm is None:
+                if self.comm is not None:
+                    shard = master.to(device=self.device, dtype=self.dtype)
+                    full = torch.empty(b.spec.shard * self.comm.world_size, dtype=self.dtype, device=self.device)
+                    self.comm.all_gather(full, shard)
+                    scatter_flat_(full[: b.spec.numel], b.params)
+                elif self._flow is None or isinstance(b, DeviceBucket):  # weight flow: staging is their home
                     scatter_flat_(master, b.params)
-                    continue
-                shard = master.to(device=self.device, dtype=self.dtype)
-                full = torch.empty(b.spec.shard * self.comm.world_size, dtype=self.dtype, device=self.device)
-                self.comm.all_gather(full, shard)
-                scatter_flat_(full[: b.spec.numel], b.params)
+            if self._flow is not None:
+                self._flow.release_all()  # the next use fetches the new staging
         if self.streams.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
 

@@ -23,18 +23,21 @@ class StreamSet:
             the CPU Adam of other buckets and with the next forward (``None`` on CPU).
         gather: data parallel: the all-gather of every rank's updated shard and its scatter into the
             parameters, overlapped with the next forward (``None`` on CPU).
+        weights: weight flow's per-unit host -> device fetches (``runtime/weight_flow.py``), overlapped with the
+            compute of the previous unit (``None`` on CPU).
     """
 
     device: torch.device
     d2h: torch.cuda.Stream | None
     h2d: torch.cuda.Stream | None
     gather: torch.cuda.Stream | None = None
+    weights: torch.cuda.Stream | None = None
 
     @classmethod
     def create(cls, device: torch.device) -> StreamSet:
         if device.type != "cuda":
-            return cls(device, None, None, None)
-        return cls(device, torch.cuda.Stream(device), torch.cuda.Stream(device), torch.cuda.Stream(device))
+            return cls(device, None, None, None, None)
+        return cls(device, *(torch.cuda.Stream(device) for _ in range(4)))
 
     @property
     def is_cuda(self) -> bool:

@@ -96,10 +96,20 @@ def test_gh200_and_a_workstation_card_get_different_plans(capsys):
 
 def test_profile_from_a_json_file_and_presets(capsys, tmp_path):
     path = tmp_path / "box.json"
-    dataclasses.replace(HardwareProfile.h200_pcie(), device_free_bytes=10 * 1024**3).save(path)
+    dataclasses.replace(HardwareProfile.h200_pcie(), device_free_bytes=6 * 1024**3).save(path)
     rc, data = plan_json(capsys, "--model", "1b", "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt",
                          "--profile", str(path))
     assert rc == EXIT_DOES_NOT_FIT and data["model"]["hidden_size"] == 2048
+
+
+def test_weight_flow_makes_it_fit_when_stationary_weights_do_not(capsys):
+    # 1B at 8 x 2048: ~10.3 GiB with stationary weights, ~8.7 GiB streaming them (docs/weight_flow.md)
+    args = ("--model", "1b", "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt", "--profile", "h200")
+    rc, data = plan_json(capsys, *args, "--gpu-mem", "10")
+    assert rc == EXIT_FITS and data["plan"]["weight_mode"] == "flow"
+    assert data["plan"]["device_numel"] == 0 and data["memory_gib"]["gpu"]["weights"] < 0.5
+    rc, data = plan_json(capsys, *args, "--gpu-mem", "40")
+    assert rc == EXIT_FITS and data["plan"]["weight_mode"] == "stationary"
 
 
 def test_measured_profile_on_a_cpu_machine(capsys, tmp_path, monkeypatch):

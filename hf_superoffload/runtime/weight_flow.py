@@ -1,0 +1,433 @@
+"""Weight flow: the bf16 weights live on the host and visit the device one unit at a time.
+
+[Note: weight flow] in docs/weight_flow.md. In ``WeightMode.FLOW`` the home of a host bucket's bf16 weights is
+its pinned ``staging`` slice (the CPU Adam writes the new weights there in the same pass). A *unit* is a
+transformer block (a child of an ``nn.ModuleList``) or, outside the blocks, the parameters a module owns
+directly (embeddings, final norm, LM head). Each parameter keeps its own storage; a released unit's
+parameters keep their shape, dtype and device but their storage is resized to 0 bytes, so every tensor that
+aliases a parameter (the weight views autograd saves for backward) sees the data again as soon as the unit is
+materialized into the same storage (the technique of FSDP's unsharded parameters).
+
+When what happens (``WeightUnit.state``: RELEASED <-> MATERIALIZED):
+
+* forward pre-hook of a unit's module: wait until its buckets' staging is final, allocate, copy host -> device
+  on the ``weights`` stream, make the compute stream wait on the copy's event; prefetch the next unit of
+  the recorded forward order if its staging is already final (never blocks before this unit's kernels are
+  queued).
+* forward post-hook: release (also with grad enabled: saved weights alias the released storage and are
+  refilled before backward), hook the outputs' gradients (pre-backward), prefetch the next unit (may block on
+  the CPU Adam: this unit's kernels are queued by then).
+* pre-backward (the first gradient of the unit's outputs; under gradient checkpointing this precedes the
+  recompute): materialize again, prefetch the previous unit of the forward order.
+* post-accumulate-grad of the unit's last parameter: release. The end of every backward releases whatever is
+  left (parameters that got no gradient).
+
+A recompute that runs the module's hooks (``torch.utils.checkpoint`` around ``module.__call__``) finds the
+unit materialized by its pre-backward hook and leaves it so: the backward that follows needs it.
+
+Device memory: the unit in use plus the one prefetched; with tied input/output embeddings the shared unit
+stays resident from the LM head's backward to the embedding's. Host-to-device traffic: twice the weights per
+step (forward and backward), with or without checkpointing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["FlowStats", "UnitState", "WeightStreamer", "WeightUnit"]
+
+logger = logging.getLogger("hf_superoffload")
+
+
+class UnitState(enum.Enum):
+    RELEASED = "released"
+    """Parameters' storages are 0 bytes; the weights exist only in host staging."""
+    MATERIALIZED = "materialized"
+    """Storages allocated and filled (or being filled: the copy's ``event``) from staging."""
+
+
+@dataclass(eq=False, repr=False)
+class WeightUnit:
+    """Parameters that visit the device together.
+
+    Attributes:
+        sources: per parameter, its flat bf16 slice of host staging (the weights' home).
+        buckets: host buckets whose staging the unit reads (each must be final before a fetch).
+        event: recorded on the weights stream after the copy (``None`` on CPU); consumers wait on it.
+        active: forwards of the unit's modules in progress (nested uses of a shared unit).
+        grads: parameters whose gradient was accumulated in the current backward.
+    """
+
+    index: int
+    name: str
+    params: list[torch.nn.Parameter]
+    sources: list[torch.Tensor]
+    buckets: list[Any]
+    nbytes: int
+    state: UnitState = UnitState.MATERIALIZED
+    event: Any = None
+    active: int = 0
+    grads: set[int] = field(default_factory=set)
+
+    def __repr__(self) -> str:  # never print the parameters: a released one has no data to show
+        return f"WeightUnit({self.index}, {self.name!r}, {len(self.params)} params, {self.nbytes} B, {self.state.name})"
+
+
+@dataclass(eq=False, repr=False)
+class _Site:
+    """A module whose forward needs ``units`` (a block, or a module outside the blocks owning parameters)."""
+
+    index: int
+    name: str
+    module: torch.nn.Module
+    units: list[WeightUnit]
+    last_pos: int = -1
+
+
+@dataclass
+class FlowStats:
+    """Observable residency and traffic of the streamer (bytes of weights on the device, not the allocator's)."""
+
+    fetches: int = 0
+    h2d_bytes: int = 0
+    materialized_bytes: int = 0
+    materialized_units: int = 0
+    peak_bytes: int = 0
+    peak_units: int = 0
+
+    def reset_peak(self) -> None:
+        self.peak_bytes, self.peak_units = self.materialized_bytes, self.materialized_units
+
+
+def _in_backward() -> bool:
+    """True inside an autograd graph task (a recompute under checkpointing runs there)."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # pragma: no cover - very old torch
+        return False
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
+class WeightStreamer:
+    """Executes weight flow for the host-bucket parameters of one model (see the module docstring).
+
+    Args:
+        root: the model (its forward marks the start and end of a pass, for the recorded order).
+        sources: ``id(param) -> (param, flat staging view, bucket)`` for every parameter to stream.
+        staging_final: ``(bucket, block) -> bool``: whether the bucket's staging holds the final weights for
+            the current step; with ``block`` it waits for them (and raises where they cannot become final).
+        stream: the copy stream (``StreamSet.weights``), ``None`` on CPU.
+        on_h2d: called with the bytes of each fetch (engine telemetry).
+        synchronize: makes every bucket final (used before reading staging for a state dict).
+    """
+
+    def __init__(
+        self,
+        *,
+        root: torch.nn.Module,
+        sources: dict[int, tuple[torch.nn.Parameter, torch.Tensor, Any]],
+        staging_final: Callable[[Any, bool], bool],
+        stream: torch.cuda.Stream | None,
+        on_h2d: Callable[[int], None],
+        synchronize: Callable[[], None],
+    ) -> None:
+        self._staging_final = staging_final
+        self._stream = stream
+        self._on_h2d = on_h2d
+        self._synchronize = synchronize
+        self.stats = FlowStats()
+        self._pinned = 0
+        self._closed = False
+        self._cursor = 0
+        self._trace: list[int] = []
+        self._order: list[int] | None = None
+        self._callback_queued = False
+        self._handles: list[Any] = []
+        self._normalize_storages([p for p, _, _ in sources.values()])
+        self.units, self._sites = self._build_units(root, sources)
+        self._unit_of: dict[int, WeightUnit] = {id(p): u for u in self.units for p in u.params}
+        self._install_hooks(root)
+        self.stats.materialized_bytes = sum(u.nbytes for u in self.units)  # they start on the device
+        self.stats.materialized_units = len(self.units)
+        for u in self.units:
+            self._release(u)
+        self.stats.reset_peak()
+
+    # ------------------------------------------------------------------------------------------------
+    # construction
+    @staticmethod
+    def _normalize_storages(params: Sequence[torch.nn.Parameter]) -> None:
+        """Every streamed parameter must own exactly its storage (resizing it must touch nothing else)."""
+        seen: set[int] = set()
+        for p in params:
+            st = p.untyped_storage()
+            own = (p.is_contiguous() and p.storage_offset() == 0 and st.nbytes() == p.numel() * p.element_size()
+                   and st.resizable() and st.data_ptr() not in seen)
+            if not own:
+                with torch.no_grad():
+                    p.data = p.data.clone(memory_format=torch.contiguous_format)
+            seen.add(p.untyped_storage().data_ptr())
+
+    def _build_units(self, root: torch.nn.Module, sources: dict[int, tuple[torch.nn.Parameter, torch.Tensor, Any]],
+                     ) -> tuple[list[WeightUnit], list[_Site]]:
+        units: list[WeightUnit] = []
+        unit_of: dict[int, WeightUnit] = {}
+
+        def new_unit(name: str, params: list[torch.nn.Parameter]) -> None:
+            srcs = [sources[id(p)][1] for p in params]
+            buckets = list({id(b): b for b in (sources[id(p)][2] for p in params)}.values())
+            u = WeightUnit(len(units), name, params, srcs, buckets, sum(p.numel() * p.element_size() for p in params))
+            units.append(u)
+            for p in params:
+                unit_of[id(p)] = u
+
+        blocks: list[tuple[str, torch.nn.Module]] = []
+        inside: set[int] = set()  # modules inside a block (hooked through the block)
+        for name, m in root.named_modules():
+            if isinstance(m, torch.nn.ModuleList) and id(m) not in inside:
+                for k, child in enumerate(m):
+                    ps = [p for p in child.parameters() if id(p) in sources and id(p) not in unit_of]
+                    if not ps:
+                        continue
+                    new_unit(f"{name}.{k}", ps)
+                    blocks.append((f"{name}.{k}", child))
+                    inside.update(id(x) for x in child.modules())
+        leaves: list[tuple[str, torch.nn.Module]] = []
+        for name, m in root.named_modules(remove_duplicate=False):
+            if id(m) in inside:
+                continue
+            direct = [p for p in m._parameters.values() if p is not None and id(p) in sources]
+            if not direct:
+                continue
+            fresh = [p for p in direct if id(p) not in unit_of]
+            if fresh:
+                new_unit(name or "<root>", fresh)
+            leaves.append((name or "<root>", m))
+        sites: list[_Site] = []
+        for name, m in blocks:
+            us = list({id(u): u for u in (unit_of[id(p)] for p in m.parameters() if id(p) in unit_of)}.values())
+            sites.append(_Site(len(sites), name, m, us))
+        seen_modules: set[int] = set()
+        for name, m in leaves:
+            if id(m) in seen_modules:
+                continue
+            seen_modules.add(id(m))
+            us = list({id(u): u for u in (unit_of[id(p)] for p in m._parameters.values()
+                                           if p is not None and id(p) in unit_of)}.values())
+            sites.append(_Site(len(sites), name, m, us))
+        return units, sites
+
+    def _install_hooks(self, root: torch.nn.Module) -> None:
+        h = self._handles
+        h.append(root.register_forward_pre_hook(self._root_pre_forward))
+        h.append(root.register_forward_hook(self._root_post_forward))
+        for site in self._sites:
+            h.append(site.module.register_forward_pre_hook(lambda m, a, site=site: self._pre_forward(site)))
+            h.append(site.module.register_forward_hook(lambda m, a, out, site=site: self._post_forward(site, out)))
+        for m in root.modules():
+            if any(p is not None and id(p) in self._unit_of for p in m._parameters.values()):
+                h.append(m.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)))
+        for u in self.units:
+            for p in u.params:
+                h.append(p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p)))
+
+    # ------------------------------------------------------------------------------------------------
+    # mechanism
+    def _current(self) -> Any:
+        return None if self._stream is None else torch.cuda.current_stream(self._stream.device)
+
+    def _fetch(self, u: WeightUnit, *, block: bool) -> bool:
+        """Materialize ``u`` (no-op when it is). False when ``block`` is off and its staging is not final yet."""
+        if u.state is UnitState.MATERIALIZED:
+            return True
+        for b in u.buckets:
+            if not self._staging_final(b, block):
+                return False
+        with torch.profiler.record_function("superoffload::weight_fetch"):
+            for p in u.params:  # allocated on the compute stream: freed memory is reused in its order
+                p.untyped_storage().resize_(p.numel() * p.element_size())
+            if self._stream is None:
+                for p, src in zip(u.params, u.sources):
+                    p.data.copy_(src.view(p.shape))  # .data: a new version counter, saved tensors stay valid
+                u.event = None
+            else:
+                self._stream.wait_stream(self._current())
+                with torch.cuda.stream(self._stream):
+                    for p, src in zip(u.params, u.sources):
+                        p.data.copy_(src.view(p.shape), non_blocking=True)
+                    u.event = torch.cuda.Event()
+                    u.event.record(self._stream)
+        u.state = UnitState.MATERIALIZED
+        s = self.stats
+        s.fetches += 1
+        s.h2d_bytes += u.nbytes
+        s.materialized_bytes += u.nbytes
+        s.materialized_units += 1
+        s.peak_bytes = max(s.peak_bytes, s.materialized_bytes)
+        s.peak_units = max(s.peak_units, s.materialized_units)
+        self._on_h2d(u.nbytes)
+        return True
+
+    def _use(self, u: WeightUnit) -> None:
+        """Order the current stream after ``u``'s copy."""
+        if u.event is not None:
+            self._current().wait_event(u.event)
+
+    def _release(self, u: WeightUnit) -> None:
+        if u.state is UnitState.RELEASED or u.active or self._pinned or self._closed:
+            return
+        self._use(u)  # the storage returns to the compute stream's pool: after the copy into it is done
+        u.event = None
+        for p in u.params:
+            p.untyped_storage().resize_(0)
+        u.state = UnitState.RELEASED
+        u.grads.clear()
+        self.stats.materialized_bytes -= u.nbytes
+        self.stats.materialized_units -= 1
+
+    def release_all(self) -> None:
+        """Release every unit not in use (e.g. after staging was rewritten by loading a state)."""
+        for u in self.units:
+            self._release(u)
+
+    def _prefetch(self, pos: int, *, block: bool) -> None:
+        order = self._order
+        if order is None or not 0 <= pos < len(order):
+            return
+        for u in self._sites[order[pos]].units:
+            self._fetch(u, block=block)
+
+    # ------------------------------------------------------------------------------------------------
+    # hooks
+    def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if _in_backward():
+            return
+        for u in self.units:
+            u.active = 0  # a forward that raised never ran its post-forward hooks
+        self.release_all()  # left over by an interrupted pass: never carry weights across a step
+        self._cursor, self._trace = 0, []
+
+    def _root_post_forward(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if not _in_backward() and self._trace and self._trace != self._order:
+            self._order = list(self._trace)
+
+    def _matches(self, site: _Site, pos: int) -> bool:
+        order = self._order
+        return order is not None and pos < len(order) and order[pos] == site.index
+
+    def _pre_forward(self, site: _Site) -> None:
+        if self._closed:
+            return
+        if _in_backward():
+            # a recompute: the pre-backward hook materialized the unit already. Not counted as active: torch's
+            # non-reentrant checkpoint stops the recompute early, without running the post-forward hook.
+            for u in site.units:
+                self._fetch(u, block=True)
+                self._use(u)
+            return
+        pos = self._cursor
+        self._cursor += 1
+        self._trace.append(site.index)
+        site.last_pos = pos
+        for u in site.units:
+            u.active += 1
+            self._fetch(u, block=True)
+            self._use(u)
+        if self._matches(site, pos):
+            self._prefetch(pos + 1, block=False)
+
+    def _post_forward(self, site: _Site, out: Any) -> None:
+        if self._closed or _in_backward():
+            return  # recompute: the backward of these weights follows; released when their gradients arrive
+        for u in site.units:
+            u.active -= 1
+        pos = site.last_pos
+        outs = [t for t in _tensors(out) if t.requires_grad]
+        if outs and torch.is_grad_enabled():
+            order = self._order if self._matches(site, pos) else None
+            torch.autograd.graph.register_multi_grad_hook(
+                outs, lambda grad, site=site, pos=pos, order=order: self._pre_backward(site, pos, order), mode="any")
+        for u in site.units:
+            self._release(u)
+        if self._matches(site, pos):
+            self._prefetch(pos + 1, block=True)
+
+    def _pre_backward(self, site: _Site, pos: int, order: list[int] | None) -> None:
+        if self._closed:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for u in site.units:
+            self._fetch(u, block=True)
+            self._use(u)
+        if order is not None and order is self._order:
+            self._prefetch(pos - 1, block=False)
+
+    def _on_grad(self, u: WeightUnit, p: torch.Tensor) -> None:
+        u.grads.add(id(p))
+        if len(u.grads) == len(u.params):
+            self._release(u)
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        self.release_all()
+
+    # ------------------------------------------------------------------------------------------------
+    # reading the weights outside training
+    @contextlib.contextmanager
+    def materialized(self) -> Iterator[None]:
+        """Every streamed parameter holds its weights on the device inside the block (evaluation, saving)."""
+        self._pinned += 1
+        try:
+            for u in self.units:
+                self._fetch(u, block=True)
+                self._use(u)
+            yield
+        finally:
+            self._pinned -= 1
+            if not self._pinned:
+                self.release_all()
+
+    def _state_dict_hook(self, module: torch.nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """A released parameter's state-dict entry becomes a host copy of its weights (read from staging)."""
+        for name, p in module._parameters.items():
+            u = None if p is None else self._unit_of.get(id(p))
+            if u is None or u.state is UnitState.MATERIALIZED or prefix + name not in sd:
+                continue
+            self._synchronize()
+            i = next(k for k, q in enumerate(u.params) if q is p)
+            for b in u.buckets:
+                self._staging_final(b, True)
+            sd[prefix + name] = u.sources[i].view(p.shape).clone()
+
+    def close(self, *, materialize: bool = True) -> None:
+        """Remove the hooks; with ``materialize`` every parameter gets its weights back on the device for good."""
+        if self._closed:
+            return
+        try:
+            if materialize:
+                for u in self.units:
+                    self._fetch(u, block=True)
+                    self._use(u)
+        finally:
+            self._closed = True
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
