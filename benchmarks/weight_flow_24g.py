@@ -80,7 +80,7 @@ def child(a: argparse.Namespace) -> dict:
     from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
     from hf_superoffload.planning.hardware import HardwareProfile
 
-    dev = torch.device(a.device)
+    dev = torch.device("cuda", 0) if a.device == "cuda" else torch.device(a.device)  # torch 2.11 wants an index
     bs, seq = a.child_batch, a.seq_len
     shape = SHAPES[a.model]
     cap = None
