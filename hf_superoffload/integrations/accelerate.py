@@ -189,11 +189,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
 
 
 def accelerate_config_path(name: str = "single_gpu") -> str:
-    """Path of a packaged accelerate YAML (``single_gpu`` or ``single_cpu``) for ``accelerate launch --config_file``."""
+    """Path of a packaged accelerate YAML (``single_gpu``, ``multi_gpu`` or ``single_cpu``) for ``accelerate launch --config_file``."""
     stem = name[:-5] if name.endswith(".yaml") else name
     path = resources.files("hf_superoffload").joinpath("accelerate_configs", f"{stem}.yaml")
     if not path.is_file():
-        raise ValueError(f"no packaged accelerate config {name!r}; choose 'single_gpu' or 'single_cpu'")
+        raise ValueError(f"no packaged accelerate config {name!r}; choose 'single_gpu', 'multi_gpu' or 'single_cpu'")
     return str(path)
 
 

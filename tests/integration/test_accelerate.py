@@ -61,7 +61,7 @@ def test_plugin_errors_name_their_source(tmp_path: Path, monkeypatch: pytest.Mon
 
 
 def test_packaged_accelerate_configs_match_the_repo_ones() -> None:
-    for name in ("single_gpu", "single_cpu"):
+    for name in ("single_gpu", "multi_gpu", "single_cpu"):
         packaged = Path(accelerate_config_path(name))
         assert packaged.read_text() == (REPO / "configs" / f"{name}.yaml").read_text()
     with pytest.raises(ValueError, match="single_gpu"):
@@ -156,7 +156,6 @@ def test_torch_adamw_is_taken_over(fresh_accelerate_state: None) -> None:
     [
         (dict(distributed_type=DistributedType.DEEPSPEED), "distributed_type=DEEPSPEED"),
         (dict(distributed_type=DistributedType.FSDP), "distributed_type=FSDP"),
-        (dict(num_processes=2), "2 processes"),
         (dict(mixed_precision="fp16"), "fp16 needs loss scaling"),
     ],
 )

@@ -346,7 +346,22 @@ def _profile(free_gib):
                            host_available_bytes=512 * GiB, cpu_threads=8)
 
 
-def test_planner_auto_picks_flow_when_weights_do_not_fit():
+@pytest.fixture
+def flow_auto(monkeypatch):
+    """The auto rule itself (it is gated off by default until weight flow is validated on CUDA)."""
+    from hf_superoffload.planning import planner
+
+    monkeypatch.setattr(planner, "_FLOW_AUTO", True)
+
+
+def test_planner_auto_keeps_weights_stationary_until_flow_is_validated():
+    numels = [100_000_000] * 40
+    plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(bucket_size_mb=64), profile=_profile(10))
+    assert plan.weight_mode is WeightMode.STATIONARY
+    assert any("auto would stream them" in n and "weight_placement='flow'" in n for n in plan.notes)
+
+
+def test_planner_auto_picks_flow_when_weights_do_not_fit(flow_auto):
     numels = [100_000_000] * 40  # 4B parameters: 7.5 GiB of bf16 weights
     cfg = SuperOffloadConfig(bucket_size_mb=64)
     small = make_plan(numels, element_size=2, config=cfg, profile=_profile(10))
@@ -361,7 +376,7 @@ def test_planner_auto_picks_flow_when_weights_do_not_fit():
                      profile=_profile(10)).weight_mode is WeightMode.STATIONARY
 
 
-def test_planner_auto_weighs_activations_with_the_memory_model():
+def test_planner_auto_weighs_activations_with_the_memory_model(flow_auto):
     from hf_superoffload.planning.memory_model import ModelShape
 
     shape = ModelShape(4096, 14336, 32, 32, 8, 128, 128256)  # Llama-3-8B-like
