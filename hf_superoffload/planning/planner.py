@@ -42,10 +42,6 @@ class Workload:
 # Without a workload, "auto" streams the weights when their bf16 copy alone would take more than this share of
 # the free device memory: the rest is what activations, logits and in-flight buckets get.
 _FLOW_WEIGHT_SHARE = 0.5
-# Whether "auto" may pick weight flow on a GPU. Off until the CUDA path is validated: on the H200 box (NOTES run 7)
-# released units did not return their memory, so an auto-chosen flow plan could OOM where stationary weights
-# would have fit. The decision is still computed and shown; weight_placement="flow" opts in.
-_FLOW_AUTO = False
 
 
 def partition_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int]]:
@@ -199,10 +195,6 @@ def make_plan(
     groups = partition_buckets(numels, bucket_numel)
     largest = max((sum(numels[i] for i in g) for g in groups), default=0) * element_size
     weight_mode, weight_note = _weight_mode(numels, largest, config, profile, workload)
-    if weight_mode is WeightMode.FLOW and config.weight_placement == "auto" and not _FLOW_AUTO:
-        weight_mode = WeightMode.STATIONARY
-        weight_note = (weight_note.replace("weights: flow (auto:", "weights: stationary (auto would stream them:", 1)
-                       + "; weight flow is opt-in until validated on CUDA: set weight_placement='flow'")
     if weight_mode is WeightMode.FLOW and world_size > 1:
         if config.weight_placement == "flow":
             raise PlanError("weight_placement='flow' with data parallelism is not supported yet: use "
