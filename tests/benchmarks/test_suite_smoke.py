@@ -64,7 +64,8 @@ def test_records(suite_run):
         assert len(r["step_s_all"]) == 2 and len(r["losses"]) == 2
         assert r["step_s_median"] == pytest.approx(sorted(r["step_s_all"])[0] / 2 + sorted(r["step_s_all"])[1] / 2,
                                                    abs=2e-4)
-        assert r["tokens_per_s"] == pytest.approx(128 / r["step_s_median"], rel=1e-3)
+        # step_s_median is rounded to 0.1 ms: on a fast machine (12 ms steps) that alone is 0.4%
+        assert r["tokens_per_s"] == pytest.approx(128 / r["step_s_median"], rel=1e-3 + 5e-5 / r["step_s_median"])
         expect_mfu = r["flops_per_token"] * r["tokens_per_s"] / 989e12
         assert r["mfu"] == pytest.approx(expect_mfu, rel=1e-3, abs=1e-4)
         assert math.isfinite(r["loss"]) and r["loss"] > 0
