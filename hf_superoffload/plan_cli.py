@@ -52,6 +52,7 @@ from .planning.memory_model import (
     MemoryEstimate,
     ModelShape,
     PlanLike,
+    bisect_largest,
     check_fits,
     estimate,
     fits,
@@ -66,6 +67,7 @@ __all__ = ["StepTime", "add_plan_parser", "arrival_numels", "load_model_config",
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 GEMM_EFFICIENCY = 0.6
 MAX_LAYERS = 2048  # the search limit of largest_model_that_fits
+MAX_SEQ = 1 << 24  # the search limit of the longest sequence (16M tokens)
 _PROFILE_ALIASES = {"gh200": "gh200", "h200": "h200_pcie", "rtx4090": "rtx4090_24gb"}
 
 
@@ -196,6 +198,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    "file written by HardwareProfile.save")
     p.add_argument("--offload-config", default=None, help="SuperOffloadConfig fields as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--sequence-parallel", type=int, default=1, metavar="P",
+                   help="Ulysses ranks per sequence (one GPU each): activations per GPU are 1/P, the loss is chunked, "
+                        "the optimizer state is sharded over the P ranks; also prints the longest sequence that fits")
+    p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
+                   help="LM head + loss over chunks of this many tokens (default: 4096 with --sequence-parallel > 1, "
+                        "else HF's loss over all logits)")
     p.set_defaults(func=main_plan)
     return p
 
@@ -231,6 +239,8 @@ def main_plan(args: argparse.Namespace) -> int:
     try:
         if args.batch_size < 1 or args.seq_len < 1:
             raise InputError("--batch-size and --seq-len must be >= 1")
+        if args.sequence_parallel < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
+            raise InputError("--sequence-parallel and --loss-chunk must be >= 1")
         config = load_model_config(args.model)
         shape = ModelShape.from_config(config)
         profile = resolve_profile(args.profile, gpu_mem_gb=args.gpu_mem, host_mem_gb=args.host_mem)
@@ -240,24 +250,31 @@ def main_plan(args: argparse.Namespace) -> int:
         print(f"hf-superoffload plan: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     run = dict(batch_size=args.batch_size, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
-    workload = Workload(shape, **run)
+    sp = args.sequence_parallel
+    chunk = args.loss_chunk if args.loss_chunk is not None else (4096 if sp > 1 else None)
+    sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk)
+    workload = Workload(shape, **run, **sp_kw)
+    ranks: dict[str, Any] = {}
+    if sp > 1:  # one rank per GPU of this host; the profile's cores are split between them
+        cores = list(range(profile.cpu_cores)) if profile.cpu_cores else None
+        ranks = dict(world_size=sp, rank=0, local_world_size=sp, local_rank=0, cores=cores)
     notes: list[str] = []
     reasons: list[str] = []
     plan: OffloadPlan | None = None
     try:
-        plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload)
+        plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload, **ranks)
         plan_like = PlanLike.from_plan(plan)
-        n_tail = _fit_tail(plan, estimate(shape, plan_like=plan_like, **run), profile)
+        n_tail = _fit_tail(plan, estimate(shape, plan_like=plan_like, **run, **sp_kw), profile)
         if n_tail is not None and cfg.gpu_resident_buckets == "auto":
             cfg = cfg.replace(gpu_resident_buckets=n_tail)
-            plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload)
+            plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload, **ranks)
             plan_like = PlanLike.from_plan(plan)
             notes.append(f"device tail reduced to {n_tail} bucket(s) to leave room for activations")
-        host_est = estimate(shape, plan_like=plan_like, **run)
+        host_est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
         over = profile.host_available_bytes is not None and host_est.host_peak_bytes > profile.host_available_bytes
         if over and cfg.rollback == "auto" and plan.rollback.value != "inverse":
             plan = make_plan(numels, element_size=2, config=cfg.replace(rollback="inverse"), profile=profile,
-                             workload=workload)
+                             workload=workload, **ranks)
             plan_like = PlanLike.from_plan(plan)
             notes.append("rollback: inverse, because the second state copy does not fit with the runtime's own RSS")
     except PlanError as e:  # show the numbers of the leanest plan: every state on the host, inverse rollback
@@ -266,7 +283,7 @@ def main_plan(args: argparse.Namespace) -> int:
     step = predict_step_time(shape, plan_like, profile, **run)
     if step is not None and plan is not None and plan.rollback.value == "snapshot":
         plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
-    est = estimate(shape, plan_like=plan_like, **run)
+    est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
     try:
         check_fits(est, profile)
     except PlanError as e:
@@ -280,8 +297,25 @@ def main_plan(args: argparse.Namespace) -> int:
     if profile.device_free_bytes is not None or profile.host_available_bytes is not None:
         largest = largest_model_that_fits(shape, profile=profile, host_bytes_per_param=plan_like.host_bytes_per_param,
                                           max_layers=MAX_LAYERS, weight_mode=plan_like.weight_mode, **run)
+    longest = None
+    if profile.device_free_bytes is not None:
+        free = profile.device_free_bytes
+
+        def seq_fits(n: int) -> bool:
+            e = estimate(shape, plan_like=plan_like, batch_size=args.batch_size, seq_len=n * sp,
+                         grad_ckpt=args.grad_ckpt, **sp_kw)
+            return e.gpu_required_bytes <= free
+
+        per_rank = bisect_largest(1, MAX_SEQ // sp, seq_fits)
+        longest = None if per_rank is None else per_rank * sp
+    if sp > 1:
+        notes.append(f"sequence parallel: {sp} ranks per sequence, {-(-args.seq_len // sp)} tokens of each sequence "
+                     f"per GPU; loss over chunks of {chunk} tokens; optimizer state sharded over the {sp} ranks "
+                     "(the step-time prediction and the largest-model search assume one rank)")
     out = {
         "fits": reason is None, "reason": reason,
+        "longest_sequence": None if longest is None else {"tokens": longest, "sequence_parallel": sp,
+                                                          "at_search_limit": longest >= MAX_SEQ - sp},
         "model": {"source": args.model, "numel": sum(numels), **dataclasses.asdict(shape)},
         "run": run, "profile": profile.to_dict(),
         "plan": None if plan is None else {
@@ -334,6 +368,11 @@ def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfil
         "unknown" if lg is None and not (profile.device_free_bytes or profile.host_available_bytes) else
         "none" if lg is None else f"{'at least ' if lg['at_search_limit'] else ''}{lg['num_layers']} layers, "
         f"{lg['numel'] / 1e9:.2f}B parameters"))
+    ls = out["longest_sequence"]
+    if ls is not None:
+        lines.append(f"longest sequence that fits at batch {run['batch_size']}: "
+                     f"{'at least ' if ls['at_search_limit'] else ''}{ls['tokens']:,} tokens "
+                     f"({ls['sequence_parallel']} GPU(s) per sequence)")
     lines += [f"note: {n}" for n in out["notes"]]
     lines.append("fits: yes" if out["fits"] else f"DOES NOT FIT: {out['reason']}")
     return "\n".join(lines)

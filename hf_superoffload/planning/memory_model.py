@@ -22,6 +22,12 @@ Peak allocated bytes are the largest of three phases:
   and the gradients still on the GPU (GPU AdamW: every fp32 gradient but the input embedding's, which comes
   last; SuperOffload: the device tail's flat bf16 gradients and a few in-flight buckets).
 * ``step``: the optimizer step: resident state and every gradient still on the GPU.
+* ``backward_start`` (checkpointing): the first recomputed layer, with every layer's checkpointed input still
+  alive. Negligible next to the logits at short sequences; the peak of long ones, where the sequence-parallel
+  loss chunks the logits (``loss_chunk_tokens``).
+
+Ulysses sequence parallelism over P ranks (``sequence_parallel``): every per-token activation is 1/P per GPU
+(attention holds all tokens of 1/P of the heads: the same bytes), plus one all-to-all input beside its output.
 
 The GPU coefficients follow from this accounting; checked against ``torch.cuda.max_memory_allocated`` on the
 team's H200 box (torch 2.11, HF Llama, SDPA, bf16; GB = 1e9) they need no fitted scale:
@@ -34,6 +40,7 @@ case                                                              measured  pred
 3.6B SuperOffload, 2.08B-param device tail, ckpt, 8x2048              60.7       60.6     -0.1%
 8B GPU AdamW, ckpt, 4x2048                                           128.8      129.8     +0.8%
 0.95B fwd+bwd only, no ckpt, 8x2048                                   35.2       35.1     -0.4%
+8B SuperOffload, 2 ranks, Ulysses sp=2, 1x262144, chunked loss       126.5      131.5     +4.0%
 1.88B fwd+bwd only, no ckpt, 4x2048                                   23.2       23.2     -0.2%
 3.6B host RSS, inverse (16 B/param)                                   64.3       64.3     +0.0%  (fitted)
 3.6B host RSS, snapshot (+12 B/param), 0.89 speculated            94.4-96.2      102.8  +6.9..+8.9%
@@ -59,7 +66,8 @@ from typing import Any, Literal
 from .hardware import HardwareProfile
 from .plan import CastSide, OffloadPlan, WeightMode
 
-__all__ = ["MemoryEstimate", "ModelShape", "PlanLike", "check_fits", "estimate", "fits", "largest_model_that_fits"]
+__all__ = ["MemoryEstimate", "ModelShape", "PlanLike", "bisect_largest", "check_fits", "estimate", "fits",
+           "largest_model_that_fits"]
 
 GiB = 1024**3
 RUNTIME_HOST_BYTES = int(1.7e9)  # host RSS of a GPU-only training process (measured at 3.6B)
@@ -205,6 +213,8 @@ class MemoryEstimate:
     host: dict[str, int]  # component -> bytes, every page of the rollback copy resident (conservative)
     host_snapshot_untouched: int = 0  # bytes of a snapshot rollback copy that are never written
     notes: tuple[str, ...] = field(default=())
+    sequence_parallel: int = 1
+    loss_chunk_tokens: int | None = None
 
     @property
     def gpu_peak_phase(self) -> str:
@@ -236,18 +246,24 @@ class MemoryEstimate:
 
 
 def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
-             plan_like: PlanLike | None = None) -> MemoryEstimate:
+             plan_like: PlanLike | None = None, sequence_parallel: int = 1,
+             loss_chunk_tokens: int | None = None) -> MemoryEstimate:
     """Predict the peak GPU and host memory of one training step (see [Note: memory model]).
 
     Args:
         model_config: a transformers config, a dict of its fields, a preset name or a :class:`ModelShape`.
-        plan_like: placement of the optimizer state; default: everything on the host, inverse rollback.
+        plan_like: placement of the optimizer state (per rank); default: everything on the host, inverse rollback.
+        sequence_parallel: Ulysses ranks per sequence: each holds ``seq_len / sequence_parallel`` tokens of every
+            activation (attention holds all tokens of ``1/sequence_parallel`` of the heads: the same bytes).
+        loss_chunk_tokens: the LM head and loss run over chunks of this many tokens (the sequence-parallel loss
+            does), so only one chunk of logits exists at a time; ``None``: HF's loss over all logits at once.
     """
-    if batch_size < 1 or seq_len < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    if batch_size < 1 or seq_len < 1 or sequence_parallel < 1:
+        raise ValueError(f"batch_size, seq_len and sequence_parallel must be >= 1, got {batch_size}, {seq_len} "
+                         f"and {sequence_parallel}")
     s = ModelShape.from_config(model_config)
     p = plan_like or PlanLike.all_host(s.numel)
-    n, tokens, h = s.numel, batch_size * seq_len, s.hidden_size
+    n, tokens, h = s.numel, -(-batch_size * seq_len // sequence_parallel), s.hidden_size
     autocast, flow = p.optimizer == "gpu_adamw", p.weight_mode == "flow" and p.optimizer == "superoffload"
     notes: list[str] = []
     if flow:
@@ -269,20 +285,34 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
     layer_act = s.layer_activation_bytes_per_token(autocast=autocast) * tokens
     loss = dict(resident, activations=s.num_layers * (tokens * h * (4 if autocast else 2) if grad_ckpt else layer_act))
     loss["final_norm"] = (14 if autocast else 8) * h * tokens
-    loss["logits"] = LOGITS_BYTES_PER_ELEMENT * tokens * s.vocab_size
+    loss["logits"] = LOGITS_BYTES_PER_ELEMENT * min(tokens, loss_chunk_tokens or tokens) * s.vocab_size
     if autocast:
         loss["autocast_weight_copies"] = 2 * s.embedding_numel  # the LM head's bf16 copy, saved for backward
 
     # the last decoder layer's backward (its recompute and activation gradients), then the optimizer step
     backward = dict(resident, activations=int(1.5 * layer_act))
+    phases = {"loss": loss, "backward": backward}
+    if grad_ckpt:
+        # the first recomputed layer (the last one): every layer's checkpointed input is still alive. Negligible
+        # next to the logits at short sequences; the peak at long ones (the logits are chunked or freed by then).
+        phases["backward_start"] = dict(resident, activations=int(1.5 * layer_act),
+                                        checkpoints=s.num_layers * tokens * h * (4 if autocast else 2))
+    if sequence_parallel > 1:  # an all-to-all's input beside its output (q, k, v; KV heads replicated to P)
+        kv = max(s.num_kv_heads, sequence_parallel)
+        for d in phases.values():
+            if d is not loss:
+                d["all_to_all"] = 2 * tokens * s.head_dim * (s.num_heads + 2 * kv)
     step = dict(resident)
     if p.optimizer == "gpu_adamw":
         backward["gradients"] = 4 * (n - s.embedding_numel)  # the input embedding's gradient comes last
         backward["autocast_weight_copies"] = 2 * s.layer_numel
         step["gradients"] = 4 * n
     elif p.optimizer == "superoffload":
-        for d in (backward, step):
-            d["tail_gradients"] = 2 * p.device_numel
+        for name, d in (*phases.items(), ("step", step)):
+            if name == "loss":
+                continue
+            if name != "backward_start":  # the tail holds the first layers: its gradients come last
+                d["tail_gradients"] = 2 * p.device_numel
             d["bucket_buffers"] = INFLIGHT_BUCKETS * p.bucket_bytes if p.host_numel else 0
 
     host: dict[str, int] = {"runtime_baseline": RUNTIME_HOST_BYTES}
@@ -295,8 +325,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             untouched = int(12 * p.host_numel * (1.0 - p.speculated_fraction))
         host["engine_overhead"] = int(ENGINE_HOST_BYTES_PER_PARAM * p.host_numel)
 
-    return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {"loss": loss, "backward": backward, "step": step},
-                          host, untouched, tuple(notes))
+    return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {**phases, "step": step},
+                          host, untouched, tuple(notes), sequence_parallel, loss_chunk_tokens)
 
 
 # ---------------------------------------------------------------------------------------------- fit checks
@@ -313,11 +343,12 @@ def fits(est: MemoryEstimate, profile: HardwareProfile) -> bool:
 
 
 def _again(est: MemoryEstimate, **changes: Any) -> MemoryEstimate:
-    kw = dict(batch_size=est.batch_size, seq_len=est.seq_len, grad_ckpt=est.grad_ckpt, plan_like=est.plan_like)
+    kw = dict(batch_size=est.batch_size, seq_len=est.seq_len, grad_ckpt=est.grad_ckpt, plan_like=est.plan_like,
+              sequence_parallel=est.sequence_parallel, loss_chunk_tokens=est.loss_chunk_tokens)
     return estimate(est.shape, **(kw | changes))
 
 
-def _largest(lo: int, hi: int, ok: Any) -> int | None:
+def bisect_largest(lo: int, hi: int, ok: Any) -> int | None:
     """Largest x in [lo, hi] with ok(x), for a monotone ok; None if none."""
     if not ok(lo):
         return None
@@ -350,8 +381,8 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
                    f"{(profile.device_free_bytes or 0) / GiB:.1f} GiB is free. Options:")
         if not est.grad_ckpt and gpu_ok(_again(est, grad_ckpt=True)):
             out.append("  - enable gradient checkpointing (--grad-ckpt): it then fits")
-        b = _largest(1, est.batch_size - 1, lambda x: gpu_ok(_again(est, batch_size=x))) if est.batch_size > 1 else None
-        sq = None if b else _largest(1, est.seq_len - 1, lambda x: gpu_ok(_again(est, batch_size=1, seq_len=x)))
+        b = bisect_largest(1, est.batch_size - 1, lambda x: gpu_ok(_again(est, batch_size=x))) if est.batch_size > 1 else None
+        sq = None if b else bisect_largest(1, est.seq_len - 1, lambda x: gpu_ok(_again(est, batch_size=1, seq_len=x)))
         if b:
             out.append(f"  - batch size {b} fits (same sequence length; accumulate gradients for the same tokens)")
         elif sq:
@@ -401,5 +432,5 @@ def largest_model_that_fits(family_config: Any, *, batch_size: int, seq_len: int
         return estimate(shape.with_layers(layers), batch_size=batch_size, seq_len=seq_len, grad_ckpt=grad_ckpt,
                         plan_like=plan_like)
 
-    best = _largest(1, max_layers, lambda layers: fits(est_for(layers), profile))
+    best = bisect_largest(1, max_layers, lambda layers: fits(est_for(layers), profile))
     return None if best is None else (best, est_for(best))

@@ -31,12 +31,15 @@ class Workload:
 
     Attributes:
         model: a transformers config, a dict of its fields, a preset name or a ``ModelShape``.
+        sequence_parallel, loss_chunk_tokens: see ``memory_model.estimate``.
     """
 
     model: Any
     batch_size: int
     seq_len: int
     grad_ckpt: bool
+    sequence_parallel: int = 1
+    loss_chunk_tokens: int | None = None
 
 
 # Without a workload, "auto" streams the weights when their bf16 copy alone would take more than this share of
@@ -149,7 +152,8 @@ def _weight_mode(numels: Sequence[int], bucket_bytes: int, config: SuperOffloadC
     def need(mode: str) -> int:
         plan_like = PlanLike(host_numel=total, weight_mode=mode, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
         return estimate(workload.model, batch_size=workload.batch_size, seq_len=workload.seq_len,
-                        grad_ckpt=workload.grad_ckpt, plan_like=plan_like).gpu_required_bytes
+                        grad_ckpt=workload.grad_ckpt, plan_like=plan_like, sequence_parallel=workload.sequence_parallel,
+                        loss_chunk_tokens=workload.loss_chunk_tokens).gpu_required_bytes
 
     stationary = need("stationary")
     if stationary <= free:

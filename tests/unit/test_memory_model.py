@@ -96,7 +96,7 @@ def test_the_knobs_move_memory_the_right_way():
     double = est(plan_like=PlanLike.all_host(N36, host_bytes_per_param=28))
     assert double.host["rollback_copy"] == 12 * N36
     # every phase is reported; the peak is the largest
-    assert set(ref.gpu_phases) == {"loss", "backward", "step"}
+    assert set(ref.gpu_phases) == {"loss", "backward", "backward_start", "step"}
     assert ref.gpu_peak_bytes == max(sum(p.values()) for p in ref.gpu_phases.values())
     assert ref.gpu_required_bytes > ref.gpu_peak_bytes
 
@@ -146,3 +146,28 @@ def test_largest_model_that_fits_is_the_boundary():
     with pytest.raises(ValueError, match="neither"):
         largest_model_that_fits(L8, profile=dataclasses.replace(h200, device_free_bytes=None,
                                                                 host_available_bytes=None), **run)
+
+
+def test_long_sequence_point_measured_with_ulysses():
+    """8B, one 262,144-token sequence over 2 GPUs (Ulysses, chunked loss), the measured plan's per-rank device
+    tail (docs/benchmarks.md, run 6): 126.5 GB measured. At this length the peak is the first recomputed layer
+    with every layer's checkpoint alive; the logits are chunked."""
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+    plan = PlanLike(device_numel=3_328_800_000, host_numel=686_300_000, host_bytes_per_param=28)
+    e = estimate(shape, batch_size=1, seq_len=262_144, grad_ckpt=True, plan_like=plan, sequence_parallel=2,
+                 loss_chunk_tokens=4096)
+    assert e.gpu_peak_phase == "backward_start"
+    assert e.gpu_peak_bytes / 1e9 == pytest.approx(126.5, rel=0.10)
+
+
+def test_sequence_parallel_divides_the_activations_and_chunking_the_logits():
+    shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256)
+    one = estimate(shape, batch_size=1, seq_len=65_536, grad_ckpt=True)
+    two = estimate(shape, batch_size=1, seq_len=65_536, grad_ckpt=True, sequence_parallel=2)
+    assert two.gpu_phases["backward_start"]["checkpoints"] * 2 == one.gpu_phases["backward_start"]["checkpoints"]
+    chunked = estimate(shape, batch_size=1, seq_len=65_536, grad_ckpt=True, loss_chunk_tokens=4096)
+    assert chunked.gpu_phases["loss"]["logits"] * 16 == one.gpu_phases["loss"]["logits"]
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        estimate(shape, batch_size=1, seq_len=8, grad_ckpt=True, sequence_parallel=0)

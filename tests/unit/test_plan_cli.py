@@ -169,3 +169,23 @@ def test_step_time_roofline_on_the_anchor():
                              grad_ckpt=True).exposed_s > 1.0
     assert predict_step_time(shape, PlanLike.all_host(shape.numel), HardwareProfile.read("cpu"), batch_size=8,
                              seq_len=2048, grad_ckpt=True) is None
+
+
+def test_sequence_parallel_reports_the_longest_sequence(capsys):
+    """8B on two H200 with Ulysses: the run measured at 262,144 tokens (126.5 GB peak, run 6) is predicted to fit,
+    close to the predicted limit; one GPU per sequence fits far less."""
+    rc, two = plan_json(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "262144", "--grad-ckpt",
+                        "--profile", "h200", "--sequence-parallel", "2")
+    assert rc == EXIT_FITS, two["reason"]
+    longest = two["longest_sequence"]["tokens"]
+    assert 262_144 <= longest < 400_000 and two["longest_sequence"]["sequence_parallel"] == 2
+    assert two["memory_gib"]["gpu_peak_phase"] == "backward_start"
+    assert any("sequence parallel: 2 ranks" in n for n in two["notes"])
+    rc, one = plan_json(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "262144", "--grad-ckpt",
+                        "--profile", "h200")
+    assert rc == EXIT_DOES_NOT_FIT and one["longest_sequence"]["tokens"] < longest / 2
+    rc, out, _ = plan(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "65536", "--grad-ckpt",
+                      "--profile", "h200", "--sequence-parallel", "2")
+    assert "longest sequence that fits at batch 1:" in out
+    rc, _, err = plan(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "8", "--sequence-parallel", "0")
+    assert rc == EXIT_BAD_INPUT and "--sequence-parallel" in err
