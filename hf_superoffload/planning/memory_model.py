@@ -41,6 +41,9 @@ case                                                              measured  pred
 8B GPU AdamW, ckpt, 4x2048                                           128.8      129.8     +0.8%
 0.95B fwd+bwd only, no ckpt, 8x2048                                   35.2       35.1     -0.4%
 8B SuperOffload, 2 ranks, Ulysses sp=2, 1x262144, chunked loss       126.5      131.5     +4.0%
+8B SuperOffload default plan (3.30B tail), ckpt, 4x2048, chunked       66.7       64.9     -2.6%
+8B SuperOffload data parallel, per rank (3.33B tail shard)             67.2       65.2     -3.0%
+8B weight flow, 0.53B tail, 24 GiB cap, ckpt, 4x2048                   22.5       23.9     +6.5%
 1.88B fwd+bwd only, no ckpt, 4x2048                                   23.2       23.2     -0.2%
 3.6B host RSS, inverse (16 B/param)                                   64.3       64.3     +0.0%  (fitted)
 3.6B host RSS, snapshot (+12 B/param), 0.89 speculated            94.4-96.2      102.8  +6.9..+8.9%
