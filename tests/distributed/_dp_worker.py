@@ -6,6 +6,7 @@ Each rank trains the same tiny Llama on its slice of the same global batches and
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
@@ -47,6 +48,14 @@ def inject_delay(where: str) -> None:
     setattr(engine_mod, name, slow)
 
 
+def build_model(kw: dict[str, str], device: str = "cpu") -> torch.nn.Module:
+    """The tiny Llama of the test; ``tied=1`` ties the embeddings, ``freeze=1`` freezes the final norm."""
+    model = tiny_llama(seed=0, device=device, tie_word_embeddings=kw.get("tied") == "1")
+    if kw.get("freeze") == "1":
+        model.model.norm.weight.requires_grad_(False)
+    return model
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     kw = dict(a.split("=", 1) for a in sys.argv[3:])
@@ -66,7 +75,7 @@ def main() -> None:
     max_norm = float(kw.get("max_norm", 1.0))
     cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=int(kw.get("tail", 2)),
                              rollback=kw.get("rollback", "auto"), max_redo_rate=1.0, cpu_threads=1)
-    model = tiny_llama(seed=0, device=device)
+    model = build_model(kw, device)
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_norm, config=cfg)
     if "load" in kw:
         opt.load_state_dict(torch.load(kw["load"].format(rank=rank), weights_only=False))
@@ -78,8 +87,13 @@ def main() -> None:
         hook = None
         if scenario == "nan" and step == int(kw.get("nan_step", 5)) and rank == world - 1:
             hook = next(model.parameters()).register_hook(poison)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        accum = int(kw.get("accum", 1))
+        loss = torch.zeros((), device=device)
+        for k, mb in enumerate(ids.chunk(accum)):  # non-final micro-batches accumulate on the device
+            with opt.no_sync() if k < accum - 1 else contextlib.nullcontext():
+                part = model(input_ids=mb, labels=mb).loss / accum
+                part.backward()
+            loss = loss + part.detach()
         if hook is not None:
             hook.remove()
         if scenario == "fail" and step == int(kw.get("fail_step", 3)) and rank == world - 1:

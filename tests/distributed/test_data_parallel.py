@@ -22,13 +22,14 @@ WORKER = Path(__file__).with_name("_dp_worker.py")
 LR = 1e-3
 
 
-def reference(steps: int, *, max_norm: float = 1.0, nan_step: int | None = None, device: str = "cpu"):
+def reference(steps: int, *, max_norm: float = 1.0, nan_step: int | None = None, device: str = "cpu",
+              model_kw: dict[str, str] | None = None):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_dp_worker", WORKER)
     w = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(w)
-    model = tiny_llama(seed=0, device=device)
+    model = w.build_model(model_kw or {}, device)
     ropt = ReferenceAdamW(model, max_grad_norm=max_norm, lr=LR, weight_decay=0.1)
     losses = []
     for step, ids in enumerate(w.batches(steps)):
@@ -56,7 +57,7 @@ def results(tmp_path: Path, world: int):
 
 def masters_by_name(model, state) -> dict[str, torch.Tensor]:
     """fp32 masters per parameter name from a single-process (consolidated) optimizer state."""
-    ordered = [p for p in model.parameters() if p.requires_grad][::-1]  # the optimizer's arrival order
+    ordered = [p for p in model.parameters() if p.requires_grad][::-1]  # the optimizer's arrival order (deduplicated)
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for i, p in enumerate(ordered):
@@ -73,7 +74,7 @@ def assert_matches_reference(res, ref_model, ropt, ref_losses, *, tight_steps: i
     merged = consolidate_state_dicts([r["state"] for r in res])
     ours = masters_by_name(ref_model, merged)
     names = {id(p): n for n, p in ref_model.named_parameters()}
-    worst = max((ours[names[id(p)]] - m.detach().cpu()).abs().max().item() for p, m in ropt.pairs)
+    worst = max((ours[names[id(p)]] - m.detach().cpu()).abs().max().item() for p, m in ropt.pairs if p.requires_grad)
     assert worst < 8 * LR, f"final masters differ from the reference by {worst}"
     for r in res[1:]:  # every replica holds the same weights, bit for bit
         for n, t in res[0]["params"].items():
@@ -88,6 +89,16 @@ def test_two_ranks_match_the_reference_on_the_global_batch(launcher, tmp_path, t
     ref_model, ropt, ref_losses = reference(30)
     assert res[0]["clipped"] > 0, "clipping must fire in this test"
     assert "rank 0 of 2" in res[0]["plan"] and "rank 1 of 2" in res[1]["plan"]
+    assert_matches_reference(res, ref_model, ropt, ref_losses)
+
+
+def test_accumulation_tied_embeddings_and_a_frozen_parameter(launcher, tmp_path):
+    """Two micro-batches per step (the first under no_sync), tied input/output embeddings, a frozen norm."""
+    kw = {"accum": "2", "tied": "1", "freeze": "1"}
+    fin = run(launcher, tmp_path, "train", steps=12, **kw)
+    assert fin.returncodes == [0, 0], "\n".join(fin.outputs)
+    res = results(tmp_path, 2)
+    ref_model, ropt, ref_losses = reference(12, model_kw=kw)
     assert_matches_reference(res, ref_model, ropt, ref_losses)
 
 
