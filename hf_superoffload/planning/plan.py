@@ -116,7 +116,10 @@ class OffloadPlan:
         """Host RAM for optimizer state and the DMA buffers."""
         # p/m/v, then bf16 landing + bf16 staging (CPU cast) or an fp32 landing (GPU cast): 4 B either way
         per = 12 + 4 + (12 if self.rollback is Rollback.DOUBLE_BUFFER else 0)
-        return self.host_numel * per
+        full_weights = 0  # weight flow + data parallel: the whole bf16 weights of the host buckets on every rank
+        if self.weight_mode is WeightMode.FLOW and self.world_size > 1:
+            full_weights = 2 * sum(b.numel for b in self.host_buckets)
+        return self.host_numel * per + full_weights
 
     def device_bytes(self) -> int:
         """Device memory for the GPU-resident tail's fp32 master and Adam state."""

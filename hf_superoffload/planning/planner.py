@@ -200,11 +200,7 @@ def make_plan(
     largest = max((sum(numels[i] for i in g) for g in groups), default=0) * element_size
     weight_mode, weight_note = _weight_mode(numels, largest, config, profile, workload)
     if weight_mode is WeightMode.FLOW and world_size > 1:
-        if config.weight_placement == "flow":
-            raise PlanError("weight_placement='flow' with data parallelism is not supported yet: use "
-                            "weight_placement='stationary' (or 'auto'), or train with one process")
-        weight_mode = WeightMode.STATIONARY
-        weight_note += "; data parallelism keeps them stationary (flow is single-process for now)"
+        weight_note += "; every rank keeps the whole bf16 weights on its host (2 B/param) to stream them"
     if weight_mode is WeightMode.FLOW and config.cast_side == "gpu":
         raise PlanError("weight_placement='flow' streams the bf16 weights from the host staging arena, which "
                         "exists with cast_side='cpu': set cast_side='cpu' or 'auto'")

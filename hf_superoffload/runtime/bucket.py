@@ -108,6 +108,8 @@ class HostBucket(_BucketBase):
             (master, exp_avg, exp_avg_sq) into that copy's arenas.
         landing: ``[numel]`` model-dtype view into the page-locked gradient landing arena (D2H target).
         staging: ``[numel]`` model-dtype view into the page-locked weight staging arena (H2D source).
+        home: weight flow: where the streamer reads the bucket's bf16 weights: ``staging`` on one process, a
+            whole-bucket view of the full weights arena with data parallelism (staging holds one shard).
         gaps: slices of the shard that were not stepped this step (parameters without a gradient).
         d2h: the landing gradient and the event after which the host may read it.
         h2d_event: recorded after the upload that reads ``staging`` (or the master) was queued.
@@ -122,6 +124,7 @@ class HostBucket(_BucketBase):
     pmv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     landing: torch.Tensor
     staging: torch.Tensor | None
+    home: torch.Tensor | None
     gaps: tuple[tuple[int, int], ...]
     d2h: Handoff | None
     h2d_event: torch.cuda.Event | None
@@ -147,6 +150,8 @@ class HostBucket(_BucketBase):
         self.applied = None
         self.pmv = []
         self.gaps = ()
+        self.staging = None
+        self.home = None
 
     def _expect(self, *states: BucketState) -> None:
         if self.state not in states:

@@ -213,6 +213,12 @@ class OffloadEngine:
         self._arenas["landing"] = HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing")
         if self._cast_on_cpu:
             self._arenas["staging"] = HostBuffer(n_host, self.dtype, pin=pin, name="weight staging")
+        # weight flow + data parallel: staging holds this rank's shard only; the streamed weights need every
+        # rank's, so each rank keeps the whole bf16 weights of the host buckets ([Note: data parallel sharding])
+        self._full_home = plan.weight_mode is WeightMode.FLOW and self.comm is not None
+        if self._full_home:
+            full = sum(spec.numel for spec in plan.host_buckets)
+            self._arenas["weights"] = HostBuffer(full, self.dtype, pin=pin, name="bf16 weights (weight flow)")
         self._copies = copies
         self._cur = 0  # the host state copy that holds the committed state
         self._dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
@@ -226,6 +232,7 @@ class OffloadEngine:
         self.host_buckets: list[HostBucket] = []
         self.device_buckets: list[DeviceBucket] = []
         self.buckets: list[HostBucket | DeviceBucket] = []
+        home_offset = 0
         self._bucket_of: list[HostBucket | DeviceBucket] = [None] * len(self.params)  # type: ignore[list-item]
         for spec in plan.buckets:
             ps = [self.params[i] for i in spec.param_indices]
@@ -235,6 +242,10 @@ class OffloadEngine:
                 b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(copies)]
                 b.landing = a["landing"][sl]
                 b.staging = a["staging"][sl] if self._cast_on_cpu else None
+                b.home = b.staging
+                if self._full_home:
+                    b.home = a["weights"][home_offset : home_offset + spec.numel]
+                    home_offset += spec.numel
                 self.host_buckets.append(b)
             else:
                 b = DeviceBucket(spec, ps)
@@ -272,6 +283,11 @@ class OffloadEngine:
                 master[at : at + end - start].copy_(b.params[k].detach().reshape(-1)[start:end])
             if isinstance(b, HostBucket) and b.staging is not None:
                 b.staging.copy_(master)
+            if isinstance(b, HostBucket) and b.home is not None and b.home is not b.staging:
+                offset = 0
+                for p, n in zip(b.params, b.sizes):
+                    b.home[offset : offset + n].copy_(p.detach().reshape(-1))
+                    offset += n
 
     def _install_hooks(self, modules: Sequence[torch.nn.Module]) -> None:
         self._handles: list[Any] = []
@@ -309,10 +325,10 @@ class OffloadEngine:
                              "ensures it; build the plan with make_plan)")
         sources: dict[int, tuple[torch.nn.Parameter, torch.Tensor, HostBucket]] = {}
         for b in self.host_buckets:
-            assert b.staging is not None
+            assert b.home is not None
             offset = 0
             for p, n in zip(b.params, b.sizes):
-                sources[id(p)] = (p, b.staging[offset : offset + n], b)
+                sources[id(p)] = (p, b.home[offset : offset + n], b)
                 offset += n
 
         def on_h2d(nbytes: int) -> None:
@@ -595,7 +611,7 @@ class OffloadEngine:
             self._acc.cpu_s += time.perf_counter() - t0
 
     def _upload(self, b: HostBucket, copy: int) -> None:
-        if self._flow is not None:  # weight flow: staging is the weights' home, the streamer fetches from it
+        if self._flow is not None and self.comm is None:  # weight flow: staging is the weights' home
             with self._lock:
                 b.to_uploaded(None)
             return
@@ -652,7 +668,10 @@ class OffloadEngine:
             if not s.is_cuda:
                 full = torch.empty(b.spec.shard * self.comm.world_size, dtype=src.dtype)
                 self.comm.all_gather(full, src)
-                scatter_flat_(full[: b.spec.numel], b.params)
+                if self._full_home:
+                    b.home.copy_(full[: b.spec.numel])
+                else:
+                    scatter_flat_(full[: b.spec.numel], b.params)
                 event = None
             else:
                 with torch.cuda.stream(s.gather):
@@ -660,9 +679,15 @@ class OffloadEngine:
                         s.gather.wait_event(b.h2d_event)
                     full = torch.empty(b.spec.shard * self.comm.world_size, dtype=src.dtype, device=self.device)
                     self.comm.all_gather(full, src)  # the gather stream waits for it, not this thread
-                    scatter_flat_(full[: b.spec.numel], b.params)
+                    if self._full_home:  # weight flow: the bucket's bf16 weights go home, the streamer reads them
+                        b.home.copy_(full[: b.spec.numel], non_blocking=True)
+                    else:
+                        scatter_flat_(full[: b.spec.numel], b.params)
                     event = s.record(s.gather)
                 src.record_stream(s.gather)
+                if self._full_home:
+                    event.synchronize()  # this (gatherer) thread waits: the host copy is final once ready is set
+                    event = None
         with self._lock:
             b.to_gathered(event)
 
@@ -966,7 +991,10 @@ class OffloadEngine:
                     shard = master.to(device=self.device, dtype=self.dtype)
                     full = torch.empty(b.spec.shard * self.comm.world_size, dtype=self.dtype, device=self.device)
                     self.comm.all_gather(full, shard)
-                    scatter_flat_(full[: b.spec.numel], b.params)
+                    if isinstance(b, HostBucket) and self._full_home:
+                        b.home.copy_(full[: b.spec.numel])
+                    else:
+                        scatter_flat_(full[: b.spec.numel], b.params)
                 elif self._flow is None or isinstance(b, DeviceBucket):  # weight flow: staging is their home
                     scatter_flat_(master, b.params)
             if self._flow is not None:

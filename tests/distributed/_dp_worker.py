@@ -53,6 +53,8 @@ def build_model(kw: dict[str, str], device: str = "cpu") -> torch.nn.Module:
     model = tiny_llama(seed=0, device=device, tie_word_embeddings=kw.get("tied") == "1")
     if kw.get("freeze") == "1":
         model.model.norm.weight.requires_grad_(False)
+    if kw.get("ckpt") == "1":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
@@ -74,7 +76,8 @@ def main() -> None:
     steps, start = int(kw.get("steps", 30)), int(kw.get("start", 0))
     max_norm = float(kw.get("max_norm", 1.0))
     cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=int(kw.get("tail", 2)),
-                             rollback=kw.get("rollback", "auto"), max_redo_rate=1.0, cpu_threads=1)
+                             rollback=kw.get("rollback", "auto"), max_redo_rate=1.0, cpu_threads=1,
+                             weight_placement="flow" if kw.get("flow") == "1" else "auto")
     model = build_model(kw, device)
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_norm, config=cfg)
     if "load" in kw:
@@ -107,9 +110,13 @@ def main() -> None:
         if "save_at" in kw and step == int(kw["save_at"]):
             torch.save(opt.state_dict(), out / f"opt_rank{rank}.pt")
     opt.synchronize()
-    torch.save({"losses": losses, "grad_norm": opt.last_grad_norm, "skipped": opt.skipped_steps,
+    flow = opt.engine._flow
+    peak_units = flow.stats.peak_units if flow is not None else None
+    with opt.engine.materialized():
+        params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    torch.save({"losses": losses, "peak_units": peak_units, "grad_norm": opt.last_grad_norm, "skipped": opt.skipped_steps,
                 "clipped": opt.clipped_steps,
-                "params": {n: p.detach().cpu().clone() for n, p in model.named_parameters()},
+                "params": params,
                 "state": opt.state_dict()["superoffload"], "plan": opt.plan.summary()},
                out / f"result_rank{rank}.pt")
     opt.close()

@@ -102,6 +102,20 @@ def test_accumulation_tied_embeddings_and_a_frozen_parameter(launcher, tmp_path)
     assert_matches_reference(res, ref_model, ropt, ref_losses)
 
 
+@pytest.mark.parametrize("tail", [0, 1])
+def test_weight_flow_with_data_parallelism(launcher, tmp_path, tail):
+    """Weight flow over two ranks: each rank streams every layer from its host copy of the whole bf16 weights,
+    which the gatherer refreshes from every rank's updated shard; checkpointing on, clipping firing."""
+    kw = {"flow": "1", "ckpt": "1", "tail": str(tail)}
+    fin = run(launcher, tmp_path, "train", steps=12, **kw)
+    assert fin.returncodes == [0, 0], "\n".join(fin.outputs)
+    res = results(tmp_path, 2)
+    assert all(r["peak_units"] is not None and r["peak_units"] <= 3 for r in res), [r["peak_units"] for r in res]
+    assert "weights: flow" in res[0]["plan"]
+    ref_model, ropt, ref_losses = reference(12, model_kw={"ckpt": "1"})
+    assert_matches_reference(res, ref_model, ropt, ref_losses)
+
+
 def test_non_finite_gradient_on_one_rank_skips_the_step_on_every_rank(launcher, tmp_path):
     fin = run(launcher, tmp_path, "nan", steps=8, nan_step=5)
     assert fin.returncodes == [0, 0], "\n".join(fin.outputs)
