@@ -43,6 +43,11 @@ every process); a YAML/JSON file named by ``config_file=`` or ``HF_SUPEROFFLOAD_
   threshold for the coming step, and it returns a 0-d tensor that holds the global norm (before clipping) once
   ``optimizer.step()`` has run. Calls for other parameters go to accelerate's implementation.
 
+**Long sequences.** ``prepare_superoffload(..., sequence_parallel_size=P)`` switches the model to Ulysses
+attention over groups of P ranks and makes the optimizer average over the data-parallel replicas only; the loop
+trains each batch with ``sp.causal_lm_loss(model, sp.shard_batch(batch, groups), groups)``
+(``groups = hf_superoffload.sequence_parallel.active_groups()``).
+
 **Threads.** ``accelerate launch`` exports ``OMP_NUM_THREADS=1`` on GPU runs. The compiled CPU Adam sizes its pool
 from the process's affinity mask and ignores it, so nothing is changed; only when the torch fallback of CPU Adam
 is in use (it runs on torch's intra-op threads) we warn once with the fix (``--num_cpu_threads_per_process``).
@@ -203,6 +208,7 @@ def prepare_superoffload(
     optimizer_or_kwargs: SuperOffloadOptimizer | torch.optim.Optimizer | Mapping[str, Any] | None = None,
     *,
     plugin: SuperOffloadPlugin | None = None,
+    sequence_parallel_size: int = 1,
 ) -> tuple[torch.nn.Module, SuperOffloadAcceleratedOptimizer]:
     """Prepare ``model`` and its SuperOffload optimizer on ``accelerator`` (see the module docstring).
 
@@ -216,15 +222,24 @@ def prepare_superoffload(
             ``torch.optim.AdamW`` whose groups and hyper-parameters are taken over. ``None``: defaults.
         plugin: offload settings (default: ``SuperOffloadPlugin()``, i.e. environment, file, defaults). Ignored
             when a built ``SuperOffloadOptimizer`` is passed.
+        sequence_parallel_size: Ulysses ranks per sequence (1: off). Switches the model to Ulysses attention
+            and sets the optimizer's gradient divisor to the data-parallel size; the loop then trains each batch
+            with ``sp.causal_lm_loss(model, sp.shard_batch(batch, groups), groups)`` where
+            ``groups = hf_superoffload.sequence_parallel.active_groups()`` (docs/sequence_parallel.md).
 
     Returns:
         ``(model, optimizer)``: the prepared model and the registered ``SuperOffloadAcceleratedOptimizer``.
     """
     _check_accelerator(accelerator)
+    if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int) \
+            or sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size={sequence_parallel_size!r} is invalid: use an integer >= 1")
     if not getattr(model, "_is_accelerate_prepared", False):
         # several processes: the optimizer reduces gradients itself (sharded offload), so no DDP wrapper;
-        # evaluation_mode is accelerate's switch for "device placement and autocast only"
-        model = accelerator.prepare_model(model, evaluation_mode=accelerator.num_processes > 1)
+        # evaluation_mode is accelerate's switch for "device placement and autocast only". A built optimizer in
+        # weight-flow mode holds the weights on the host: the model must not be moved again.
+        flow = isinstance(optimizer_or_kwargs, SuperOffloadOptimizer) and optimizer_or_kwargs.plan.weight_mode.value == "flow"
+        model = accelerator.prepare_model(model, device_placement=False if flow else None, evaluation_mode=True)
     base = accelerator.unwrap_model(model)
     if isinstance(optimizer_or_kwargs, SuperOffloadOptimizer):
         opt = optimizer_or_kwargs
@@ -234,9 +249,23 @@ def prepare_superoffload(
                 f"{_param_device(base)}: pass keyword arguments instead (prepare_superoffload builds it after "
                 "placing the model), or move the model to accelerator.device before building it."
             )
+        if sequence_parallel_size > 1:
+            from ._sequence_parallel import setup_sequence_parallel
+
+            groups = setup_sequence_parallel(base, sequence_parallel_size)
+            comm = opt.engine.comm
+            if comm is None or comm.grad_divisor != groups.dp_size:
+                raise ValueError(f"with sequence_parallel_size={sequence_parallel_size} the optimizer must average over "
+                                 f"the {groups.dp_size} data-parallel replica(s) only: build it with "
+                                 f"gradient_divisor={groups.dp_size}, or pass keyword arguments instead")
     else:
         kwargs = _optimizer_kwargs(optimizer_or_kwargs)
         config = (plugin or SuperOffloadPlugin()).to_config()
+        if sequence_parallel_size > 1:
+            from ._sequence_parallel import setup_sequence_parallel
+
+            groups = setup_sequence_parallel(base, sequence_parallel_size)
+            kwargs.setdefault("gradient_divisor", groups.dp_size)  # SP ranks' partial gradients are summed
         opt = SuperOffloadOptimizer(base, config=config, log_plan=False, **kwargs)
     opt.set_sync_predicate(lambda: accelerator.sync_gradients)
     warn_if_threads_throttled(opt)

@@ -109,8 +109,7 @@ class SuperOffloadTrainer(Trainer):
         self._telemetry = TelemetryWindow()
         with building_superoffload_trainer():
             super().__init__(model, args, *rest, **kwargs)
-        if self.args.world_size > 1:
-            _prepare_without_ddp(self.accelerator)
+        _route_prepare_model(self)
         self.add_callback(_SuperOffloadCallback(self))
         # ---- sequence parallelism (issue #11): Ulysses attention + a training step over the SP group ----
         self._sp_groups = None
@@ -234,12 +233,21 @@ class SuperOffloadTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def _prepare_without_ddp(accelerator: Any) -> None:
-    """The optimizer reduces gradients itself: ``accelerator.prepare`` must place the model and apply autocast but
-    not wrap it in DDP (instance only; ``evaluation_mode`` is accelerate's switch for exactly that)."""
+def _route_prepare_model(trainer: SuperOffloadTrainer) -> None:
+    """``accelerator.prepare(model, optimizer)`` runs after the optimizer exists (instance only):
+
+    - the optimizer reduces gradients itself (several processes), so the model gets device placement and autocast
+      but never a DDP wrapper (``evaluation_mode`` is accelerate's switch for exactly that);
+    - weight flow: the weights live on the host between uses, so the model is not moved again (Trainer placed it
+      on the device before the optimizer was built; a ``.to()`` now would read released storage).
+    """
+    accelerator = trainer.accelerator
     original = accelerator.prepare_model
 
     def prepare_model(model: Any, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
+        opt = trainer.superoffload_optimizer
+        if opt is not None and opt.plan.weight_mode.value == "flow":
+            device_placement = False
         return original(model, device_placement=device_placement, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_model

@@ -43,7 +43,7 @@ from .streams import Handoff, StreamSet
 from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
 from .weight_flow import WeightStreamer
 
-__all__ = ["OffloadEngine", "StepStats"]
+__all__ = ["OffloadEngine", "StepStats", "module_weights"]
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -106,6 +106,16 @@ class StepStats:
             f"{prefix}clip_coef": round(self.clip_coef, 6),
             f"{prefix}speculative": float(self.speculative),
         }
+
+
+def module_weights(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """A context in which ``module``'s parameters hold their weights on the device, for code that reads them
+    without calling the module (weight flow streams weights in through module hooks; otherwise a no-op)."""
+    for p in module.parameters():
+        engine = _ENGINE_OF_PARAM.get(id(p))
+        if engine is not None and not engine._closed and engine._flow is not None:
+            return engine._flow.using(module)
+    return contextlib.nullcontext()
 
 
 def _add_stats_(x: torch.Tensor, stats: torch.Tensor) -> None:

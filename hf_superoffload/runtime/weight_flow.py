@@ -106,6 +106,16 @@ class FlowStats:
         self.peak_bytes, self.peak_units = self.materialized_bytes, self.materialized_units
 
 
+class _Restore:
+    """A removable handle that deletes an instance attribute (the class attribute shows through again)."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self._obj, self._name = obj, name
+
+    def remove(self) -> None:
+        self._obj.__dict__.pop(self._name, None)
+
+
 def _in_backward() -> bool:
     """True inside an autograd graph task (a recompute under checkpointing runs there)."""
     try:
@@ -246,6 +256,25 @@ class WeightStreamer:
         for u in self.units:
             for p in u.params:
                 h.append(p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p)))
+        self._guard_apply(root)
+
+    def _guard_apply(self, root: torch.nn.Module) -> None:
+        """``model.to()``/``.half()``/... on released parameters would read storage that is not there (a
+        segfault): refuse it with the fix instead, unless every unit is materialized."""
+        original = root._apply
+        streamer = self
+
+        def _apply(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if not streamer._closed and any(u.state is UnitState.RELEASED for u in streamer.units):
+                raise RuntimeError(
+                    "hf_superoffload weight flow: the model's weights live on the host and stream in per layer, so "
+                    "it cannot be moved or cast now (model.to / .half / .cuda ...). Place and cast the model before "
+                    "building SuperOffloadOptimizer, or do it inside `with optimizer.engine.materialized():`."
+                )
+            return original(fn, *args, **kwargs)
+
+        root._apply = _apply  # instance attribute: this model only; removed by close()
+        self._handles.append(_Restore(root, "_apply"))
 
     # ------------------------------------------------------------------------------------------------
     # mechanism
@@ -388,6 +417,22 @@ class WeightStreamer:
     def _end_backward(self) -> None:
         self._callback_queued = False
         self.release_all()
+
+    @contextlib.contextmanager
+    def using(self, module: torch.nn.Module) -> Iterator[None]:
+        """``module``'s streamed weights are on the device inside the block, for code that reads ``.weight``
+        without calling the module (a chunked LM-head loss); released after it."""
+        units = list({id(u): u for p in module.parameters() if (u := self._unit_of.get(id(p))) is not None}.values())
+        for u in units:
+            u.active += 1
+            self._fetch(u, block=True)
+            self._use(u)
+        try:
+            yield
+        finally:
+            for u in units:
+                u.active -= 1
+                self._release(u)
 
     # ------------------------------------------------------------------------------------------------
     # reading the weights outside training

@@ -148,5 +148,8 @@ def causal_lm_loss(model: torch.nn.Module, shard: dict[str, Any], groups: Sequen
         raise ValueError("causal_lm_loss: the shard has no shift_labels (give labels to shard_batch)")
     decoder = model.get_decoder()
     out = decoder(input_ids=shard["input_ids"], position_ids=shard["position_ids"], use_cache=False)
-    return sequence_parallel_loss(out.last_hidden_state, shard["shift_labels"], groups,
-                                  lm_head_weight=head.weight, chunk_size=chunk_size)
+    from ..runtime.engine import module_weights  # weight flow streams the head in through its module hooks
+
+    with module_weights(head):
+        return sequence_parallel_loss(out.last_hidden_state, shard["shift_labels"], groups,
+                                      lm_head_weight=head.weight, chunk_size=chunk_size)

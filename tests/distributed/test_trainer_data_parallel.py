@@ -57,3 +57,15 @@ def test_sequence_parallel_with_the_offloaded_optimizer(launcher, tmp_path):
     a, b = _losses(one), _losses(sp)
     for k, (x, y) in enumerate(zip(a, b)):
         assert math.isclose(x, y, rel_tol=5e-3, abs_tol=5e-3), f"step {k}: {x} (1 process) vs {y} (sp=2)"
+
+
+def test_sequence_parallel_with_weight_flow_and_checkpointing(launcher, tmp_path):
+    """sp=2 with weight flow (every layer streamed from each rank's host copy) and gradient checkpointing."""
+    one, sp = tmp_path / "one", tmp_path / "sp"
+    fin = launcher(WORKER, 1, [str(one), "4", "4", "-", "1", "flow"])
+    assert fin.returncodes == [0], fin.outputs[0][-3000:]
+    fin = launcher(WORKER, 2, [str(sp), "4", "2", "-", "2", "flow"])
+    assert fin.returncodes == [0, 0], "\n".join(o[-3000:] for o in fin.outputs)
+    a, b = _losses(one), _losses(sp)
+    for k, (x, y) in enumerate(zip(a, b)):
+        assert math.isclose(x, y, rel_tol=5e-3, abs_tol=5e-3), f"step {k}: {x} (1 process) vs {y} (sp=2, flow)"
