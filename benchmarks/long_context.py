@@ -39,14 +39,13 @@ import tempfile
 import time
 from typing import Any
 
+from hf_superoffload.presets import PRESETS
+
 PEAK_TFLOPS = {"cuda": 989.0}  # H200 SXM dense bf16; CPU: no MFU
 MODELS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-               num_key_value_heads=8, vocab_size=128256),
-    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
-                num_key_value_heads=40, vocab_size=128256),
+    **{name: PRESETS[name] for name in ("8b", "13b")},
 }
 OOM_EXIT = 3
 

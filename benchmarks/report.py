@@ -13,6 +13,7 @@ import json
 import math
 import pathlib
 import statistics
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -71,21 +72,21 @@ def plot(runs: dict[str, list[dict]], path: pathlib.Path) -> None:
 # ------------------------------------------------------------------------------------------------------------
 # suite.py records (schema hf_superoffload.suite/1)
 
-SUITE_ORDER = ("gpu", "ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow",
-               "ds_zero2", "ds_zero3", "ds_superoffload", "fsdp2_offload")
-SUITE_LABEL = {
-    "gpu": "GPU-only (fp32 master, fused AdamW on GPU)",
-    "ours": "hf_superoffload, default plan",
-    "ours_host": "hf_superoffload, all optimizer state on host",
-    "ours_nospec": "hf_superoffload, host, speculation off",
-    "ours_castflip": "hf_superoffload, host, casts flipped",
-    "ours_noclip": "hf_superoffload, host, no clipping",
-    "ours_flow": "hf_superoffload, weight flow",
-    "ds_zero2": "DeepSpeed ZeRO-2 offload",
-    "ds_zero3": "DeepSpeed ZeRO-3 offload",
-    "ds_superoffload": "DeepSpeed SuperOffload",
-    "fsdp2_offload": "FSDP2 CPU offload",
-}
+def _suite_definitions() -> Any:
+    """benchmarks/suite.py, loaded by path (this script also runs from anywhere): one list of systems and labels."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_suite_definitions", pathlib.Path(__file__).with_name("suite.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_SUITE = _suite_definitions()
+SUITE_ORDER: tuple[str, ...] = _SUITE.ALL_SYSTEMS
+SUITE_LABEL: dict[str, str] = _SUITE.LABELS
 # (system, bar label) of the per-technique ablation, in the order techniques are added
 ABLATION = (
     ("ours_nospec", "all state on host,\nno speculation"),

@@ -18,6 +18,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  num_key_value_heads=8, vocab_size=128256),
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256),
+    "13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                num_key_value_heads=40, vocab_size=128256),  # the paper's 13B long-context config
     "14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
                 num_key_value_heads=8, vocab_size=152064),
 }

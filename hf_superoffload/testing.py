@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ReferenceAdamW", "tiny_llama", "tiny_llama_config"]
+__all__ = ["ReferenceAdamW", "TokenDataset", "tiny_llama", "tiny_llama_config"]
 
 
 def tiny_llama_config(**overrides: Any) -> Any:
@@ -92,3 +92,18 @@ class ReferenceAdamW:
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.opt.param_groups
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Fixed random token blocks (``input_ids`` == ``labels``) for :func:`tiny_llama`'s vocabulary,
+    deterministic for ``seed``: what the Trainer tests train on."""
+
+    def __init__(self, n: int = 32, seq: int = 16, seed: int = 1, vocab: int = 128) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

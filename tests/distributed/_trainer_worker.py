@@ -12,19 +12,7 @@ from pathlib import Path
 import torch
 
 from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
-from hf_superoffload.testing import tiny_llama
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int = 16, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 128, (n, seq), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+from hf_superoffload.testing import TokenDataset, tiny_llama
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from hf_superoffload.testing import TokenDataset
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
@@ -16,19 +18,6 @@ os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
 VOCAB = 128  # hf_superoffload.testing.tiny_llama's vocabulary
 SMALL_BUCKETS = dict(superoffload_bucket_size_mb=0.004, superoffload_gpu_resident_buckets="2")
 
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Fixed random token blocks (``input_ids`` == ``labels``), deterministic for ``seed``."""
-
-    def __init__(self, n: int, seq: int = 16, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, VOCAB, (n, seq), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def train_kwargs(output_dir: Any, **overrides: Any) -> dict[str, Any]:

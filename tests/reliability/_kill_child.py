@@ -40,22 +40,11 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, n: int = 32, seq: int = 16, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 128, (n, seq), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
 
 def make_trainer(out: str, model: Any = None, **overrides: Any) -> Any:
     """The SuperOffloadTrainer of these tests (also used in-process by the parent tests)."""
     from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
-    from hf_superoffload.testing import tiny_llama
+    from hf_superoffload.testing import TokenDataset, tiny_llama
 
     args = SuperOffloadArguments(output_dir=out, **{**TRAINER_KW, **overrides})
     return SuperOffloadTrainer(model=model if model is not None else tiny_llama(seed=0), args=args,
