@@ -457,8 +457,9 @@ class OffloadEngine:
             p.grad = None
 
     def _reduce_scatter(self, b: HostBucket | DeviceBucket, grads: list[torch.Tensor | None], *,
-                        async_op: bool) -> tuple[torch.Tensor, Any] | torch.Tensor:
-        """Flatten ``b``'s gradients into a padded bucket and reduce-scatter it: this rank's shard of the sum."""
+                        async_op: bool) -> tuple[torch.Tensor, Any, torch.Tensor] | torch.Tensor:
+        """Flatten ``b``'s gradients into a padded bucket and reduce-scatter it: this rank's shard of the sum
+        (asynchronous: with the work and the padded input, which must outlive the collective)."""
         assert self.comm is not None
         spec = b.spec
         full = torch.empty(spec.shard * self.comm.world_size, dtype=self.dtype, device=self.device)
@@ -466,7 +467,7 @@ class OffloadEngine:
         full[spec.numel :].zero_()
         shard = torch.empty(spec.shard, dtype=self.dtype, device=self.device)
         work = self.comm.reduce_scatter(shard, full, async_op=async_op)
-        return (shard, work) if async_op else shard
+        return (shard, work, full) if async_op else shard
 
     def _offload_grads(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor) -> Handoff:
         s = self.streams
@@ -496,7 +497,7 @@ class OffloadEngine:
             flatten_grads_with_stats_([shard], [b.spec.shard], b.landing, stats_row)
             return Handoff(b.landing, None)
         compute = torch.cuda.current_stream(self.device)
-        shard, work = self._reduce_scatter(b, grads, async_op=True)
+        shard, work, full = self._reduce_scatter(b, grads, async_op=True)
         s.d2h.wait_stream(compute)
         if b.h2d_event is not None:
             s.d2h.wait_event(b.h2d_event)
@@ -507,8 +508,10 @@ class OffloadEngine:
             b.landing.copy_(flat, non_blocking=True)
             self._grad_stats_host[b.index].copy_(stats_row, non_blocking=True)
             event = s.record(s.d2h)
-        shard.record_stream(s.d2h)
-        flat.record_stream(s.d2h)
+        # the compute stream's allocator must not hand these out again before the collective (which the D2H
+        # stream waited for) is done with them
+        for t in (full, shard, flat):
+            t.record_stream(s.d2h)
         return Handoff(b.landing, event)
 
     def _need_order(self, b: HostBucket | DeviceBucket) -> int:
