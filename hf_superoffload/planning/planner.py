@@ -8,7 +8,16 @@ from typing import Any
 
 from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
-from .plan import LANDING_RING_SLOTS, BucketSpec, CastSide, HostAccumulation, OffloadPlan, Placement, Rollback, WeightMode
+from .plan import (
+    LANDING_RING_SLOTS,
+    BucketSpec,
+    CastSide,
+    HostAccumulation,
+    OffloadPlan,
+    Placement,
+    Rollback,
+    WeightMode,
+)
 
 __all__ = ["PlanError", "Workload", "make_plan", "partition_buckets", "split_cores"]
 
