@@ -133,14 +133,18 @@ class HostAccumulator:
         s.summed += 1
         s.has = has if s.has is None else [x or y for x, y in zip(s.has, has, strict=True)]
         s.idle.clear()
+        if final:
+            # cleared here, not in reset(): a CPU Adam task of the last step may read them after step() returned
+            s.stats_ready.clear()
         self._worker.submit(ADD_PRIORITY, f"gradient accumulation of {b.describe()}",
                             lambda: self._add(b, s, d2h, slot, first=first, final=final))
 
     def reset(self) -> None:
-        """A new optimizer step (no add may be in flight: the boundary statistics were read, or the worker drained)."""
+        """A new optimizer step (no add may be in flight: the boundary statistics were read, or the worker drained).
+
+        The statistics stay readable until the bucket's next boundary add is queued."""
         for s in self._sums.values():
-            s.summed, s.has, s.stats = 0, None, (0.0, 0)
-            s.stats_ready.clear()
+            s.summed, s.has = 0, None
             s.idle.set()
         with self._cond:
             self._free = list(range(len(self._ring)))
