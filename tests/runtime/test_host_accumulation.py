@@ -73,13 +73,13 @@ class AccumReference(ReferenceAdamW):
             m.grad = None
 
 
-def batches(n, seed=1, bs=2, seq=16):
+def batches(n, seed=1, bs=2, seq=16, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (bs, seq), generator=g) for _ in range(n)]
+    return [torch.randint(0, 128, (bs, seq), generator=g).to(device) for _ in range(n)]
 
 
-def build(cfg, *, ckpt=None, max_grad_norm=0.5, reference=False, fp32=True):
-    model = tiny_llama(seed=0)
+def build(cfg, *, ckpt=None, max_grad_norm=0.5, reference=False, fp32=True, device="cpu"):
+    model = tiny_llama(seed=0, device=device)
     model.train()
     if ckpt is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt == "reentrant"})
@@ -149,10 +149,10 @@ def assert_matches_reference(model, opt, ref_model, ref, losses, ref_losses):
     for i, p in enumerate(eng.params):
         pl, off = eng.param_location(i)
         side = "host" if pl is Placement.HOST else "device"
-        ours = eng.flat_state()[side]["master"][off : off + p.numel()].view(p.shape)
+        ours = eng.flat_state()[side]["master"][off : off + p.numel()].view(p.shape).cpu()
         rp = ref_params[names[id(p)]]
         m = next(m for q, m in ref.pairs if q is rp)
-        worst = max(worst, (ours - m.detach()).abs().max().item())
+        worst = max(worst, (ours - m.detach().cpu()).abs().max().item())
     assert worst < 8 * LR, f"final master weights differ by {worst} (> {8 * LR})"
 
 
@@ -171,6 +171,24 @@ def test_parity_with_clipping(placement, dtype):
     assert math.isclose(opt.last_grad_norm, ref.last_grad_norm, rel_tol=2e-2), (opt.last_grad_norm, ref.last_grad_norm)
     assert_matches_reference(model, opt, ref_model, ref, losses, ref_losses)
     assert opt.engine.governor.steps == 21
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["fp32", "landing"])
+def test_cuda_flow_parity(dtype):
+    """The CUDA path: D2H into landing or a pinned ring slot on the D2H stream, adds after its event."""
+    data = batches(8 * ACCUM, device="cuda")
+    model, opt = build(config(dtype, "flow", gpu_resident_buckets=1), device="cuda")
+    host = [p for b in opt.engine.host_buckets for p in b.params]
+
+    def after_backward(step, k):
+        assert all(p.grad is None for p in host)
+
+    losses = train(model, opt, data, after_backward=after_backward)
+    ref_model, ref = build(None, reference=True, fp32=dtype == "fp32", device="cuda")
+    ref_losses = train(ref_model, ref, data)
+    assert opt.clipped_steps >= 2
+    assert_matches_reference(model, opt, ref_model, ref, losses, ref_losses)
 
 
 def test_first_step_grad_norm_is_that_of_the_sum():
