@@ -15,7 +15,10 @@ the first that trains. Each child caps the GPU with ``torch.cuda.set_per_process
 gradient checkpointing (SDPA), trains with ``SuperOffloadOptimizer(weight_placement="flow")`` and measures
 ``--steps`` optimizer steps of ``--grad-accum`` micro-batches each after ``--warmup``. The gradient
 accumulation matters: the CPU Adam of 8B parameters takes ~2.5 s on a 16-core host, which a single micro-batch
-of the size that fits under the cap cannot hide (weights still stream twice per micro-batch).
+of the size that fits under the cap cannot hide (weights still stream twice per micro-batch). The micro-batches
+are summed on the host (``--accumulate-on-host``, default on: [Note: host accumulation] in docs/weight_flow.md);
+device-side accumulation would keep 16 GB of bf16 gradients on the GPU. On a 128 GiB host the planner's
+``auto`` dtype sums in the bf16 landing buffer (an fp32 sum needs 4 B/param more, 30 GB at 8B, which does not fit).
 
 Host RAM, not the GPU, bounds 8B on a 128 GiB host: 16 B/param of host state is 120 GiB. ``--gpu-resident-buckets``
 (default 1: the input embedding's bucket, 0.53B parameters, 8.4 GB of fp32 state plus its resident bf16 weights)
@@ -57,6 +60,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="4,3,2,1", help="tried from the first (largest) on")
     p.add_argument("--grad-accum", type=int, default=8,
                    help="micro-batches per optimizer step (the CPU Adam then hides behind K forward/backward passes)")
+    p.add_argument("--accumulate-on-host", choices=["true", "false", "auto"], default="true",
+                   help="sum micro-batches on the host (SuperOffloadConfig.accumulate_on_host)")
+    p.add_argument("--host-accumulation-dtype", choices=["auto", "fp32", "landing"], default="auto")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gpu-resident-buckets", default="1", help="'auto' or an int (see the module docstring)")
@@ -107,7 +113,9 @@ def child(a: argparse.Namespace) -> dict:
     if cap is not None:  # the planner must see the cap, not the whole device
         profile = dataclasses.replace(profile, device_free_bytes=cap - torch.cuda.memory_allocated(dev))
     tail = a.gpu_resident_buckets if a.gpu_resident_buckets == "auto" else int(a.gpu_resident_buckets)
-    config = SuperOffloadConfig(weight_placement="flow", gpu_resident_buckets=tail, rollback=a.rollback)
+    accumulate = a.accumulate_on_host if a.accumulate_on_host == "auto" else a.accumulate_on_host == "true"
+    config = SuperOffloadConfig(weight_placement="flow", gpu_resident_buckets=tail, rollback=a.rollback,
+                                accumulate_on_host=accumulate, host_accumulation_dtype=a.host_accumulation_dtype)
     opt = SuperOffloadOptimizer(model, lr=1e-5, weight_decay=0.0, max_grad_norm=a.max_grad_norm, config=config,
                                 profile=profile)
     init_s = time.perf_counter() - t0
@@ -161,7 +169,7 @@ def child(a: argparse.Namespace) -> dict:
         "peak_gpu_GiB": round(torch.cuda.max_memory_allocated(dev) / GiB, 2) if cap else None,
         "peak_gpu_reserved_GiB": round(torch.cuda.max_memory_reserved(dev) / GiB, 2) if cap else None,
         "peak_host_rss_GB": round(_host_rss_gb(), 1), "init_s": round(init_s, 1),
-        "plan": opt.plan.summary(),
+        "plan": opt.plan.summary(), "host_accumulation": opt.plan.host_accumulation.value,
         "flow": {"units": len(flow.units), "peak_units": flow.stats.peak_units,
                  "peak_weights_GiB": round(flow.stats.peak_bytes / GiB, 3),
                  "h2d_GB_per_step": round(flow.stats.h2d_bytes / 1e9 / max(1, a.warmup + a.steps), 2)},

@@ -15,6 +15,7 @@ __all__ = ["SuperOffloadConfig"]
 Rollback = Literal["auto", "double_buffer", "inverse"]
 CastSide = Literal["auto", "cpu", "gpu"]
 WeightPlacement = Literal["auto", "stationary", "flow"]
+AccumulationDtype = Literal["auto", "fp32", "landing"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +57,17 @@ class SuperOffloadConfig:
         worker_timeout_s: Longest time the training loop waits for one bucket before raising an error that
             names it. The worker itself never polls.
         check_finite: Skip the whole step (bit-exact) when any gradient is non-finite.
+        accumulate_on_host: Gradient accumulation (micro-batches run inside ``no_sync()``, or an integration's
+            sync predicate says "not a boundary"): ``True`` offloads every micro-batch's host-bucket gradients as
+            they complete and sums them on the host (the CPU worker adds; the device keeps no accumulated
+            gradient between micro-batches); ``False`` accumulates in ``param.grad`` on the device and offloads
+            the boundary micro-batch only; ``"auto"``: on in weight-flow mode (where device memory is the
+            constraint), off otherwise. Single process only: refused with data parallelism.
+            [Note: host accumulation] in docs/weight_flow.md.
+        host_accumulation_dtype: With host accumulation, where the sum lives. ``"fp32"``: a separate fp32 arena
+            (+4 B/param host RAM, the CPU Adam steps from fp32); ``"landing"``: in the gradient landing buffer,
+            in its dtype (bf16 with CPU casts, rounded like torch's bf16 ``.grad`` accumulation; no per-parameter
+            RAM); ``"auto"``: fp32 when host RAM allows it, else landing (GPU casts: landing, already fp32).
     """
 
     bucket_size_mb: float = 32.0
@@ -72,6 +84,8 @@ class SuperOffloadConfig:
     pin_memory: bool = True
     worker_timeout_s: float = 600.0
     check_finite: bool = True
+    accumulate_on_host: bool | Literal["auto"] = "auto"
+    host_accumulation_dtype: AccumulationDtype = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, fix: str) -> ValueError:
@@ -101,6 +115,10 @@ class SuperOffloadConfig:
             raise bad("cpu_threads", self.cpu_threads, "use None (automatic) or an integer >= 1")
         if not (self.worker_timeout_s > 0):
             raise bad("worker_timeout_s", self.worker_timeout_s, "use a positive number of seconds")
+        if not (isinstance(self.accumulate_on_host, bool) or self.accumulate_on_host == "auto"):
+            raise bad("accumulate_on_host", self.accumulate_on_host, "use True, False or 'auto'")
+        if self.host_accumulation_dtype not in ("auto", "fp32", "landing"):
+            raise bad("host_accumulation_dtype", self.host_accumulation_dtype, "use 'auto', 'fp32' or 'landing'")
 
     def replace(self, **changes: Any) -> SuperOffloadConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -44,7 +44,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             model(**batch).loss.backward()
             opt.step(); opt.zero_grad(); scheduler.step()
 
-    For gradient accumulation run the non-final micro-batches inside ``with opt.no_sync():``.
+    For gradient accumulation run the non-final micro-batches inside ``with opt.no_sync():`` (where the sum lives:
+    ``SuperOffloadConfig.accumulate_on_host``).
 
     Args:
         model: the module to train. Its trainable parameters are converted to bf16 if they are fp32 (the fp32
@@ -252,7 +253,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients on the device without offloading (non-final micro-batches)."""
+        """Non-final micro-batches: gradients accumulate without a step (on the device, or summed on the host with
+        ``SuperOffloadConfig.accumulate_on_host``)."""
         with self._engine.no_sync():
             yield
 

@@ -29,7 +29,7 @@ from typing import Any, get_args
 
 from transformers import TrainingArguments
 
-from ..config import CastSide, Rollback, SuperOffloadConfig, WeightPlacement
+from ..config import AccumulationDtype, CastSide, Rollback, SuperOffloadConfig, WeightPlacement
 
 __all__ = ["SuperOffloadArguments", "superoffload_config_from_args"]
 
@@ -86,6 +86,11 @@ class SuperOffloadArguments(TrainingArguments):
         superoffload_pin_memory: Page-lock the host buffers that DMA touches.
         superoffload_worker_timeout_s: Longest wait for one bucket before an error that names it.
         superoffload_check_finite: Skip the whole step (bit-exact) on any non-finite gradient.
+        superoffload_accumulate_on_host: ``"auto"``, ``True``/``"true"`` or ``False``/``"false"``: with
+            gradient_accumulation_steps > 1, sum the micro-batches' gradients on the host (every micro-batch is
+            offloaded) instead of in ``param.grad`` on the device. ``"auto"``: on in weight-flow mode.
+        superoffload_host_accumulation_dtype: ``"auto"``, ``"fp32"`` (separate fp32 sum, +4 B/param host RAM) or
+            ``"landing"`` (sum in the landing buffer, bf16 with CPU casts).
         sequence_parallel_size: Ulysses sequence parallelism: ranks per sequence (1 = off).
     """
 
@@ -144,6 +149,15 @@ class SuperOffloadArguments(TrainingArguments):
         default=_D.check_finite,
         metadata=_help("SuperOffload: skip the whole step, bit-exactly, when any gradient is non-finite (the LR "
                        "schedule does not advance either)."))
+    superoffload_accumulate_on_host: str = field(
+        default=str(_D.accumulate_on_host),
+        metadata=_help("SuperOffload: 'auto', 'true' or 'false': sum gradient-accumulation micro-batches on the host "
+                       "(each micro-batch's gradients are offloaded) instead of on the device; 'auto': on in "
+                       "weight-flow mode."))
+    superoffload_host_accumulation_dtype: AccumulationDtype = field(
+        default=_D.host_accumulation_dtype,
+        metadata=_help("SuperOffload: with host accumulation, 'fp32' (a separate fp32 sum, +4 B/param host RAM), "
+                       "'landing' (the sum lives in the bf16 landing buffer) or 'auto' (fp32 when host RAM allows)."))
     # ---- sequence parallelism (issue #11; hf_superoffload/sequence_parallel, integrations/_sequence_parallel.py)
     sequence_parallel_size: int = field(
         default=1,
@@ -164,6 +178,7 @@ class SuperOffloadArguments(TrainingArguments):
                 "mixed_precision bf16 or no in the accelerate config, or pass bf16=True."
             )
         self.superoffload_gpu_resident_buckets = str(self.superoffload_gpu_resident_buckets)
+        self.superoffload_accumulate_on_host = str(self.superoffload_accumulate_on_host).lower()
         self.to_superoffload_config()  # validate now, not at the first train() call
 
     # ------------------------------------------------------------------------------------------------
@@ -219,6 +234,11 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
             raise ValueError(f"SuperOffloadArguments.superoffload_gpu_resident_buckets={resident!r} is invalid: "
                              "use 'auto' or an integer >= 0") from None
     kw["gpu_resident_buckets"] = resident
+    accumulate = str(kw["accumulate_on_host"]).lower()
+    if accumulate not in ("auto", "true", "false"):
+        raise ValueError(f"SuperOffloadArguments.superoffload_accumulate_on_host={kw['accumulate_on_host']!r} is "
+                         "invalid: use 'auto', 'true' or 'false'")
+    kw["accumulate_on_host"] = accumulate if accumulate == "auto" else accumulate == "true"
     try:
         return SuperOffloadConfig(**kw)
     except ValueError as e:

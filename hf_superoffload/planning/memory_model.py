@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .hardware import HardwareProfile
-from .plan import CastSide, OffloadPlan, WeightMode
+from .plan import CastSide, OffloadPlan, Rollback, WeightMode
 
 __all__ = ["MemoryEstimate", "ModelShape", "PlanLike", "bisect_largest", "check_fits", "estimate", "fits",
            "largest_model_that_fits"]
@@ -169,6 +169,8 @@ class PlanLike:
         cast_side: ``"cpu"`` (bf16 crosses the link) or ``"gpu"`` (fp32 crosses; buckets are fp32 on the GPU).
         optimizer: ``"superoffload"``; ``"gpu_adamw"`` (fp32 weights, gradients and AdamW on the GPU with
             bf16 autocast: the baseline); ``"none"`` (bf16 forward+backward whose gradients persist).
+        accumulation_bytes: host RAM of the gradient accumulation buffers (``OffloadPlan.accumulation_bytes``:
+            4 B/param for the fp32 arena of host accumulation, a few buckets for its landing mode, else 0).
         speculated_fraction: share of the rollback copy ever written. 1.0 for a double buffer (every step
             writes the other copy) and the conservative default; for a snapshot rollback, the share of host
             parameters stepped speculatively (only those write their snapshot).
@@ -182,6 +184,7 @@ class PlanLike:
     cast_side: Literal["cpu", "gpu"] = "cpu"
     optimizer: Literal["superoffload", "gpu_adamw", "none"] = "superoffload"
     speculated_fraction: float = 1.0
+    accumulation_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.host_bytes_per_param not in (16, 28):
@@ -194,7 +197,8 @@ class PlanLike:
         gpu_cast = plan.cast_side is CastSide.GPU
         largest = max((b.numel for b in plan.buckets), default=0) * (4 if gpu_cast else 2)
         return cls(device_numel=plan.device_numel, host_numel=plan.host_numel,
-                   host_bytes_per_param=plan.host_bytes() // max(plan.host_numel, 1) if plan.host_numel else 16,
+                   host_bytes_per_param=28 if plan.rollback is Rollback.DOUBLE_BUFFER else 16,
+                   accumulation_bytes=plan.accumulation_bytes(),
                    weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
                    bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu")
 
@@ -326,6 +330,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         if p.host_bytes_per_param == 28:
             host["rollback_copy"] = 12 * p.host_numel
             untouched = int(12 * p.host_numel * (1.0 - p.speculated_fraction))
+        if p.accumulation_bytes:
+            host["grad_accumulation"] = p.accumulation_bytes
         host["engine_overhead"] = int(ENGINE_HOST_BYTES_PER_PARAM * p.host_numel)
 
     return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {**phases, "step": step},
@@ -405,7 +411,11 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
                    f"{(profile.host_available_bytes or 0) / GiB:.1f} GiB is available. Options:")
         if "rollback_copy" in est.host:
             out.append(f"  - rollback='inverse' saves {est.host['rollback_copy'] / GiB:.1f} GiB")
-        move = min(p.host_numel, int(host_over / (p.host_bytes_per_param + ENGINE_HOST_BYTES_PER_PARAM)) + 1)
+        if p.host_numel and est.host.get("grad_accumulation", 0) >= 4 * p.host_numel:  # the fp32 arena
+            out.append(f"  - host_accumulation_dtype='landing' saves most of the {est.host['grad_accumulation'] / GiB:.1f} "
+                       "GiB fp32 gradient accumulator")
+        per = p.host_bytes_per_param + ENGINE_HOST_BYTES_PER_PARAM + p.accumulation_bytes / max(p.host_numel, 1)
+        move = min(p.host_numel, int(host_over / per) + 1)
         moved = _again(est, plan_like=dataclasses.replace(p, device_numel=p.device_numel + move,
                                                           host_numel=p.host_numel - move))
         out.append(f"  - keep {move / 1e9:.2f}B more parameters' optimizer state on the GPU (gpu_resident_buckets): "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["BucketSpec", "CastSide", "OffloadPlan", "Placement", "Rollback", "WeightMode"]
+__all__ = ["BucketSpec", "CastSide", "HostAccumulation", "OffloadPlan", "Placement", "Rollback", "WeightMode"]
 
 
 class Placement(enum.Enum):
@@ -36,6 +36,23 @@ class Rollback(enum.Enum):
     """Two copies of the host state; a step reads one and writes the other: bit-exact, free undo, +12 B/param."""
     INVERSE = "inverse"
     """Algebraic inverse of AdamW: no extra memory, fp32-rounding-exact undo."""
+
+
+class HostAccumulation(enum.Enum):
+    """Where gradient accumulation over micro-batches sums host buckets' gradients ([Note: host accumulation])."""
+
+    OFF = "off"
+    """On the device, in ``param.grad``; only the boundary micro-batch offloads (device tail: always)."""
+    FP32 = "fp32"
+    """Every micro-batch offloads; the CPU worker sums into an fp32 arena (+4 B/param host RAM)."""
+    LANDING = "landing"
+    """Every micro-batch offloads; the CPU worker sums into the landing buffer itself, in its dtype (bf16 with CPU
+    casts: the rounding of torch's own bf16 ``.grad`` accumulation; fp32 with GPU casts). Later micro-batches land
+    in a small ring of bucket-sized pinned buffers: no per-parameter host RAM."""
+
+
+# Bucket-sized pinned buffers that receive the later micro-batches' gradients in HostAccumulation.LANDING.
+LANDING_RING_SLOTS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +104,7 @@ class OffloadPlan:
         world_size / rank: data parallelism: each rank owns the slice ``[lo, lo + shard)`` of every bucket
             ([Note: data parallel sharding]); 1 / 0 on a single process.
         cpu_affinity: cores this rank's CPU Adam runs on (ranks sharing a host split them); ``None``: any.
+        host_accumulation: where gradient accumulation sums the host buckets' gradients.
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -103,6 +121,7 @@ class OffloadPlan:
     world_size: int = 1
     rank: int = 0
     cpu_affinity: tuple[int, ...] | None = None
+    host_accumulation: HostAccumulation = HostAccumulation.OFF
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -119,7 +138,16 @@ class OffloadPlan:
         full_weights = 0  # weight flow + data parallel: the whole bf16 weights of the host buckets on every rank
         if self.weight_mode is WeightMode.FLOW and self.world_size > 1:
             full_weights = 2 * sum(b.numel for b in self.host_buckets)
-        return self.host_numel * per + full_weights
+        return self.host_numel * per + full_weights + self.accumulation_bytes()
+
+    def accumulation_bytes(self) -> int:
+        """Host RAM of the gradient accumulation buffers (fp32 arena, or the landing mode's pinned ring)."""
+        if self.host_accumulation is HostAccumulation.FP32:
+            return 4 * self.host_numel
+        if self.host_accumulation is HostAccumulation.LANDING and self.host_numel:
+            per = 4 if self.cast_side is CastSide.GPU else 2
+            return LANDING_RING_SLOTS * per * max(b.shard for b in self.host_buckets)
+        return 0
 
     def device_bytes(self) -> int:
         """Device memory for the GPU-resident tail's fp32 master and Adam state."""
@@ -135,6 +163,7 @@ class OffloadPlan:
             f"  weights: {self.weight_mode.value}; casts on {self.cast_side.value}; rollback: {self.rollback.value}; "
             f"speculation: {'on' if self.speculation else 'off'}; cpu threads: {self.cpu_threads}; "
             f"pinned: {self.pin_memory}",
+            f"  gradient accumulation: {_ACCUM_SUMMARY[self.host_accumulation]}",
         ]
         if self.world_size > 1:
             cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"
@@ -142,6 +171,13 @@ class OffloadPlan:
                          f"bucket's optimizer state; CPU Adam on {cores}")
         lines += [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+_ACCUM_SUMMARY = {
+    HostAccumulation.OFF: "on the device (param.grad)",
+    HostAccumulation.FP32: "on the host, fp32 arena",
+    HostAccumulation.LANDING: "on the host, in the landing buffer",
+}
 
 
 def _ranges(cores: tuple[int, ...]) -> str:

@@ -8,7 +8,16 @@ from typing import Any
 
 from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
-from .plan import BucketSpec, CastSide, OffloadPlan, Placement, Rollback, WeightMode
+from .plan import (
+    LANDING_RING_SLOTS,
+    BucketSpec,
+    CastSide,
+    HostAccumulation,
+    OffloadPlan,
+    Placement,
+    Rollback,
+    WeightMode,
+)
 
 __all__ = ["PlanError", "Workload", "make_plan", "partition_buckets", "split_cores"]
 
@@ -244,11 +253,19 @@ def make_plan(
     if avail is not None and local_world_size > 1:
         avail //= local_world_size  # every rank on this host holds its own shard of the state
     base = host_numel * 16  # p/m/v + bf16 landing and staging (CPU cast) or an fp32 landing (GPU cast)
+    largest_host = max((b.shard for b in buckets if b.placement is Placement.HOST), default=0)
+    accumulation, accum_note = _host_accumulation(config, weight_mode, cast_side, world_size, host_numel,
+                                                  base, avail, largest_host)
+    notes.append(accum_note)
+    if accumulation is HostAccumulation.FP32:
+        base += 4 * host_numel
+    elif accumulation is HostAccumulation.LANDING:
+        base += LANDING_RING_SLOTS * largest_host * (4 if cast_side is CastSide.GPU else 2)
     if avail is not None and base + _HOST_HEADROOM_BYTES > avail:
         gib = 1024**3
         raise PlanError(
-            f"the host optimizer state needs {base / gib:.1f} GiB (16 B/param for {host_numel / 1e9:.2f}B "
-            f"parameters) plus {_HOST_HEADROOM_BYTES / gib:.0f} GiB headroom, but only {avail / gib:.1f} GiB of "
+            f"the host optimizer state needs {base / gib:.1f} GiB ({base / max(host_numel, 1):.0f} B/param for "
+            f"{host_numel / 1e9:.2f}B parameters) plus {_HOST_HEADROOM_BYTES / gib:.0f} GiB headroom, but only {avail / gib:.1f} GiB of "
             "host RAM is available. Keep more buckets on the GPU (gpu_resident_buckets), train fewer "
             "parameters, or add ranks/RAM."
         )
@@ -264,7 +281,7 @@ def make_plan(
         notes.append("rollback: inverse (host RAM too small for a second state copy; undo exact to fp32 rounding)")
     if rollback is Rollback.DOUBLE_BUFFER and avail is not None and base + host_numel * 12 + _HOST_HEADROOM_BYTES > avail:
         raise PlanError(
-            f"rollback='double_buffer' needs {host_numel * 28 / 1024**3:.1f} GiB of host RAM but "
+            f"rollback='double_buffer' needs {(base + host_numel * 12) / 1024**3:.1f} GiB of host RAM but "
             f"{avail / 1024**3:.1f} GiB is available; use rollback='inverse' or 'auto'"
         )
 
@@ -282,4 +299,37 @@ def make_plan(
         world_size=world_size,
         rank=rank,
         cpu_affinity=affinity,
+        host_accumulation=accumulation,
     )
+
+
+def _host_accumulation(config: SuperOffloadConfig, weight_mode: WeightMode, cast_side: CastSide, world_size: int,
+                       host_numel: int, base: int, avail: int | None, largest_host: int) -> tuple[HostAccumulation, str]:
+    """Where micro-batch gradients are summed ([Note: host accumulation] in docs/weight_flow.md).
+
+    ``"auto"`` is on in weight-flow mode: there the device cannot hold a second copy of the weights' size in
+    accumulated gradients. Its buffer is fp32 when the host RAM allows 4 B/param more, else the landing buffer.
+    """
+    if config.accumulate_on_host is True and world_size > 1:
+        raise PlanError("accumulate_on_host=True is not supported with data parallelism (each micro-batch would "
+                        "need its own reduce-scatter): use accumulate_on_host=False or 'auto' (off there)")
+    if config.accumulate_on_host is False:
+        return HostAccumulation.OFF, "gradient accumulation: on the device (configured)"
+    if config.accumulate_on_host == "auto":
+        if world_size > 1:
+            return HostAccumulation.OFF, "gradient accumulation: on the device (auto: data parallel)"
+        if weight_mode is not WeightMode.FLOW:
+            return HostAccumulation.OFF, "gradient accumulation: on the device (auto: stationary weights)"
+    why = "configured" if config.accumulate_on_host is True else "auto: weight flow"
+    if not host_numel:
+        return HostAccumulation.OFF, "gradient accumulation: on the device (no host buckets)"
+    if config.host_accumulation_dtype == "fp32":
+        return HostAccumulation.FP32, f"gradient accumulation: on the host, fp32 arena ({why})"
+    if config.host_accumulation_dtype == "landing":
+        return HostAccumulation.LANDING, f"gradient accumulation: on the host, in the landing buffer ({why})"
+    if cast_side is CastSide.GPU:
+        return HostAccumulation.LANDING, f"gradient accumulation: on the host, in the fp32 landing buffer ({why})"
+    if avail is None or base + 4 * host_numel + _HOST_HEADROOM_BYTES <= avail:
+        return HostAccumulation.FP32, f"gradient accumulation: on the host, fp32 arena ({why}; host RAM allows it)"
+    return HostAccumulation.LANDING, (f"gradient accumulation: on the host, in the bf16 landing buffer ({why}; host "
+                                      "RAM too small for a 4 B/param fp32 arena)")

@@ -119,10 +119,15 @@ class HostBucket(_BucketBase):
         ready: set when the parameters on the device are final for the current step (or will be once a
             stream waits on ``fwd_event``); the next forward blocks on it.
         applied: (hyper-parameters, grad scale) of the step currently applied to the state, for undo.
+        grad: the host gradient this step's CPU Adam reads: ``landing``, or the host accumulation's sum.
+        accumulated: this step's gradient was summed over micro-batches on the host; its statistics come from
+            the accumulator, not from the device ([Note: host accumulation]).
     """
 
     pmv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     landing: torch.Tensor
+    grad: torch.Tensor
+    accumulated: bool
     staging: torch.Tensor | None
     home: torch.Tensor | None
     gaps: tuple[tuple[int, int], ...]
@@ -148,6 +153,7 @@ class HostBucket(_BucketBase):
         self.ready.set()
         self.stream_waited = True
         self.applied = None
+        self.accumulated = False
         self.pmv = []
         self.gaps = ()
         self.staging = None

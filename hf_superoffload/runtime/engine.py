@@ -9,6 +9,9 @@ Schedule of one optimizer step (see docs/design.md for the notes named here):
    queued; a device (tail) bucket keeps its flat gradient on the device.
 2. The CPU worker waits on exactly that bucket's D2H event and, if speculation is on and no non-finite
    gradient was seen, steps AdamW speculatively (writing the bf16 weights into staging in the same pass).
+   With host accumulation (``plan.host_accumulation``, [Note: host accumulation]) host buckets are flushed in
+   every micro-batch: the CPU worker sums them (``runtime/accumulation.py``) and the boundary micro-batch's
+   statistics are those of the sum, computed on the host.
 3. ``step()`` flushes the buckets that did not complete (parameters without gradients), reads the global
    norm and non-finite count (the one host sync of the step), and decides COMMIT / REDO / SKIP
    ([Note: speculation and rollback]).
@@ -33,8 +36,9 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..planning.plan import CastSide, OffloadPlan, Placement, Rollback, WeightMode
+from ..planning.plan import CastSide, HostAccumulation, OffloadPlan, Placement, Rollback, WeightMode
 from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
+from .accumulation import HostAccumulator
 from .bucket import BucketState, DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .cpu_worker import CpuWorker
@@ -194,7 +198,18 @@ class OffloadEngine:
         self._flow: WeightStreamer | None = None
         if self.plan.weight_mode is WeightMode.FLOW:
             self._flow = self._build_streamer(modules)
+        self._accum: HostAccumulator | None = None
         self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity)
+        if plan.host_accumulation is not HostAccumulation.OFF:
+            if comm is not None:
+                raise ValueError("host gradient accumulation is single-process only (the planner refuses it with "
+                                 "data parallelism); build the plan with make_plan")
+            self._accum = HostAccumulator(
+                mode=plan.host_accumulation, buckets=self.host_buckets, host_numel=plan.host_numel,
+                landing_dtype=self._arenas["landing"].tensor.dtype, pin=plan.pin_memory and self.streams.is_cuda,
+                worker=self._worker, timeout_s=timeout_s, num_threads=plan.cpu_threads)
+            for k, buf in enumerate(self._accum.buffers):
+                self._arenas[f"accumulation{k}"] = buf
         # data parallel: one thread issues the all-gathers, in need order, so every rank issues them alike
         self._gatherer = (CpuWorker(device=self.device, on_error=self._wake_all, name="superoffload-gather")
                           if comm else None)
@@ -251,6 +266,7 @@ class OffloadEngine:
                 b = HostBucket(spec, ps)
                 b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(copies)]
                 b.landing = a["landing"][sl]
+                b.grad = b.landing
                 b.staging = a["staging"][sl] if self._cast_on_cpu else None
                 b.home = b.staging
                 if self._full_home:
@@ -265,7 +281,7 @@ class OffloadEngine:
             self.buckets.append(b)
             for i in spec.param_indices:
                 self._bucket_of[i] = b
-        self._arrived = [0] * len(self.buckets)
+        self._arrived: list[set[int]] = [set() for _ in self.buckets]
         self._flushed = [False] * len(self.buckets)
         # Per-bucket [sum of squares, non-finite count]; host buckets' rows are also copied to the host
         # with their gradients so the worker can refuse to speculate on a non-finite bucket.
@@ -384,7 +400,8 @@ class OffloadEngine:
     # gradient accumulation boundary
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward inside accumulates gradients on the device without offloading them."""
+        """Backward inside is not an accumulation boundary: gradients accumulate on the device (host buckets: on
+        the host, with host accumulation) and nothing is stepped."""
         self._no_sync_depth += 1
         try:
             yield
@@ -399,20 +416,27 @@ class OffloadEngine:
     # ------------------------------------------------------------------------------------------------
     # backward: flush
     def _on_grad(self, i: int) -> None:
-        if not self._is_sync():
-            return
+        sync = self._is_sync()
         b = self._bucket_of[i]
+        if not sync and (self._accum is None or isinstance(b, DeviceBucket)):
+            return  # accumulates in param.grad on the device
         if self._flushed[b.index]:
             raise RuntimeError(
                 f"parameter {i} received a gradient after its bucket was offloaded in this step. "
                 "For gradient accumulation, run the non-final micro-batches inside `with optimizer.no_sync():` "
                 "(Trainer and Accelerate do this for you); call optimizer.step() before the next backward."
             )
-        self._arrived[b.index] += 1
+        arrived = self._arrived[b.index]
+        if i in arrived:
+            return  # host accumulation: a gradient that grew on the device while its bucket waited for the rest
+        arrived.add(i)
         self._present[b.index] += i + 1
-        if self._arrived[b.index] == len(b.params):
+        if len(arrived) == len(b.params):
             try:
-                self._flush(b)
+                if sync:
+                    self._flush(b)
+                else:
+                    self._accumulate(b)  # type: ignore[arg-type]
             except BaseException:
                 self.abort_step()
                 raise
@@ -433,6 +457,9 @@ class OffloadEngine:
         self._flushed[b.index] = True
         grads = [p.grad for p in b.params]
         has = [g is not None for g in grads]
+        summed = self._accum.summed(b) if self._accum is not None and isinstance(b, HostBucket) else 0
+        if summed:
+            has = [x or y for x, y in zip(has, self._accum.has(b), strict=True)]  # type: ignore[union-attr, arg-type]
         b.bucket_runs = b.plan_runs(has, [self.param_group[i] for i in b.spec.param_indices],
                                     [self.param_steps[i] for i in b.spec.param_indices])
         runs = b.clip_runs(b.bucket_runs)  # this rank's shard
@@ -448,11 +475,35 @@ class OffloadEngine:
                 b.grad, b.runs = flat, runs
             else:
                 self.wait_bucket(b, for_stream=False)  # last step's H2D must be done with staging/landing
-                d2h = self._offload_grads(b, grads, stats_row)
+                if summed:  # the statistics are those of the sum, computed by the worker's boundary add
+                    assert self._accum is not None
+                    dest, slot = self._accum.target(b)
+                    d2h = self._offload_grads(b, grads, None, dest)
+                    self._accum.submit(b, d2h, slot, [g is not None for g in grads], final=True)
+                    b.grad = self._accum.grad(b)
+                else:
+                    d2h = self._offload_grads(b, grads, stats_row, b.landing)
+                    b.grad = b.landing
+                b.accumulated = bool(summed)
                 b.to_offloaded(runs, d2h)
                 self._unwaited.add(b.index)
                 self._acc.d2h_bytes += b.landing.numel() * b.landing.element_size()
                 self._worker.submit(self._need_order(b), f"CPU Adam of {b.describe()}", lambda: self._run_host(b, ctx))
+        for p in b.params:
+            p.grad = None
+
+    def _accumulate(self, b: HostBucket) -> None:
+        """Host accumulation, non-boundary micro-batch: offload ``b``'s gradients for the worker to add; free them."""
+        assert self._accum is not None
+        self._ensure_ctx()
+        self._arrived[b.index] = set()
+        grads = [p.grad for p in b.params]
+        with torch.profiler.record_function("superoffload::flush_accumulate"):
+            self.wait_bucket(b, for_stream=False)  # the last step is done with its landing and sum
+            dest, slot = self._accum.target(b)
+            d2h = self._offload_grads(b, grads, None, dest)
+            self._accum.submit(b, d2h, slot, [g is not None for g in grads], final=False)
+            self._acc.d2h_bytes += dest.numel() * dest.element_size()
         for p in b.params:
             p.grad = None
 
@@ -469,25 +520,30 @@ class OffloadEngine:
         work = self.comm.reduce_scatter(shard, full, async_op=async_op)
         return (shard, work, full) if async_op else shard
 
-    def _offload_grads(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor) -> Handoff:
+    def _offload_grads(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor | None,
+                       dest: torch.Tensor) -> Handoff:
+        """Flatten ``b``'s gradients (adding their statistics to ``stats_row``, if any) and copy them into ``dest``
+        (the landing buffer, or a host-accumulation ring slot)."""
         s = self.streams
         if self.comm is not None:
+            assert stats_row is not None and dest is b.landing
             return self._offload_shard(b, grads, stats_row)
         if not s.is_cuda:
-            flatten_grads_with_stats_(grads, b.sizes, b.landing, stats_row)
-            return Handoff(b.landing, None)
+            flatten_grads_with_stats_(grads, b.sizes, dest, stats_row)
+            return Handoff(dest, None)
         compute = torch.cuda.current_stream(self.device)
-        flat = torch.empty(b.spec.numel, dtype=b.landing.dtype, device=self.device)  # GPU cast: upcast here
+        flat = torch.empty(b.spec.numel, dtype=dest.dtype, device=self.device)  # GPU cast: upcast here
         flatten_grads_with_stats_(grads, b.sizes, flat, stats_row)
         s.d2h.wait_stream(compute)
         if b.h2d_event is not None:  # the previous upload still reads staging/landing's neighbours
             s.d2h.wait_event(b.h2d_event)
         with torch.cuda.stream(s.d2h):
-            b.landing.copy_(flat, non_blocking=True)
-            self._grad_stats_host[b.index].copy_(stats_row, non_blocking=True)
+            dest.copy_(flat, non_blocking=True)
+            if stats_row is not None:
+                self._grad_stats_host[b.index].copy_(stats_row, non_blocking=True)
             event = s.record(s.d2h)
         flat.record_stream(s.d2h)
-        return Handoff(b.landing, event)
+        return Handoff(dest, event)
 
     def _offload_shard(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor) -> Handoff:
         """Data parallel: reduce-scatter, then this rank's shard (and its statistics) goes to the host."""
@@ -523,7 +579,11 @@ class OffloadEngine:
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
         assert b.d2h is not None
         b.d2h.wait_host()
-        sumsq, nonfinite_count = self._grad_stats_host[b.index].tolist()
+        if b.accumulated:  # host accumulation: the boundary add (queued before this task) computed them
+            assert self._accum is not None
+            sumsq, nonfinite_count = self._accum.stats(b)
+        else:
+            sumsq, nonfinite_count = self._grad_stats_host[b.index].tolist()
         with self._lock:
             verdict = ctx.verdict
             if verdict is None:
@@ -591,7 +651,7 @@ class OffloadEngine:
                 lr, beta1, beta2, eps, wd = hyper[r.group]
                 sl = slice(r.start, r.end)
                 ops.cpu_adamw_step_(
-                    p[sl], b.landing[sl], m[sl], v[sl],
+                    p[sl], b.grad[sl], m[sl], v[sl],
                     step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
                     param_bf16_out=b.staging[sl] if b.staging is not None else None,
                     source=(p_src[sl], m_src[sl], v_src[sl]) if ctx.dst != ctx.src else None,
@@ -613,7 +673,7 @@ class OffloadEngine:
                 if ctx.dst == ctx.src:
                     lr, beta1, beta2, eps, wd = hyper[r.group]
                     ops.cpu_adamw_undo_(
-                        p[sl], b.landing[sl], m[sl], v[sl],
+                        p[sl], b.grad[sl], m[sl], v[sl],
                         step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
                         param_bf16_out=None, num_threads=self.plan.cpu_threads,
                     )
@@ -713,6 +773,8 @@ class OffloadEngine:
         scatter_flat_(full[: b.spec.numel], b.params)
 
     def _wake_all(self) -> None:
+        if self._accum is not None:
+            self._accum.wake_all()
         for b in self.host_buckets:
             b.uploaded.set()
             b.ready.set()
@@ -783,6 +845,11 @@ class OffloadEngine:
         with torch.profiler.record_function("superoffload::validate"):
             if self.comm is None:
                 sumsq, nonfinite = self._grad_stats.sum(dim=0).tolist()  # the one host sync of the step
+                if self._accum is not None:  # host-accumulated buckets: the sum's statistics, from the worker
+                    for b in self.host_buckets:
+                        if b.accumulated:
+                            s_, n_ = self._accum.stats(b)
+                            sumsq, nonfinite = sumsq + s_, nonfinite + n_
             else:
                 sumsq, nonfinite = self._global_stats()
         verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hyper=self.hyper_fn(),
@@ -825,10 +892,16 @@ class OffloadEngine:
         self._last_step_t = now
         self.stats = st
         self._ctx = None
-        self._arrived = [0] * len(self.buckets)
+        self._reset_arrivals()
+        return st
+
+    def _reset_arrivals(self) -> None:
+        """A new optimizer step: no bucket has gradients yet (no accumulation add may be in flight)."""
+        self._arrived = [set() for _ in self.buckets]
         self._flushed = [False] * len(self.buckets)
         self._present = [0] * len(self.buckets)
-        return st
+        if self._accum is not None:
+            self._accum.reset()
 
     def _global_stats(self) -> tuple[float, float]:
         """Data parallel: the step's sum of squares and non-finite count over every rank's shards.
@@ -892,8 +965,7 @@ class OffloadEngine:
             for b in self.device_buckets:
                 b.grad = None
             self._ctx = None
-            self._arrived = [0] * len(self.buckets)
-            self._flushed = [False] * len(self.buckets)
+            self._reset_arrivals()
             return
         skip = Verdict(StepVerdict.SKIP, 1.0, self._ctx.spec_hyper, float("nan"))
         with self._lock:
@@ -919,9 +991,10 @@ class OffloadEngine:
             self._worker.drain(self.timeout_s)
         for b in self.device_buckets:
             b.grad = None
+        if self._accum is not None and not self._worker.failed:
+            self._worker.drain(self.timeout_s)  # accumulation adds still in flight
         self._ctx = None
-        self._arrived = [0] * len(self.buckets)
-        self._flushed = [False] * len(self.buckets)
+        self._reset_arrivals()
 
     def close(self) -> None:
         """Finish the last step (or undo one interrupted mid-backward), then stop the worker and remove hooks."""

@@ -159,10 +159,15 @@ def test_flow_is_bitwise_stationary_and_matches_reference_with_clipping(ckpt):
     assert opt.engine._flow.stats.fetches == 30 * 2 * n + n
 
 
-def test_gradient_accumulation():
+@pytest.mark.parametrize("on_host", [False, True])
+def test_gradient_accumulation(on_host):
+    """Device-side or host-side accumulation (the landing mode rounds like bf16 ``.grad``: same as the reference;
+    the fp32 mode is tested in test_host_accumulation.py)."""
     data = batches(24)
-    model, opt, flow = run(FLOW, data, ckpt="non_reentrant", accum=3)
-    _, _, stationary = run(FLOW.replace(weight_placement="stationary"), data, ckpt="non_reentrant", accum=3)
+    cfg = FLOW.replace(accumulate_on_host=on_host, host_accumulation_dtype="landing")
+    model, opt, flow = run(cfg, data, ckpt="non_reentrant", accum=3)
+    assert opt.plan.host_accumulation.value == ("landing" if on_host else "off")
+    _, _, stationary = run(cfg.replace(weight_placement="stationary"), data, ckpt="non_reentrant", accum=3)
     assert_same_run(flow, stationary)
     ref, ropt, ref_losses = reference(data, ckpt="non_reentrant", accum=3)
     assert_matches_reference(model, opt, flow[0], ref, ropt, ref_losses)
