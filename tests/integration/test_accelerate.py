@@ -190,3 +190,23 @@ def test_accelerate_launch_end_to_end_and_resume(tmp_path: Path) -> None:
     assert final.keys() == resumed.keys()
     for k, t in final.items():
         assert torch.equal(t, resumed[k]), f"{k} differs between the resumed and the uninterrupted run"
+
+
+def test_the_plugin_mirrors_every_config_field() -> None:
+    import dataclasses
+
+    from hf_superoffload import SuperOffloadConfig
+
+    plugin = {f.name for f in dataclasses.fields(SuperOffloadPlugin)}
+    missing = [f.name for f in dataclasses.fields(SuperOffloadConfig) if f.name not in plugin]
+    assert not missing, f"SuperOffloadPlugin lacks {missing}"
+
+
+def test_accumulate_on_host_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("HF_SUPEROFFLOAD_ACCUMULATE_ON_HOST", "false")
+    assert SuperOffloadPlugin().to_config().accumulate_on_host is False
+    monkeypatch.setenv("HF_SUPEROFFLOAD_ACCUMULATE_ON_HOST", "auto")
+    assert SuperOffloadPlugin().to_config().accumulate_on_host == "auto"
+    monkeypatch.setenv("HF_SUPEROFFLOAD_ACCUMULATE_ON_HOST", "maybe")
+    with pytest.raises(ValueError, match="HF_SUPEROFFLOAD_ACCUMULATE_ON_HOST"):
+        SuperOffloadPlugin()
