@@ -1,0 +1,163 @@
+"""Data parallelism inside the engine: gradients reduce-scattered, shards stepped, weights all-gathered.
+
+The mechanism half of [Note: data parallel sharding] in docs/design.md, mixed into ``OffloadEngine`` (it uses
+the engine's buckets, streams and locks; the engine decides when each of these runs). Every collective goes
+through :class:`~.collectives.ShardGroup` on the optimizer's private process group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..triton_kernels import flatten_grads_with_stats_, scatter_flat_
+from .bucket import DeviceBucket, HostBucket
+from .streams import Handoff
+
+__all__ = ["DataParallelMixin"]
+
+
+def _add_stats_(x: torch.Tensor, stats: torch.Tensor) -> None:
+    """``stats += [sum of squares, non-finite count]`` of ``x`` as stored (no host sync)."""
+    xf = x.float()
+    stats[0] += xf.square().sum()
+    stats[1] += (~torch.isfinite(xf)).sum()
+
+
+class DataParallelMixin:
+    """The data-parallel steps of ``OffloadEngine`` (they run only when ``self.comm`` is set)."""
+
+    comm: Any
+    streams: Any
+    device: torch.device
+    dtype: torch.dtype
+    timeout_s: float
+
+    def _reduce_scatter(self, b: HostBucket | DeviceBucket, grads: list[torch.Tensor | None], *,
+                        async_op: bool) -> tuple[torch.Tensor, Any, torch.Tensor] | torch.Tensor:
+        """Flatten ``b``'s gradients into a padded bucket and reduce-scatter it: this rank's shard of the sum
+        (asynchronous: with the work and the padded input, which must outlive the collective)."""
+        assert self.comm is not None
+        spec = b.spec
+        full = torch.empty(spec.shard * self.comm.world_size, dtype=self.dtype, device=self.device)
+        flatten_grads_with_stats_(grads, b.sizes, full[: spec.numel], None)
+        full[spec.numel :].zero_()
+        shard = torch.empty(spec.shard, dtype=self.dtype, device=self.device)
+        work = self.comm.reduce_scatter(shard, full, async_op=async_op)
+        return (shard, work, full) if async_op else shard
+
+    def _offload_shard(self, b: HostBucket, grads: list[torch.Tensor | None], stats_row: torch.Tensor) -> Handoff:
+        """Data parallel: reduce-scatter, then this rank's shard (and its statistics) goes to the host."""
+        s = self.streams
+        if not s.is_cuda:
+            shard = self._reduce_scatter(b, grads, async_op=False)
+            flatten_grads_with_stats_([shard], [b.spec.shard], b.landing, stats_row)
+            return Handoff(b.landing, None)
+        compute = torch.cuda.current_stream(self.device)
+        shard, work, full = self._reduce_scatter(b, grads, async_op=True)
+        s.d2h.wait_stream(compute)
+        if b.h2d_event is not None:
+            s.d2h.wait_event(b.h2d_event)
+        with torch.cuda.stream(s.d2h):
+            work.wait()  # the D2H stream (not the host) waits for the reduce-scatter
+            flat = torch.empty(b.spec.shard, dtype=b.landing.dtype, device=self.device)
+            flatten_grads_with_stats_([shard], [b.spec.shard], flat, stats_row)  # the padding is zero
+            b.landing.copy_(flat, non_blocking=True)
+            self._grad_stats_host[b.index].copy_(stats_row, non_blocking=True)
+            event = s.record(s.d2h)
+        # the compute stream's allocator must not hand these out again before the collective (which the D2H
+        # stream waited for) is done with them
+        for t in (full, shard, flat):
+            t.record_stream(s.d2h)
+        return Handoff(b.landing, event)
+
+    def _upload_shard(self, b: HostBucket, source: torch.Tensor) -> None:
+        """Data parallel: only this rank's shard goes up; the gatherer assembles the bucket in need order."""
+        s = self.streams
+        with torch.profiler.record_function("superoffload::upload"):
+            if not s.is_cuda:
+                b.gather_src = source
+                event = None
+            else:
+                with torch.cuda.stream(s.h2d):
+                    assert b.d2h is not None
+                    b.d2h.wait_stream(s.h2d)
+                    shard = torch.empty(b.spec.shard, dtype=source.dtype, device=self.device)
+                    shard.copy_(source, non_blocking=True)
+                    event = s.record(s.h2d)
+                b.gather_src = shard
+        with self._lock:
+            self._acc.h2d_bytes += source.numel() * source.element_size()
+            b.to_uploaded(event, final=False)
+
+    def _gather(self, b: HostBucket) -> None:
+        """Gatherer thread: all-gather every rank's updated shard of ``b`` and scatter it into the parameters."""
+        assert self.comm is not None
+        if not b.uploaded.wait(self.timeout_s):
+            raise TimeoutError(f"hf_superoffload: {b.describe()} was not uploaded after {self.timeout_s:.0f}s")
+        self._worker.raise_if_failed()
+        src = b.gather_src
+        assert src is not None
+        s = self.streams
+        with torch.profiler.record_function("superoffload::all_gather"):
+            if not s.is_cuda:
+                full = torch.empty(b.spec.shard * self.comm.world_size, dtype=src.dtype)
+                self.comm.all_gather(full, src)
+                if self._full_home:
+                    b.home.copy_(full[: b.spec.numel])
+                else:
+                    scatter_flat_(full[: b.spec.numel], b.params)
+                event = None
+            else:
+                with torch.cuda.stream(s.gather):
+                    if b.h2d_event is not None:
+                        s.gather.wait_event(b.h2d_event)
+                    full = torch.empty(b.spec.shard * self.comm.world_size, dtype=src.dtype, device=self.device)
+                    self.comm.all_gather(full, src)  # the gather stream waits for it, not this thread
+                    if self._full_home:  # weight flow: the bucket's bf16 weights go home, the streamer reads them
+                        b.home.copy_(full[: b.spec.numel], non_blocking=True)
+                    else:
+                        scatter_flat_(full[: b.spec.numel], b.params)
+                    event = s.record(s.gather)
+                src.record_stream(s.gather)
+                if self._full_home:
+                    event.synchronize()  # this (gatherer) thread waits: the host copy is final once ready is set
+                    event = None
+        with self._lock:
+            b.to_gathered(event)
+
+    def _gather_device(self, b: DeviceBucket) -> None:
+        """Data parallel, training thread: every rank's shard of a device-tail bucket into its parameters."""
+        assert self.comm is not None
+        shard = b.master.to(self.dtype) if self.dtype != torch.float32 else b.master
+        full = torch.empty(b.spec.shard * self.comm.world_size, dtype=shard.dtype, device=self.device)
+        self.comm.all_gather(full, shard)
+        scatter_flat_(full[: b.spec.numel], b.params)
+
+    def _global_stats(self) -> tuple[float, float]:
+        """Data parallel: the step's sum of squares and non-finite count over every rank's shards.
+
+        The same all-reduce checks that every rank got gradients for the same parameters: a parameter used on
+        some ranks only would step on some shards only and the replicas would drift apart.
+        """
+        assert self.comm is not None
+        if self.streams.is_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)  # host buckets' rows land there
+        key = torch.tensor(self._present, dtype=torch.float64)
+        local = torch.cat([self._grad_stats.sum(dim=0).double().cpu(), key, key * key])
+        t = local.to(self.device)
+        self.comm.all_reduce_sum(t)
+        values = t.tolist()
+        nb, w = len(self.buckets), self.comm.world_size
+        sums, squares = values[2 : 2 + nb], values[2 + nb :]
+        bad = [k for k in range(nb) if abs(w * squares[k] - sums[k] ** 2) > 1e-6 * max(1.0, sums[k] ** 2)]
+        if bad:
+            b = self.buckets[bad[0]]
+            raise RuntimeError(
+                f"hf_superoffload: the ranks got gradients for different parameters in {b.describe()} (first "
+                "mismatch). Data-parallel training needs every rank to use the same parameters in every step (as "
+                "DDP without find_unused_parameters): freeze parameters a rank may skip, or make the model use them "
+                "on every rank."
+            )
+        return values[0], values[1]
