@@ -89,10 +89,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"SuperOffloadOptimizer got an unexpected argument {key!r}")
         if not isinstance(model, torch.nn.Module):
             raise TypeError("SuperOffloadOptimizer(model, ...) takes the model first; pass params= for groups")
-        if type(model).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") or any(
-            type(m).__name__ in ("FSDPModule", "DistributedDataParallel") or hasattr(m, "_fsdp_state")
-            for m in model.modules()
-        ):
+        if _wrapped_for_data_parallel(model):
             raise ValueError("pass the unwrapped model: SuperOffloadOptimizer does the data parallelism itself "
                              "(ZeRO-style sharded offload) and does not work under DDP/FSDP wrappers")
         if not lr >= 0:
@@ -316,6 +313,18 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()
+
+
+def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
+    """DDP, FSDP1 or FSDP2 anywhere in the model: they would reduce gradients a second time."""
+    wrappers: tuple[type, ...] = (torch.nn.parallel.DistributedDataParallel,)
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        wrappers += (FSDPModule, FullyShardedDataParallel)
+    except ImportError:  # a torch build without distributed support
+        pass
+    return any(isinstance(m, wrappers) for m in model.modules())
 
 
 def _local_ranks(comm: ShardGroup) -> dict[str, int]:

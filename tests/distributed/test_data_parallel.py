@@ -181,3 +181,17 @@ def test_two_gpus_over_nccl_match_the_reference(launcher, tmp_path, delay):
     res = results(tmp_path, 2)
     ref_model, ropt, ref_losses = reference(20, device="cuda")
     assert_matches_reference(res, ref_model, ropt, ref_losses)
+
+
+def test_a_ddp_wrapped_model_is_refused(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(tiny_llama(seed=0, dtype=torch.float32))
+        with pytest.raises(ValueError, match="unwrapped model"):
+            SuperOffloadOptimizer(ddp, lr=LR)
+        with pytest.raises(ValueError, match="unwrapped model"):  # also when the wrapper sits inside
+            SuperOffloadOptimizer(torch.nn.Sequential(ddp), lr=LR)
+    finally:
+        dist.destroy_process_group()
