@@ -125,14 +125,14 @@ def make_tokens(vocab: int, batch: int, seq_len: int, dp_rank: int) -> Any:
     return torch.randint(0, vocab, (batch, seq_len), generator=g)
 
 
-def build_optimizer(name: str, model: Any, lr: float, groups: Any) -> Any:
+def build_optimizer(name: str, model: Any, lr: float, groups: Any, workload: Any = None) -> Any:
     """The optimizer under test. SuperOffloadOptimizer reduces gradients over all ranks itself once it is
     data-parallel (SUM, then / dp): the SP ranks' partial gradients sum to the full-sequence gradient."""
     if name == "superoffload":
         from hf_superoffload import SuperOffloadOptimizer
 
         opt = SuperOffloadOptimizer(model, lr=lr, max_grad_norm=1.0, weight_decay=0.0, log_plan=False,
-                                    gradient_divisor=groups.dp_size)
+                                    gradient_divisor=groups.dp_size, workload=workload)
         if opt.plan.rank == 0:
             print(opt.plan.summary(), flush=True)
         return opt
@@ -194,7 +194,10 @@ def run(args: argparse.Namespace) -> int:
         model.gradient_checkpointing_enable()
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
-    opt = build_optimizer(args.optimizer, model, args.lr, groups)
+    from hf_superoffload.planning.planner import Workload
+
+    workload = Workload(cfg, args.batch, args.seq_len, not args.no_checkpointing, groups.sp_size, args.chunk_size)
+    opt = build_optimizer(args.optimizer, model, args.lr, groups, workload)
     init_s = time.perf_counter() - t0
 
     ids = make_tokens(shape["vocab_size"], args.batch, args.seq_len, groups.dp_rank)  # same inside an SP group

@@ -16,7 +16,7 @@ import torch
 from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile
 from .planning.plan import OffloadPlan
-from .planning.planner import make_plan
+from .planning.planner import Workload, make_plan
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.validation import Hyper, SpeculationGovernor, StepVerdict
@@ -62,6 +62,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             Pass the unwrapped model (no DDP/FSDP). The parameters are broadcast from the group's first rank.
         gradient_divisor: gradients are summed over the group and divided by this (default: the group size,
             i.e. averaged). Sequence parallelism sets it to the number of data-parallel replicas.
+        workload: the training step's shape (model config, batch, sequence length, checkpointing, sequence
+            parallelism), when known: the planner then keeps the GPU-resident tail small enough for the
+            activations (long sequences) and weighs weight flow with the memory model.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         log_plan: bool = True,
         process_group: Any = None,
         gradient_divisor: float | None = None,
+        workload: Workload | None = None,
         **unsupported: Any,
     ) -> None:
         for key, value in unsupported.items():
@@ -122,7 +126,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         ranks = _local_ranks(comm) if comm is not None else {}
         profile = profile or HardwareProfile.read(ordered[0].device)
         self.plan: OffloadPlan = make_plan([p.numel() for p in ordered], element_size=element_size,
-                                           config=self.config, profile=profile, **ranks)
+                                           config=self.config, profile=profile, workload=workload, **ranks)
         if comm is not None:
             _broadcast_params(ordered, comm)
         fp32_values = None

@@ -49,7 +49,6 @@ from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile, shipped_profile_names
 from .planning.memory_model import (
     GiB,
-    MemoryEstimate,
     ModelShape,
     PlanLike,
     bisect_largest,
@@ -58,7 +57,7 @@ from .planning.memory_model import (
     fits,
     largest_model_that_fits,
 )
-from .planning.plan import OffloadPlan, Placement
+from .planning.plan import OffloadPlan
 from .planning.planner import PlanError, Workload, make_plan
 
 __all__ = ["StepTime", "add_plan_parser", "arrival_numels", "load_model_config", "main", "main_plan",
@@ -208,24 +207,6 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _fit_tail(plan: OffloadPlan, est: MemoryEstimate, profile: HardwareProfile) -> int | None:
-    """Device-tail buckets that still fit next to the activations, when the auto tail does not; else None."""
-    if profile.device_free_bytes is None or est.gpu_required_bytes <= profile.device_free_bytes:
-        return None
-    if not plan.device_numel:
-        return None
-    no_tail = estimate(est.shape, batch_size=est.batch_size, seq_len=est.seq_len, grad_ckpt=est.grad_ckpt,
-                       plan_like=dataclasses.replace(est.plan_like, device_numel=0,
-                                                     host_numel=est.plan_like.host_numel + plan.device_numel))
-    budget = (profile.device_free_bytes - no_tail.gpu_required_bytes) / (14 * 1.05)
-    count, covered = 0, 0
-    for b in reversed(plan.buckets):
-        if b.placement is not Placement.DEVICE or covered + b.numel > budget:
-            break
-        count, covered = count + 1, covered + b.numel
-    return count
-
-
 def _mem(d: dict[str, int]) -> dict[str, float]:
     return {k: round(v / GiB, 2) for k, v in d.items()}
 
@@ -263,13 +244,7 @@ def main_plan(args: argparse.Namespace) -> int:
     plan: OffloadPlan | None = None
     try:
         plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload, **ranks)
-        plan_like = PlanLike.from_plan(plan)
-        n_tail = _fit_tail(plan, estimate(shape, plan_like=plan_like, **run, **sp_kw), profile)
-        if n_tail is not None and cfg.gpu_resident_buckets == "auto":
-            cfg = cfg.replace(gpu_resident_buckets=n_tail)
-            plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload, **ranks)
-            plan_like = PlanLike.from_plan(plan)
-            notes.append(f"device tail reduced to {n_tail} bucket(s) to leave room for activations")
+        plan_like = PlanLike.from_plan(plan)  # the planner already sized the tail for this workload's activations
         host_est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
         over = profile.host_available_bytes is not None and host_est.host_peak_bytes > profile.host_available_bytes
         if over and cfg.rollback == "auto" and plan.rollback.value != "inverse":

@@ -123,6 +123,33 @@ def _cast_side(config: SuperOffloadConfig, profile: HardwareProfile) -> tuple[Ca
     return CastSide.CPU, f"casts fused into the CPU Adam; bf16 crosses {shown} link both ways (auto)"
 
 
+def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_tail: int, workload: Workload,
+                             profile: HardwareProfile, world_size: int, weight_mode: WeightMode,
+                             bucket_bytes: int) -> int:
+    """The largest device tail (at most ``n_tail`` buckets) with which the memory model says the workload fits the
+    free device memory: the auto tail is sized before any activation exists, which long sequences need."""
+    from .memory_model import PlanLike, bisect_largest, estimate  # imports plan types: lazily
+
+    free = profile.device_free_bytes
+    if free is None:
+        return n_tail
+    shards = [-(-sum(numels[i] for i in g) // world_size) for g in groups]
+    total = sum(shards)
+
+    def fits(k: int) -> bool:
+        tail = sum(shards[len(shards) - k :]) if k else 0
+        plan_like = PlanLike(device_numel=tail, host_numel=total - tail, bucket_bytes=bucket_bytes,
+                             weight_mode="flow" if weight_mode is WeightMode.FLOW else "stationary")
+        est = estimate(workload.model, batch_size=workload.batch_size, seq_len=workload.seq_len,
+                       grad_ckpt=workload.grad_ckpt, plan_like=plan_like, sequence_parallel=workload.sequence_parallel,
+                       loss_chunk_tokens=workload.loss_chunk_tokens)
+        return est.gpu_required_bytes <= free
+
+    if fits(n_tail):
+        return n_tail
+    return bisect_largest(0, n_tail, fits) or 0
+
+
 def split_cores(cores: Sequence[int], local_rank: int, local_world_size: int) -> tuple[int, ...]:
     """This rank's share of the host's cores: consecutive, disjoint blocks, one per rank on the host."""
     cores = sorted(cores)
@@ -218,6 +245,14 @@ def make_plan(
         n_tail, tail_note = 0, "device tail: none (auto: weight flow leaves device memory to activations)"
     else:
         n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
+        if workload is not None and config.gpu_resident_buckets == "auto" and n_tail:
+            fitted = _fit_tail_to_activations(groups, numels, n_tail, workload, profile, world_size, weight_mode,
+                                              largest)
+            if fitted < n_tail:
+                tail_note += (f"; reduced to {fitted} bucket(s) so the workload's activations fit "
+                              f"({workload.batch_size} x {workload.seq_len} tokens"
+                              f"{f', {workload.sequence_parallel} ranks per sequence' if workload.sequence_parallel > 1 else ''})")
+                n_tail = fitted
         if weight_mode is WeightMode.FLOW and n_tail:
             tail_note += "; their bf16 weights stay on the device"
     notes = [tail_note, weight_note]
