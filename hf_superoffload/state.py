@@ -137,6 +137,9 @@ def _validate_shard(engine: OffloadEngine, sd: dict[str, Any]) -> None:
             "hf_superoffload.state.consolidate_state_dicts([...]) and load the merged state (it loads into any "
             "number of processes)."
         )
+    if len(sd["param_steps"]) != len(engine.params):
+        raise ValueError(f"optimizer checkpoint param_steps has {len(sd['param_steps'])} entries for "
+                         f"{len(engine.params)} parameters; the file is damaged")
     need = {"host": engine.plan.host_numel, "device": engine.plan.device_numel}
     manifest = sd.get("manifest") or {}
     for side in ("host", "device"):
