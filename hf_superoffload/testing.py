@@ -64,11 +64,15 @@ class ReferenceAdamW:
         self.last_grad_norm = float("nan")
         self.skipped_steps = 0
 
+    def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The fp32 gradient ``step()`` uses for model parameter ``p`` (subclasses change where it comes from)."""
+        return None if p.grad is None else p.grad.float()
+
     @torch.no_grad()
     def step(self) -> None:
         grads = []
         for p, m in self.pairs:
-            m.grad = None if p.grad is None else p.grad.float()
+            m.grad = self.grad_of(p)
             if m.grad is not None:
                 grads.append(m.grad)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else \

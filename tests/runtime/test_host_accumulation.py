@@ -50,27 +50,10 @@ class AccumReference(ReferenceAdamW):
                 self.sums[id(p)] = g if id(p) not in self.sums else self.sums[id(p)] + g
                 p.grad = None
 
-    @torch.no_grad()
-    def step(self) -> None:
+    def grad_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         if not self.fp32:
-            return super().step()
-        grads = []
-        for p, m in self.pairs:
-            m.grad = self.sums.pop(id(p), None)
-            if m.grad is not None:
-                grads.append(m.grad)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-        self.last_grad_norm = float(norm)
-        if not torch.isfinite(norm):
-            self.skipped_steps += 1
-        else:
-            if self.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_([m for _, m in self.pairs if m.grad is not None], self.max_grad_norm)
-            self.opt.step()
-            for p, m in self.pairs:
-                p.copy_(m)
-        for _, m in self.pairs:
-            m.grad = None
+            return super().grad_of(p)
+        return self.sums.pop(id(p), None)
 
 
 def batches(n, seed=1, bs=2, seq=16, device="cpu"):
