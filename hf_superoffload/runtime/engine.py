@@ -647,24 +647,26 @@ class OffloadEngine(DataParallelMixin):
             return
         s = self.streams
         source = b.staging if b.staging is not None else b.pmv[copy][0]  # GPU cast: the fp32 master itself
-        if self.comm is not None:
-            self._upload_shard(b, source)
-            return
+        sharded = self.comm is not None  # data parallel: only this rank's shard goes up; the gatherer assembles
         with torch.profiler.record_function("superoffload::upload"):
             if not s.is_cuda:
-                scatter_flat_(source, b.params)
-                event = None
+                on_device, event = source, None
+                if not sharded:
+                    scatter_flat_(source, b.params)
             else:
                 with torch.cuda.stream(s.h2d):
                     assert b.d2h is not None
                     b.d2h.wait_stream(s.h2d)
-                    flat = torch.empty(b.spec.numel, dtype=source.dtype, device=self.device)
-                    flat.copy_(source, non_blocking=True)
-                    scatter_flat_(flat, b.params)
+                    on_device = torch.empty(source.numel(), dtype=source.dtype, device=self.device)
+                    on_device.copy_(source, non_blocking=True)
+                    if not sharded:
+                        scatter_flat_(on_device, b.params)
                     event = s.record(s.h2d)
+            if sharded:
+                b.gather_src = on_device
         with self._lock:
             self._acc.h2d_bytes += source.numel() * source.element_size()
-            b.to_uploaded(event)
+            b.to_uploaded(event, final=not sharded)
 
     def _wake_all(self) -> None:
         if self._accum is not None:

@@ -72,25 +72,6 @@ class DataParallelMixin:
             t.record_stream(s.d2h)
         return Handoff(b.landing, event)
 
-    def _upload_shard(self, b: HostBucket, source: torch.Tensor) -> None:
-        """Data parallel: only this rank's shard goes up; the gatherer assembles the bucket in need order."""
-        s = self.streams
-        with torch.profiler.record_function("superoffload::upload"):
-            if not s.is_cuda:
-                b.gather_src = source
-                event = None
-            else:
-                with torch.cuda.stream(s.h2d):
-                    assert b.d2h is not None
-                    b.d2h.wait_stream(s.h2d)
-                    shard = torch.empty(b.spec.shard, dtype=source.dtype, device=self.device)
-                    shard.copy_(source, non_blocking=True)
-                    event = s.record(s.h2d)
-                b.gather_src = shard
-        with self._lock:
-            self._acc.h2d_bytes += source.numel() * source.element_size()
-            b.to_uploaded(event, final=False)
-
     def _gather(self, b: HostBucket) -> None:
         """Gatherer thread: all-gather every rank's updated shard of ``b`` and scatter it into the parameters."""
         assert self.comm is not None
