@@ -39,7 +39,7 @@ import tempfile
 import time
 from typing import Any
 
-from hf_superoffload.presets import PRESETS
+from hf_superoffload.presets import PRESETS, build_on
 
 PEAK_TFLOPS = {"cuda": 989.0}  # H200 SXM dense bf16; CPU: no MFU
 MODELS: dict[str, dict[str, int]] = {
@@ -161,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
     import torch.distributed as dist
-    from transformers import LlamaForCausalLM
 
     from hf_superoffload import sequence_parallel as sp
 
@@ -178,14 +177,7 @@ def run(args: argparse.Namespace) -> int:
     sp.check_heads(cfg, groups.sp_size)  # fails before any memory is touched
 
     t0 = time.perf_counter()
-    torch.manual_seed(0)  # identical weights on every rank
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with dev:
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
+    model = build_on(cfg, device=dev, dtype=dtype, seed=0)  # identical weights on every rank
     if groups.sp_size > 1:
         sp.enable_sequence_parallel(model, groups, inner_attention=args.attn)
     else:

@@ -256,7 +256,9 @@ class TreeRssSampler(threading.Thread):
 def _build_model(wl: Workload, dev: Any, dtype: Any) -> tuple[Any, str]:
     """Random weights built on ``dev``: in fp32 then cast (as the anchor) when fp32 fits, else directly in bf16."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    from hf_superoffload.presets import build_on
 
     cfg = LlamaConfig(**{k: getattr(wl, k) for k in _DIMS}, max_position_embeddings=wl.seq_len,
                       tie_word_embeddings=False)
@@ -266,14 +268,7 @@ def _build_model(wl: Workload, dev: Any, dtype: Any) -> tuple[Any, str]:
         free, _ = torch.cuda.mem_get_info(dev)
         if wl.params() * 4 > 0.8 * free:
             init_dtype = dtype
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(init_dtype)
-    try:
-        with dev:
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(previous)
+    model = build_on(cfg, device=dev, dtype=init_dtype, seed=0)
     model = model.to(dtype)
     if wl.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):

@@ -81,10 +81,11 @@ def child(a: argparse.Namespace) -> dict:
     import dataclasses
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
     from hf_superoffload.planning.hardware import HardwareProfile
+    from hf_superoffload.presets import build_on
 
     dev = torch.device("cuda", 0) if a.device == "cuda" else torch.device(a.device)  # torch 2.11 wants an index
     bs, seq = a.child_batch, a.seq_len
@@ -96,15 +97,8 @@ def child(a: argparse.Namespace) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), dev)
     cfg = LlamaConfig(**shape, max_position_embeddings=max(seq, 128), tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
     t0 = time.perf_counter()
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # parameters are created (and initialised) in bf16 on the device
-    try:
-        with dev:
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(prev)
+    model = build_on(cfg, device=dev, dtype=torch.bfloat16, seed=0)  # created and initialised in bf16 on the device
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()

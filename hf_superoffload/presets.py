@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRESETS", "llama_config"]
+__all__ = ["PRESETS", "build_on", "llama_config"]
 
 # hidden, intermediate, layers, heads, kv_heads, vocab (None: the tokenizer's), tie
 PRESETS: dict[str, dict[str, Any]] = {
@@ -37,3 +37,19 @@ def llama_config(name: str, *, vocab_size: int | None = None, max_position_embed
             raise ValueError(f"preset {name!r} takes its vocabulary from the tokenizer: pass vocab_size")
         kw["vocab_size"] = vocab_size
     return LlamaConfig(**kw, max_position_embeddings=max_position_embeddings, tie_word_embeddings=False)
+
+
+def build_on(config: Any, *, device: Any, dtype: Any, seed: int = 0) -> Any:
+    """A random-init ``LlamaForCausalLM(config)`` created directly on ``device`` in ``dtype`` (no fp32 copy on
+    the host first: an 8B model would need 32 GB and minutes). Same ``seed``, same weights on every rank."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
