@@ -97,3 +97,14 @@ def test_non_finite_step_is_skipped_and_the_lr_schedule_does_not_advance(hf: Any
     assert [math.isfinite(h["grad_norm"]) for h in logs] == [True, True, False, True, True]
     assert logs[-1]["superoffload/skipped_steps"] == 1.0
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_trainer_arguments_mirror_every_config_field() -> None:
+    import dataclasses
+
+    from hf_superoffload import SuperOffloadConfig
+    from hf_superoffload.integrations.arguments import SuperOffloadArguments
+
+    ours = {f.name for f in dataclasses.fields(SuperOffloadArguments)}
+    missing = [f.name for f in dataclasses.fields(SuperOffloadConfig) if f"superoffload_{f.name}" not in ours]
+    assert not missing, f"SuperOffloadArguments lacks superoffload_ fields for {missing}"
