@@ -45,7 +45,7 @@ PEAK_TFLOPS = {"cuda": 989.0}  # H200 SXM dense bf16; CPU: no MFU
 MODELS: dict[str, dict[str, int]] = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256),
-    **{name: PRESETS[name] for name in ("8b", "13b")},
+    **{name: PRESETS[name] for name in ("8b", "13b", "14b")},
 }
 OOM_EXIT = 3
 
@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1, help="sequences per sequence-parallel group per step")
     ap.add_argument("--sp", type=int, default=0,
                     help="ranks per sequence (default: all); --sp 1 is plain data parallelism (scaling runs)")
+    ap.add_argument("--layers", type=int, default=None, help="override the model's decoder layer count (size search)")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -109,11 +111,13 @@ def host_rss_gb() -> tuple[float, float]:
 
 
 # ---- one run (under torchrun) ---------------------------------------------------------------------
-def build_config(name: str, seq_len: int) -> Any:
-    """The Llama-style config of ``--model`` (no download), rope theta 500k as Llama 3."""
+def build_config(name: str, seq_len: int, layers: int | None = None) -> Any:
+    """The Llama-style config of ``--model`` (no download), rope theta 500k as Llama 3; ``layers`` overrides the
+    decoder depth (the size search of the largest-model runs)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(**MODELS[name], max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
+    dims = dict(MODELS[name], **({"num_hidden_layers": layers} if layers else {}))
+    return LlamaConfig(**dims, max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
                        use_cache=False, rope_theta=500000.0)
 
 
@@ -125,13 +129,14 @@ def make_tokens(vocab: int, batch: int, seq_len: int, dp_rank: int) -> Any:
     return torch.randint(0, vocab, (batch, seq_len), generator=g)
 
 
-def build_optimizer(name: str, model: Any, lr: float, groups: Any, workload: Any = None) -> Any:
+def build_optimizer(name: str, model: Any, lr: float, groups: Any, workload: Any = None,
+                    max_grad_norm: float | None = 1.0) -> Any:
     """The optimizer under test. SuperOffloadOptimizer reduces gradients over all ranks itself once it is
     data-parallel (SUM, then / dp): the SP ranks' partial gradients sum to the full-sequence gradient."""
     if name == "superoffload":
         from hf_superoffload import SuperOffloadOptimizer
 
-        opt = SuperOffloadOptimizer(model, lr=lr, max_grad_norm=1.0, weight_decay=0.0, log_plan=False,
+        opt = SuperOffloadOptimizer(model, lr=lr, max_grad_norm=max_grad_norm, weight_decay=0.0, log_plan=False,
                                     gradient_divisor=groups.dp_size, workload=workload)
         if opt.plan.rank == 0:
             print(opt.plan.summary(), flush=True)
@@ -172,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
     groups = sp.init_sequence_parallel(args.sp or world, device_type=dev_type, inner_attention=args.attn)
     dev = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    shape = MODELS[args.model]
-    cfg = build_config(args.model, args.seq_len)
+    shape = dict(MODELS[args.model], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    cfg = build_config(args.model, args.seq_len, layers=args.layers)
     sp.check_heads(cfg, groups.sp_size)  # fails before any memory is touched
 
     t0 = time.perf_counter()
@@ -189,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_superoffload.planning.planner import Workload
 
     workload = Workload(cfg, args.batch, args.seq_len, not args.no_checkpointing, groups.sp_size, args.chunk_size)
-    opt = build_optimizer(args.optimizer, model, args.lr, groups, workload)
+    opt = build_optimizer(args.optimizer, model, args.lr, groups, workload, args.max_grad_norm or None)
     init_s = time.perf_counter() - t0
 
     ids = make_tokens(shape["vocab_size"], args.batch, args.seq_len, groups.dp_rank)  # same inside an SP group
@@ -218,11 +223,17 @@ def run(args: argparse.Namespace) -> int:
             model.zero_grad(set_to_none=True)
         return float(out.global_loss)
 
-    common = dict(model=args.model, params_B=round(n_params / 1e9, 3), seq_len=args.seq_len, batch=args.batch,
+    common = dict(model=args.model, layers=cfg.num_hidden_layers, max_grad_norm=args.max_grad_norm or None,
+                  params_B=round(n_params / 1e9, 3), seq_len=args.seq_len, batch=args.batch,
                   world=world, sp=groups.sp_size, dp=groups.dp_size, device=dev_type, dtype=args.dtype,
                   optimizer=args.optimizer, attn=args.attn, checkpointing=not args.no_checkpointing,
                   offload_activations=args.offload_activations, chunk_size=args.chunk_size, tag=args.tag,
                   torch=torch.__version__, mfu_convention="6N+6*L*d*s per token, vs 989 TFLOP/s per GPU")
+    if opt is not None and hasattr(opt, "plan"):
+        pl = opt.plan
+        common["plan"] = {"host_numel": pl.host_numel, "device_numel": pl.device_numel, "buckets": len(pl.buckets),
+                          "weight_mode": pl.weight_mode.value, "cast_side": pl.cast_side.value,
+                          "rollback": pl.rollback.value}
     lines: list[dict[str, Any]] = []
     times: list[float] = []
     status = 0

@@ -420,7 +420,11 @@ def _make_system(system: str, wl: Workload, dev: Any, spec: dict[str, Any]) -> t
                           "optimizer": "SuperOffloadOptimizer"}
         extra["ours_config"] = config.to_dict()
         try:
-            opt = SuperOffloadOptimizer(model, lr=LR, max_grad_norm=clip, config=config, log_plan=False)
+            from hf_superoffload.planning.planner import Workload as StepShape
+
+            shape = StepShape(model.config, wl.batch_size, wl.seq_len, grad_ckpt=True)  # sizes the auto GPU tail
+            opt = SuperOffloadOptimizer(model, lr=LR, max_grad_norm=clip, config=config, log_plan=False,
+                                        workload=shape)
         except Exception as exc:
             if system == "ours_flow" and _not_implemented(exc):
                 raise Absent(f"{type(exc).__name__}: {exc}") from exc

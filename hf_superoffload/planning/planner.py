@@ -25,6 +25,8 @@ __all__ = ["PlanError", "Workload", "make_plan", "partition_buckets", "split_cor
 _HOST_HEADROOM_BYTES = 4 * 1024**3
 # Device bytes per tail parameter: fp32 master, exp_avg, exp_avg_sq, and its flat bf16 gradient.
 _DEVICE_BYTES_PER_PARAM = 16
+# With a workload, the device tail fills the free device memory the memory model predicts unused, less this share.
+_DEVICE_MARGIN = 0.04
 # Small models still get this many buckets, so the CPU work pipelines with backward.
 _MIN_BUCKETS = 8
 
@@ -127,7 +129,8 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
                              profile: HardwareProfile, world_size: int, weight_mode: WeightMode,
                              bucket_bytes: int) -> int:
     """The largest device tail (at most ``n_tail`` buckets) with which the memory model says the workload fits the
-    free device memory: the auto tail is sized before any activation exists, which long sequences need."""
+    free device memory, less ``_DEVICE_MARGIN`` (the model's own slack covers the allocator; the margin covers
+    its calibration error, within +-4% of measured peaks for stationary weights)."""
     from .memory_model import PlanLike, bisect_largest, estimate  # imports plan types: lazily
 
     free = profile.device_free_bytes
@@ -143,7 +146,7 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
         est = estimate(workload.model, batch_size=workload.batch_size, seq_len=workload.seq_len,
                        grad_ckpt=workload.grad_ckpt, plan_like=plan_like, sequence_parallel=workload.sequence_parallel,
                        loss_chunk_tokens=workload.loss_chunk_tokens)
-        return est.gpu_required_bytes <= free
+        return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN)
 
     if fits(n_tail):
         return n_tail
@@ -245,14 +248,16 @@ def make_plan(
         n_tail, tail_note = 0, "device tail: none (auto: weight flow leaves device memory to activations)"
     else:
         n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
-        if workload is not None and config.gpu_resident_buckets == "auto" and n_tail:
-            fitted = _fit_tail_to_activations(groups, numels, n_tail, workload, profile, world_size, weight_mode,
-                                              largest)
-            if fitted < n_tail:
-                tail_note += (f"; reduced to {fitted} bucket(s) so the workload's activations fit "
-                              f"({workload.batch_size} x {workload.seq_len} tokens"
-                              f"{f', {workload.sequence_parallel} ranks per sequence' if workload.sequence_parallel > 1 else ''})")
-                n_tail = fitted
+        if workload is not None and config.gpu_resident_buckets == "auto" and profile.device_free_bytes is not None:
+            # the memory model knows the activations: the tail takes every byte they leave (a bucket on the device
+            # is one the CPU need not step and the next forward need not wait for); everything, when it all fits
+            n_tail = _fit_tail_to_activations(groups, numels, len(groups), workload, profile, world_size,
+                                              weight_mode, largest)
+            covered = sum(sum(numels[i] for i in g) for g in groups[len(groups) - n_tail :]) if n_tail else 0
+            sp_note = (f", {workload.sequence_parallel} ranks per sequence" if workload.sequence_parallel > 1 else "")
+            tail_note = (f"device tail: {n_tail} bucket(s) = {covered / max(sum(numels), 1):.0%} of parameters (auto: "
+                         f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
+                         f"{sp_note}, {_DEVICE_MARGIN:.0%} of free device memory kept spare)")
         if weight_mode is WeightMode.FLOW and n_tail:
             tail_note += "; their bf16 weights stay on the device"
     notes = [tail_note, weight_note]

@@ -115,28 +115,50 @@ def test_summary_mentions_the_decisions():
     assert "device tail" in text and "rollback" in text and "bf16" in text
 
 
-def test_a_known_workload_shrinks_the_auto_tail_until_the_activations_fit():
-    """8B over 2 ranks with Ulysses: the auto tail fills 40% of free memory before any activation exists; at 256k
-    tokens per sequence that would not fit, so the planner keeps fewer buckets on the GPU (and says so)."""
+def test_a_known_workload_sizes_the_auto_tail_to_what_the_activations_leave():
+    """8B over 2 ranks: with the workload known, the auto tail is the largest the memory model fits beside its
+    activations (less the margin); longer sequences leave less; an explicit tail stays the user's call."""
     from hf_superoffload.plan_cli import arrival_numels, load_model_config
     from hf_superoffload.planning.memory_model import PlanLike, estimate
-    from hf_superoffload.planning.planner import Workload
+    from hf_superoffload.planning.planner import _DEVICE_MARGIN, Workload
 
     cfg = load_model_config("8b")
     numels = arrival_numels(cfg)
     prof = profile(device_free_bytes=124 * GiB, host_available_bytes=250 * GiB, cpu_cores=32)
     ranks = dict(world_size=2, rank=0, local_world_size=2, local_rank=0, cores=list(range(32)))
-    free_run = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=prof, **ranks)
     long = Workload(cfg, 1, 262_144, True, 2, 4096)
     plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=prof, workload=long, **ranks)
-    assert 0 < plan.device_numel < free_run.device_numel
-    assert "so the workload's activations fit" in plan.notes[0]
-    est = estimate(cfg, batch_size=1, seq_len=262_144, grad_ckpt=True, sequence_parallel=2, loss_chunk_tokens=4096,
-                   plan_like=PlanLike(device_numel=plan.device_numel, host_numel=plan.host_numel))
-    assert est.gpu_required_bytes <= 124 * GiB
+    assert 0 < len(plan.device_buckets) < len(plan.buckets)
+    assert "the most the workload leaves room for" in plan.notes[0]
+
+    def required(n_tail: int) -> int:
+        shards = [b.shard for b in plan.buckets]
+        tail = sum(shards[len(shards) - n_tail :])
+        return estimate(cfg, batch_size=1, seq_len=262_144, grad_ckpt=True, sequence_parallel=2, loss_chunk_tokens=4096,
+                        plan_like=PlanLike(device_numel=tail, host_numel=sum(shards) - tail,
+                                           bucket_bytes=2 * max(b.numel for b in plan.buckets))).gpu_required_bytes
+
+    budget = 124 * GiB * (1 - _DEVICE_MARGIN)
+    assert required(len(plan.device_buckets)) <= budget < required(len(plan.device_buckets) + 1)  # fits, and maximal
     short = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=prof,
                       workload=Workload(cfg, 4, 2048, True), **ranks)
-    assert short.device_numel == free_run.device_numel  # short sequences: nothing to give up
+    assert len(short.device_buckets) > len(plan.device_buckets)  # short sequences leave more room
     fixed = make_plan(numels, element_size=2, config=SuperOffloadConfig(gpu_resident_buckets=198), profile=prof,
                       workload=long, **ranks)
     assert len(fixed.device_buckets) == 198  # an explicit tail is the user's call
+
+
+def test_a_workload_that_fits_plain_gpu_training_keeps_every_state_on_the_device():
+    """Offloading must never make a run slower than not offloading: 8B at 4 x 2048 fits one 139 GiB GPU."""
+    from hf_superoffload.plan_cli import arrival_numels, load_model_config
+    from hf_superoffload.planning.planner import Workload
+
+    cfg = load_model_config("8b")
+    numels = arrival_numels(cfg)
+    prof = profile(device_free_bytes=139 * GiB, host_available_bytes=120 * GiB, cpu_cores=16)
+    plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=prof,
+                     workload=Workload(cfg, 4, 2048, True))
+    assert plan.host_numel == 0 and len(plan.device_buckets) == len(plan.buckets)
+    big = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=prof,
+                    workload=Workload(cfg, 16, 2048, True))
+    assert 0 < big.host_numel < sum(numels)  # a batch plain GPU training cannot fit offloads the rest
