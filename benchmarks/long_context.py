@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="ranks per sequence (default: all); --sp 1 is plain data parallelism (scaling runs)")
     ap.add_argument("--layers", type=int, default=None, help="override the model's decoder layer count (size search)")
     ap.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping; 0 turns it off")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    ap.add_argument("--accumulate-on-host", action="store_true",
+                    help="sum the offloaded buckets' micro-batch gradients on the host (SuperOffloadConfig)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -130,14 +133,15 @@ def make_tokens(vocab: int, batch: int, seq_len: int, dp_rank: int) -> Any:
 
 
 def build_optimizer(name: str, model: Any, lr: float, groups: Any, workload: Any = None,
-                    max_grad_norm: float | None = 1.0) -> Any:
+                    max_grad_norm: float | None = 1.0, accumulate_on_host: bool = False) -> Any:
     """The optimizer under test. SuperOffloadOptimizer reduces gradients over all ranks itself once it is
     data-parallel (SUM, then / dp): the SP ranks' partial gradients sum to the full-sequence gradient."""
     if name == "superoffload":
-        from hf_superoffload import SuperOffloadOptimizer
+        from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 
         opt = SuperOffloadOptimizer(model, lr=lr, max_grad_norm=max_grad_norm, weight_decay=0.0, log_plan=False,
-                                    gradient_divisor=groups.dp_size, workload=workload)
+                                    gradient_divisor=groups.dp_size, workload=workload,
+                                    config=SuperOffloadConfig(accumulate_on_host=True if accumulate_on_host else "auto"))
         if opt.plan.rank == 0:
             print(opt.plan.summary(), flush=True)
         return opt
@@ -194,13 +198,14 @@ def run(args: argparse.Namespace) -> int:
     from hf_superoffload.planning.planner import Workload
 
     workload = Workload(cfg, args.batch, args.seq_len, not args.no_checkpointing, groups.sp_size, args.chunk_size)
-    opt = build_optimizer(args.optimizer, model, args.lr, groups, workload, args.max_grad_norm or None)
+    opt = build_optimizer(args.optimizer, model, args.lr, groups, workload, args.max_grad_norm or None,
+                          args.accumulate_on_host)
     init_s = time.perf_counter() - t0
 
     ids = make_tokens(shape["vocab_size"], args.batch, args.seq_len, groups.dp_rank)  # same inside an SP group
     shard = {k: v.to(dev) if isinstance(v, torch.Tensor) else v
              for k, v in sp.shard_batch({"input_ids": ids, "labels": ids}, groups).items()}
-    tokens = args.batch * args.seq_len * groups.dp_size
+    tokens = args.batch * args.seq_len * groups.dp_size * args.grad_accum
     fpt = model_flops_per_token(n_params, shape, args.seq_len)
     peak = PEAK_TFLOPS.get(dev_type)
 
@@ -209,11 +214,17 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.synchronize()
 
     def step() -> float:
-        ctx = (torch.autograd.graph.save_on_cpu(pin_memory=dev_type == "cuda") if args.offload_activations
-               else contextlib.nullcontext())
-        with ctx:
-            out = sp.causal_lm_loss(model, shard, groups, chunk_size=args.chunk_size)
-        out.loss.backward()
+        total = None
+        for k in range(args.grad_accum):
+            last = k == args.grad_accum - 1
+            ctx = (torch.autograd.graph.save_on_cpu(pin_memory=dev_type == "cuda") if args.offload_activations
+                   else contextlib.nullcontext())
+            with opt.no_sync() if opt is not None and not last else contextlib.nullcontext():
+                with ctx:
+                    out = sp.causal_lm_loss(model, shard, groups, chunk_size=args.chunk_size)
+                (out.loss / args.grad_accum).backward()
+            part = out.global_loss.detach() / args.grad_accum
+            total = part if total is None else total + part
         if args.optimizer == "superoffload":
             opt.step()
             opt.zero_grad()
@@ -221,9 +232,10 @@ def run(args: argparse.Namespace) -> int:
             sgd_step(model, args.lr, groups)
         else:
             model.zero_grad(set_to_none=True)
-        return float(out.global_loss)
+        return float(total)
 
     common = dict(model=args.model, layers=cfg.num_hidden_layers, max_grad_norm=args.max_grad_norm or None,
+                  grad_accum=args.grad_accum, accumulate_on_host=args.accumulate_on_host,
                   params_B=round(n_params / 1e9, 3), seq_len=args.seq_len, batch=args.batch,
                   world=world, sp=groups.sp_size, dp=groups.dp_size, device=dev_type, dtype=args.dtype,
                   optimizer=args.optimizer, attn=args.attn, checkpointing=not args.no_checkpointing,

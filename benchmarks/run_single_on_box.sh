@@ -4,7 +4,9 @@
 #   PARTS="tests weightflow soak largest" bash benchmarks/run_single_on_box.sh
 #
 # Environment (optional): PARTS; WF_ACCUM (8), WF_BATCHES ("4,2"); SOAK_STEPS (500), SOAK_BATCH (1),
-# SOAK_FRACTION (0.35); LARGEST_MODEL (14b), LARGEST_LAYERS (preset), LARGEST_BATCH (4), LARGEST_CLIP (1.0).
+# SOAK_FRACTION (0.35); LARGEST_MODEL (14b), LARGEST_LAYERS (preset), LARGEST_BATCH (4), LARGEST_CLIP (1.0),
+# LARGEST_ARGS (more long_context.py options, e.g. "--grad-accum 4 --accumulate-on-host"). A part may repeat:
+# "largest:2" runs it again with LARGEST_ARGS2 as its extra options.
 # Every part has its own timeout; one failing part does not stop the others.
 set -u
 T0=$(date +%s)
@@ -15,6 +17,7 @@ source benchmarks/_stage.sh
 python3 -P -c "from hf_superoffload import ops; print('cpu adam backend:', ops.backend())" 2>&1 | tail -1
 stamp() { echo "$1 rc=$2 ($(( $(date +%s) - T0 )) s)"; }
 for part in ${PARTS:-tests weightflow soak largest}; do
+  if [ "${part#largest:}" != "$part" ]; then n=${part#largest:}; v=LARGEST_ARGS$n; LARGEST_ARGS=${!v:-}; part=largest; fi
   case $part in
     tests)
       timeout ${TEST_TIMEOUT:-150} python3 -P -m pytest -p no:cacheprovider --import-mode=importlib -q \
@@ -22,7 +25,7 @@ for part in ${PARTS:-tests weightflow soak largest}; do
       stamp tests $?; tail -3 "$OUT/tests.txt" ;;
     weightflow)
       timeout ${WF_TIMEOUT:-200} python3 benchmarks/weight_flow_24g.py --grad-accum ${WF_ACCUM:-8} \
-        --batch-sizes ${WF_BATCHES:-4,2} --steps ${WF_STEPS:-2} --warmup 1 --out "$OUT/weight_flow_24g.json" \
+        --batch-sizes ${WF_BATCHES:-4,2} --steps ${WF_STEPS:-2} --warmup 1 --loss-chunk ${WF_CHUNK:-4096} --out "$OUT/weight_flow_24g.json" \
         > "$OUT/weight_flow.log" 2>&1
       stamp weightflow $?; tail -c 1500 "$OUT/weight_flow_24g.json" 2>/dev/null || tail -5 "$OUT/weight_flow.log" ;;
     soak)
@@ -34,9 +37,9 @@ for part in ${PARTS:-tests weightflow soak largest}; do
       timeout ${LARGEST_TIMEOUT:-240} python3 -m torch.distributed.run --standalone --nproc_per_node 1 \
         benchmarks/long_context.py --model ${LARGEST_MODEL:-14b} ${LARGEST_LAYERS:+--layers $LARGEST_LAYERS} \
         --seq-len 2048 --batch ${LARGEST_BATCH:-4} --sp 1 --max-grad-norm ${LARGEST_CLIP:-1.0} --steps ${LARGEST_STEPS:-3} \
-        --warmup 1 --out "$OUT/largest.jsonl" --tag "largest 1 GPU" > "$OUT/largest.log" 2>&1
-      stamp largest $?; grep -h '"summary"' "$OUT/largest.log" | cut -c1-900; grep -h '"step"' "$OUT/largest.log" | tail -2 | cut -c1-900
-      grep -h "plan:\|host\|Error\|error" "$OUT/largest.log" | head -12 | cut -c1-400 ;;
+        --warmup 1 ${LARGEST_ARGS:-} --out "$OUT/largest.jsonl" --tag "largest 1 GPU ${LARGEST_ARGS:-}" >> "$OUT/largest.log" 2>&1
+      stamp largest $?; grep -h '"summary"' "$OUT/largest.log" | tail -1 | cut -c1-1200; grep -h '"step"' "$OUT/largest.log" | tail -1 | cut -c1-1200
+      grep -h "Error\|error" "$OUT/largest.log" | tail -3 | cut -c1-400 ;;
   esac
 done
 free -g | head -2 >> "$OUT/hw.txt"

@@ -6,6 +6,7 @@ an :class:`~hf_superoffload.runtime.engine.OffloadEngine`, which executes the pl
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -124,7 +125,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         element_size = 2
         comm = ShardGroup.from_environment(process_group, gradient_divisor)
         ranks = _local_ranks(comm) if comm is not None else {}
-        profile = profile or HardwareProfile.read(ordered[0].device)
+        if profile is None:
+            profile = HardwareProfile.read(ordered[0].device)
+            if workload is not None:
+                profile = _count_own_weights_as_free(profile, model, ordered[0].device)
         self.plan: OffloadPlan = make_plan([p.numel() for p in ordered], element_size=element_size,
                                            config=self.config, profile=profile, workload=workload, **ranks)
         if comm is not None:
@@ -317,6 +321,22 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         engine = getattr(self, "_engine", None)
         if engine is not None:
             engine.close()
+
+
+def _count_own_weights_as_free(profile: HardwareProfile, model: torch.nn.Module, device: torch.device) -> HardwareProfile:
+    """The memory model counts the model's resident weights in a workload's need, so the budget it is checked
+    against is the free device memory *plus* what those weights already take (and this process's allocator
+    cache, which it can reuse); otherwise the weights would count twice and the GPU tail come out too small."""
+    if profile.device_free_bytes is None or device.type != "cuda":
+        return profile
+    seen: set[int] = set()
+    own = 0
+    for p in model.parameters():
+        if p.device == device and p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            own += p.numel() * p.element_size()
+    cache = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return dataclasses.replace(profile, device_free_bytes=profile.device_free_bytes + own + max(0, cache))
 
 
 def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:

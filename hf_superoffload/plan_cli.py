@@ -161,12 +161,12 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     gpu_s = flops / (p.matmul_tflops * 1e12 * GEMM_EFFICIENCY)
     w_b = gpu_s * (0.75 if grad_ckpt else 2 / 3)
     w_f = gpu_s - w_b
-    e = 4 if plan_like.cast_side == "gpu" else 2
+    e = 4 if plan_like.cast_side == "gpu" else 2  # bytes per parameter up (the fp32 master or bf16); down: always 2
     rate = p.cpu_adam_gparams * 1e9
     host_bw = (p.host_memory_gbps or 28 * p.cpu_adam_gparams) * 1e9
     rate_eff = rate * max(0.2, 1 - (e * host / w_b) / host_bw)
     cpu_s = host / rate_eff
-    d2h_s, h2d_s = e * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
+    d2h_s, h2d_s = 2 * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
     bucket = plan_like.bucket_bytes / e
     latency = bucket / rate_eff + plan_like.bucket_bytes / (p.h2d_gbps * 1e9) if host else 0.0
     spec = min(cpu_s, max(0.0, w_b - latency))
@@ -175,7 +175,7 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     if plan_like.weight_mode == "flow":
         h2d_s = 2 * host / (p.h2d_gbps * 1e9)  # the forward's fetch
         d2h_c, h2d_c = (p.d2h_concurrent_gbps or p.d2h_gbps) * 1e9, (p.h2d_concurrent_gbps or p.h2d_gbps) * 1e9
-        backward_link = max(0.0, max(e * host / d2h_c, 2 * host / h2d_c) - w_b)
+        backward_link = max(0.0, max(2 * host / d2h_c, 2 * host / h2d_c) - w_b)
     exposed = backward_link + max(0.0, max(rem, h2d_s) - w_f) + (latency if rem > 0 else 0.0)
     tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
     return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed, gpu_s + tail_s + exposed,

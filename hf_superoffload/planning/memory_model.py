@@ -49,7 +49,7 @@ case                                                              measured  pred
 3.6B host RSS, snapshot (+12 B/param), 0.89 speculated            94.4-96.2      102.8  +6.9..+8.9%
 ================================================================  ========  =========  ========
 
-Host: 12 B/param fp32 p/m/v, 4 B/param pinned landing + staging, 12 B/param for the rollback's second copy
+Host: 12 B/param fp32 p/m/v, 4 B/param pinned landing + staging (2: the GPU cast has no staging), 12 B/param for the rollback's second copy
 (a double buffer writes all of it every step; the older snapshot rollback only for speculated buckets:
 ``PlanLike.speculated_fraction``), nothing more in weight-flow mode (the staging arena is the weights' home),
 1.7 GB runtime (the GPU-only run's RSS) and 1.36 B per host parameter (fitted to the inverse run; not attributed). The snapshot
@@ -166,7 +166,8 @@ class PlanLike:
             double-buffer or snapshot rollback).
         weight_mode: ``"stationary"`` (bf16 weights on the GPU) or ``"flow"`` (streamed from the host).
         bucket_bytes: gradient bytes of the largest bucket (on the GPU while in flight).
-        cast_side: ``"cpu"`` (bf16 crosses the link) or ``"gpu"`` (fp32 crosses; buckets are fp32 on the GPU).
+        cast_side: ``"cpu"`` (bf16 crosses the link both ways) or ``"gpu"`` (bf16 gradients down, the fp32 master
+            up: upload buffers are fp32 on the GPU, and the host has no bf16 staging arena).
         optimizer: ``"superoffload"``; ``"gpu_adamw"`` (fp32 weights, gradients and AdamW on the GPU with
             bf16 autocast: the baseline); ``"none"`` (bf16 forward+backward whose gradients persist).
         accumulation_bytes: host RAM of the gradient accumulation buffers (``OffloadPlan.accumulation_bytes``:
@@ -326,7 +327,7 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
     untouched = 0
     if p.optimizer == "superoffload" and p.host_numel:  # the arenas (runtime/engine.py::_build_buckets)
         host["fp32_master_adam"] = 12 * p.host_numel
-        host["pinned_landing_staging"] = 4 * p.host_numel
+        host["pinned_landing_staging"] = (4 if p.cast_side == "cpu" else 2) * p.host_numel  # GPU cast: no staging
         if p.host_bytes_per_param == 28:
             host["rollback_copy"] = 12 * p.host_numel
             untouched = int(12 * p.host_numel * (1.0 - p.speculated_fraction))

@@ -47,7 +47,7 @@ class HostAccumulation(enum.Enum):
     """Every micro-batch offloads; the CPU worker sums into an fp32 arena (+4 B/param host RAM)."""
     LANDING = "landing"
     """Every micro-batch offloads; the CPU worker sums into the landing buffer itself, in its dtype (bf16 with CPU
-    casts: the rounding of torch's own bf16 ``.grad`` accumulation; fp32 with GPU casts). Later micro-batches land
+    models: the rounding of torch's own bf16 ``.grad`` accumulation). Later micro-batches land
     in a small ring of bucket-sized pinned buffers: no per-parameter host RAM."""
 
 
@@ -133,8 +133,8 @@ class OffloadPlan:
 
     def host_bytes(self) -> int:
         """Host RAM for optimizer state and the DMA buffers."""
-        # p/m/v, then bf16 landing + bf16 staging (CPU cast) or an fp32 landing (GPU cast): 4 B either way
-        per = 12 + 4 + (12 if self.rollback is Rollback.DOUBLE_BUFFER else 0)
+        # p/m/v, then the bf16 landing, and bf16 staging with the CPU cast (the GPU cast uploads the fp32 master)
+        per = 12 + (4 if self.cast_side is CastSide.CPU else 2) + (12 if self.rollback is Rollback.DOUBLE_BUFFER else 0)
         full_weights = 0  # weight flow + data parallel: the whole bf16 weights of the host buckets on every rank
         if self.weight_mode is WeightMode.FLOW and self.world_size > 1:
             full_weights = 2 * sum(b.numel for b in self.host_buckets)
@@ -145,8 +145,7 @@ class OffloadPlan:
         if self.host_accumulation is HostAccumulation.FP32:
             return 4 * self.host_numel
         if self.host_accumulation is HostAccumulation.LANDING and self.host_numel:
-            per = 4 if self.cast_side is CastSide.GPU else 2
-            return LANDING_RING_SLOTS * per * max(b.shard for b in self.host_buckets)
+            return LANDING_RING_SLOTS * 2 * max(b.shard for b in self.host_buckets)
         return 0
 
     def device_bytes(self) -> int:

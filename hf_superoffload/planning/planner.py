@@ -292,7 +292,20 @@ def make_plan(
     avail = profile.host_available_bytes
     if avail is not None and local_world_size > 1:
         avail //= local_world_size  # every rank on this host holds its own shard of the state
-    base = host_numel * 16  # p/m/v + bf16 landing and staging (CPU cast) or an fp32 landing (GPU cast)
+    from .memory_model import (
+        ENGINE_HOST_BYTES_PER_PARAM,  # the memory model imports plan types: import it lazily
+    )
+
+    # kept free beside the arenas: the OS/runtime headroom and the engine's measured per-parameter RSS
+    reserve = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * host_numel)
+    if (config.cast_side == "auto" and cast_side is CastSide.CPU and weight_mode is WeightMode.STATIONARY
+            and avail is not None and host_numel * 16 + reserve > avail
+            and host_numel * 14 + reserve <= avail):
+        # RAM-aware casting: the CPU cast's bf16 staging arena (2 B/param) does not fit, the GPU cast needs none
+        cast_side = CastSide.GPU
+        notes[-1] = ("fp32 master crosses the link and the GPU casts (auto: host RAM fits the state without the CPU "
+                     "cast's 2 B/param staging arena, not with it)")
+    base = host_numel * (16 if cast_side is CastSide.CPU else 14)  # p/m/v + bf16 landing (+ bf16 staging: CPU cast)
     largest_host = max((b.shard for b in buckets if b.placement is Placement.HOST), default=0)
     accumulation, accum_note = _host_accumulation(config, weight_mode, cast_side, world_size, host_numel,
                                                   base, avail, largest_host)
@@ -300,12 +313,13 @@ def make_plan(
     if accumulation is HostAccumulation.FP32:
         base += 4 * host_numel
     elif accumulation is HostAccumulation.LANDING:
-        base += LANDING_RING_SLOTS * largest_host * (4 if cast_side is CastSide.GPU else 2)
-    if avail is not None and base + _HOST_HEADROOM_BYTES > avail:
+        base += LANDING_RING_SLOTS * largest_host * 2
+    if avail is not None and base + reserve > avail:
         gib = 1024**3
         raise PlanError(
             f"the host optimizer state needs {base / gib:.1f} GiB ({base / max(host_numel, 1):.0f} B/param for "
-            f"{host_numel / 1e9:.2f}B parameters) plus {_HOST_HEADROOM_BYTES / gib:.0f} GiB headroom, but only {avail / gib:.1f} GiB of "
+            f"{host_numel / 1e9:.2f}B parameters) plus {reserve / gib:.0f} GiB kept free (headroom, the engine's own RSS), "
+            f"but only {avail / gib:.1f} GiB of "
             "host RAM is available. Keep more buckets on the GPU (gpu_resident_buckets), train fewer "
             "parameters, or add ranks/RAM."
         )
@@ -313,13 +327,13 @@ def make_plan(
         rollback = Rollback.DOUBLE_BUFFER
     elif config.rollback == "inverse":
         rollback = Rollback.INVERSE
-    elif avail is None or base + host_numel * 12 + _HOST_HEADROOM_BYTES <= avail:
+    elif avail is None or base + host_numel * 12 + reserve <= avail:
         rollback = Rollback.DOUBLE_BUFFER
         notes.append("rollback: double buffer (bit-exact, free undo of speculative steps; host RAM allows it)")
     else:
         rollback = Rollback.INVERSE
         notes.append("rollback: inverse (host RAM too small for a second state copy; undo exact to fp32 rounding)")
-    if rollback is Rollback.DOUBLE_BUFFER and avail is not None and base + host_numel * 12 + _HOST_HEADROOM_BYTES > avail:
+    if rollback is Rollback.DOUBLE_BUFFER and avail is not None and base + host_numel * 12 + reserve > avail:
         raise PlanError(
             f"rollback='double_buffer' needs {(base + host_numel * 12) / 1024**3:.1f} GiB of host RAM but "
             f"{avail / 1024**3:.1f} GiB is available; use rollback='inverse' or 'auto'"
@@ -367,8 +381,6 @@ def _host_accumulation(config: SuperOffloadConfig, weight_mode: WeightMode, cast
         return HostAccumulation.FP32, f"gradient accumulation: on the host, fp32 arena ({why})"
     if config.host_accumulation_dtype == "landing":
         return HostAccumulation.LANDING, f"gradient accumulation: on the host, in the landing buffer ({why})"
-    if cast_side is CastSide.GPU:
-        return HostAccumulation.LANDING, f"gradient accumulation: on the host, in the fp32 landing buffer ({why})"
     if avail is None or base + 4 * host_numel + _HOST_HEADROOM_BYTES <= avail:
         return HostAccumulation.FP32, f"gradient accumulation: on the host, fp32 arena ({why}; host RAM allows it)"
     return HostAccumulation.LANDING, (f"gradient accumulation: on the host, in the bf16 landing buffer ({why}; host "

@@ -219,10 +219,11 @@ class OffloadEngine(DataParallelMixin):
         plan, dev = self.plan, self.device
         pin = plan.pin_memory and dev.type == "cuda"
         n_host, n_dev = plan.host_numel, plan.device_numel
-        # [Note: casts]: CPU cast -> bf16 landing and a bf16 staging arena written by the Adam pass;
-        # GPU cast -> fp32 landing, and the fp32 master itself is the (pinned) upload source.
+        # [Note: casts]: gradients always cross in the model dtype (the fused CPU Adam upcasts in registers).
+        # CPU cast -> a bf16 staging arena written by the Adam pass; GPU cast -> the fp32 master itself is the
+        # (pinned) upload source, and the GPU casts: no staging arena (2 B/param less host RAM).
         self._cast_on_cpu = plan.cast_side is CastSide.CPU
-        link_dtype = self.dtype if self._cast_on_cpu else torch.float32
+        link_dtype = self.dtype
         copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
         self._arenas: dict[str, HostBuffer] = {}
         for k in range(copies):
@@ -514,7 +515,7 @@ class OffloadEngine(DataParallelMixin):
             flatten_grads_with_stats_(grads, b.sizes, dest, stats_row)
             return Handoff(dest, None)
         compute = torch.cuda.current_stream(self.device)
-        flat = torch.empty(b.spec.numel, dtype=dest.dtype, device=self.device)  # GPU cast: upcast here
+        flat = torch.empty(b.spec.numel, dtype=dest.dtype, device=self.device)
         flatten_grads_with_stats_(grads, b.sizes, flat, stats_row)
         s.d2h.wait_stream(compute)
         if b.h2d_event is not None:  # the previous upload still reads staging/landing's neighbours
