@@ -22,7 +22,7 @@ from .plan import (
 __all__ = ["PlanError", "Workload", "make_plan", "partition_buckets", "split_cores"]
 
 # Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
-_HOST_HEADROOM_BYTES = 4 * 1024**3
+_HOST_HEADROOM_BYTES = 2 * 1024**3
 # Device bytes per tail parameter: fp32 master, exp_avg, exp_avg_sq, and its flat bf16 gradient.
 _DEVICE_BYTES_PER_PARAM = 16
 # With a workload, the device tail fills the free device memory the memory model predicts unused, less this share.

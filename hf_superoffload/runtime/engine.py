@@ -107,7 +107,7 @@ class StepStats:
             f"{prefix}cpu_adam_s": round(self.cpu_s, 4),
             f"{prefix}gpu_wait_s": round(self.wait_s, 4),
             f"{prefix}overlap": round(self.overlap, 4),
-            f"{prefix}link_gb": round((self.d2h_bytes + self.h2d_bytes) / 1e9, 4),
+            f"{prefix}link_gb": round((self.d2h_bytes + self.h2d_bytes) / 1e9, 6),
             f"{prefix}clip_coef": round(self.clip_coef, 6),
             f"{prefix}speculative": float(self.speculative),
         }

@@ -20,6 +20,7 @@ from hf_superoffload.planning.memory_model import (
     largest_model_that_fits,
 )
 from hf_superoffload.planning.planner import PlanError, make_plan
+from hf_superoffload.presets import PRESETS
 
 DATA = Path(__file__).parent / "data"
 GiB = 1024**3
@@ -56,7 +57,18 @@ GPU_POINTS_10PCT = {
     "8B weight flow, 24 GiB cap (run 7)": (L8, 4, 2048, True, PlanLike(device_numel=525_300_000,
                                                                       host_numel=7_504_900_000, weight_mode="flow"),
                                            None, 20.91 * 1.073741824),
+    "15.0B on 1 GPU, GPU cast (session 3)": (dict(PRESETS["14b"], num_hidden_layers=49), 4, 2048, True,
+                                             PlanLike(device_numel=6_968_012_800, host_numel=8_076_938_240,
+                                                      cast_side="gpu", bucket_bytes=4 * 778_567_680),
+                                             4096, 130.0),
 }
+
+
+def test_host_rss_of_the_15b_single_gpu_run_within_10_percent():
+    plan = PlanLike(device_numel=6_968_012_800, host_numel=8_076_938_240, cast_side="gpu")
+    est = estimate(dict(PRESETS["14b"], num_hidden_layers=49), batch_size=4, seq_len=2048, grad_ckpt=True,
+                   plan_like=plan, loss_chunk_tokens=4096)
+    assert est.host_expected_bytes / 1e9 == pytest.approx(115.74, rel=0.10)  # ru_maxrss, benchmarks/results
 
 
 @pytest.mark.parametrize("case", sorted(GPU_POINTS))
