@@ -73,6 +73,8 @@ class _StepContext:
     """Sum of squares of the host buckets the worker has seen: a lower bound of the global norm."""
     clip_certain: bool = False
     """The partial norm already exceeds max_grad_norm: clipping will fire, so speculating is wasted work."""
+    failed: bool = False
+    """A bucket's CPU task failed before the verdict: ``step()`` must not publish one (it aborts the step)."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -546,6 +548,17 @@ class OffloadEngine(DataParallelMixin):
     # ------------------------------------------------------------------------------------------------
     # worker side
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
+        try:
+            self._run_host_unguarded(b, ctx)
+        except BaseException:
+            with self._lock:
+                if ctx.verdict is None:
+                    ctx.failed = True  # step() raises instead of validating: abort_step restores the state
+                elif ctx.verdict.kind is not StepVerdict.SKIP:
+                    self.consistent = False  # a validated step needed this bucket: it cannot be completed
+            raise
+
+    def _run_host_unguarded(self, b: HostBucket, ctx: _StepContext) -> None:
         assert b.d2h is not None
         self._commit_moments(b)  # the last step's deferred moments, before anything reads them (CPU idle: backward)
         b.d2h.wait_host()
@@ -832,9 +845,16 @@ class OffloadEngine(DataParallelMixin):
         verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hyper=self.hyper_fn(),
                          spec_hyper=ctx.spec_hyper, check_finite=self.check_finite, grad_divisor=self._div)
         with self._lock:
-            ctx.verdict = verdict
+            failed = ctx.failed
+            if not failed:
+                ctx.verdict = verdict
             pending = [b for b in self.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
             states = {b.index: b.state for b in pending}
+        if failed:  # a CPU task failed before validation: wait until the worker records it, then raise it
+            with contextlib.suppress(TimeoutError):
+                self._worker.drain(self.timeout_s)
+            self._worker.raise_if_failed()
+            raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
         pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
         try:
             for b in pending:
