@@ -18,6 +18,8 @@ Schedule of one optimizer step (see docs/design.md for the notes named here):
 4. Each host bucket, once final, is copied host to device on the H2D stream and scattered into its
    parameters; its ``ready`` flag and H2D event release the next forward of the layers that own it
    ([Note: stream ordering]). Device-tail buckets step on the compute stream right after validation.
+   With ``plan.defer_moments`` a pass whose verdict is known stores p and the bf16 weights only; the bucket's
+   moments are stored at its next CPU task or by a reader ([Note: deferred moments]).
 """
 
 from __future__ import annotations
