@@ -16,6 +16,8 @@ Systems:
   ours_nospec      ours_host with speculation=False
   ours_castflip    ours_host with cast_side flipped relative to the planner's choice
   ours_noclip      ours_host with max_grad_norm=None (speculation commits every step)
+  ours_host_nodefer ours_host with defer_moments=False (ablation of deferred moment stores, on in ours_host by
+                   the planner's auto choice when host RAM allows a second landing arena)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -52,7 +54,7 @@ from typing import Any
 __all__ = ["ALL_SYSTEMS", "WORKLOADS", "Workload", "main"]
 
 SCHEMA = "hf_superoffload.suite/1"
-OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow")
+OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -63,6 +65,7 @@ LABELS = {
     "ours_castflip": "hf_superoffload, host, casts flipped",
     "ours_noclip": "hf_superoffload, host, no clipping",
     "ours_flow": "hf_superoffload, weight flow",
+    "ours_host_nodefer": "hf_superoffload, host, moments stored in the critical pass",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -284,8 +287,10 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
 
     kw = dict(extra)
     info: dict[str, Any] = {}
-    if system in ("ours_host", "ours_nospec", "ours_castflip", "ours_noclip"):
+    if system in ("ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_host_nodefer"):
         kw["gpu_resident_buckets"] = 0
+    if system == "ours_host_nodefer":
+        kw["defer_moments"] = False
     if system == "ours_nospec":
         kw["speculation"] = False
     if system == "ours_flow":
@@ -311,7 +316,7 @@ def _plan_facts(plan: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with contextlib.suppress(Exception):
         out["summary"] = plan.summary()
-    for key in ("host_numel", "device_numel", "cpu_threads", "speculation", "pin_memory"):
+    for key in ("host_numel", "device_numel", "cpu_threads", "speculation", "pin_memory", "defer_moments"):
         if hasattr(plan, key):
             out[key] = getattr(plan, key)
     for key in ("weight_mode", "cast_side", "rollback"):
@@ -330,7 +335,8 @@ def _step_stats(st: Any) -> dict[str, Any]:
            "verdict": st.verdict, "grad_norm": round(float(st.grad_norm), 4)}
     with contextlib.suppress(Exception):
         out["overlap"] = round(float(st.overlap), 4)
-    for key in ("speculative", "speculated_buckets", "wasted_buckets", "d2h_bytes", "h2d_bytes", "clip_coef"):
+    for key in ("speculative", "speculated_buckets", "wasted_buckets", "d2h_bytes", "h2d_bytes", "clip_coef",
+                "commit_s"):
         if hasattr(st, key):
             value = getattr(st, key)
             out[key] = round(value, 4) if isinstance(value, float) else value
@@ -610,6 +616,7 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
                 "per_step": telemetry,
                 "cpu_adam_s": round(statistics.median(t["cpu_adam_s"] for t in telemetry), 4),
                 "gpu_wait_s": round(statistics.median(t["gpu_wait_s"] for t in telemetry), 4),
+                "commit_s": round(statistics.median(t.get("commit_s", 0.0) for t in telemetry), 4),
                 "overlap": round(statistics.median(t.get("overlap", float("nan")) for t in telemetry), 4),
                 "verdicts": [t["verdict"] for t in telemetry],
             }

@@ -30,6 +30,7 @@ def register_fakes() -> None:
         step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
         param_bf16_out: torch.Tensor | None, src_param: torch.Tensor | None,
         src_exp_avg: torch.Tensor | None, src_exp_avg_sq: torch.Tensor | None, num_threads: int,
+        store_moments: bool = True,
     ) -> None:
         _check_state(param, grad, exp_avg, exp_avg_sq)
         sources = (src_param, src_exp_avg, src_exp_avg_sq)
@@ -38,6 +39,18 @@ def register_fakes() -> None:
         for t in given:
             torch._check(t.dtype == torch.float32, lambda: "source tensors must be float32")
             torch._check(t.numel() == param.numel(), lambda: "source tensors must match param's numel")
+
+    @torch.library.register_fake("hf_superoffload::cpu_adamw_moments")
+    def _moments_fake(
+        grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, beta1: float, beta2: float,
+        grad_scale: float, src_exp_avg: torch.Tensor | None, src_exp_avg_sq: torch.Tensor | None, num_threads: int,
+    ) -> None:
+        _check_state(exp_avg, grad, exp_avg, exp_avg_sq)
+        given = [t for t in (src_exp_avg, src_exp_avg_sq) if t is not None]
+        torch._check(len(given) in (0, 2), lambda: "give both source tensors or none")
+        for t in given:
+            torch._check(t.dtype == torch.float32, lambda: "source tensors must be float32")
+            torch._check(t.numel() == exp_avg.numel(), lambda: "source tensors must match exp_avg's numel")
 
     @torch.library.register_fake("hf_superoffload::cpu_adamw_undo")
     def _undo_fake(

@@ -12,7 +12,7 @@ import torch
 
 from . import reference
 
-__all__ = ["adamw_step_", "grad_sumsq_nonfinite"]
+__all__ = ["adamw_moments_", "adamw_step_", "grad_sumsq_nonfinite"]
 
 _SUMSQ_CHUNK = 1 << 24  # elements per fp64 temporary (128 MiB)
 
@@ -32,13 +32,18 @@ def adamw_step_(
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    store_moments: bool = True,
 ) -> None:
-    """Same contract as ``ops.cpu_adamw_step_``, in several torch passes."""
+    """Same contract as ``ops.cpu_adamw_step_``, in several torch passes.
+
+    ``store_moments=False`` steps on copies of the moments (an extra 8 B/param of temporaries: a fallback).
+    """
     fused = getattr(torch, "_fused_adamw_", None)
     if fused is None:
         reference.adamw_step_(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, source=source,
+            store_moments=store_moments,
         )
         return
     reference._check(param, grad, exp_avg, exp_avg_sq)
@@ -46,8 +51,21 @@ def adamw_step_(
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
     others = {"grad": grad, "param_bf16_out": param_bf16_out}
     for dst, src in reference.check_source((param, exp_avg, exp_avg_sq), source, others):
-        dst.view(-1).copy_(src.view(-1))  # the out-of-place step as a copy pass, then in place
-    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+        if store_moments or dst is param:
+            dst.view(-1).copy_(src.view(-1))  # the out-of-place step as a copy pass, then in place
+    p = param.view(-1)
+    if store_moments:
+        m, v = exp_avg.view(-1), exp_avg_sq.view(-1)
+    else:
+        src_m, src_v = (source[1], source[2]) if source is not None else (exp_avg, exp_avg_sq)
+        m, v = src_m.reshape(-1).clone(), src_v.reshape(-1).clone()
+    _fused(fused, p, _scaled(grad, grad_scale), m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+           weight_decay=weight_decay)
+    if param_bf16_out is not None:
+        param_bf16_out.view(-1).copy_(p)  # the separate cast pass
+
+
+def _scaled(grad: torch.Tensor, grad_scale: float) -> torch.Tensor:
     g = grad.view(-1)
     if g.dtype != torch.float32:
         g = g.to(torch.float32)  # the separate upcast pass
@@ -55,13 +73,45 @@ def adamw_step_(
             g.mul_(grad_scale)
     elif grad_scale != 1.0:
         g = g * grad_scale
+    return g
+
+
+def _fused(fused, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,  # type: ignore[no-untyped-def]
+           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
     state_step = torch.tensor(float(step), dtype=torch.float32)
     fused(
         [p], [g], [m], [v], [], [state_step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
         eps=eps, amsgrad=False, maximize=False,
     )
-    if param_bf16_out is not None:
-        param_bf16_out.view(-1).copy_(p)  # the separate cast pass
+
+
+def adamw_moments_(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    grad_scale: float = 1.0,
+    source: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Same contract as ``ops.cpu_adamw_moments_``: the moments of ``torch._fused_adamw_`` (the step's own
+    kernel, on a scratch parameter), so they equal those of a fallback step with ``store_moments=True`` bit for bit."""
+    fused = getattr(torch, "_fused_adamw_", None)
+    if fused is None:
+        reference.adamw_moments_(grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, grad_scale=grad_scale,
+                                 source=source)
+        return
+    reference._check(exp_avg, grad, exp_avg, exp_avg_sq)
+    if source is not None:
+        if len(source) != 2:
+            raise ValueError(f"source must be two tensors (exp_avg, exp_avg_sq), got {len(source)}")
+        empty = exp_avg.new_empty(0)
+        for dst, src in reference.check_source((empty, exp_avg, exp_avg_sq), (empty, *source), {"grad": grad}):
+            dst.view(-1).copy_(src.view(-1))
+    scratch = torch.zeros(exp_avg.numel(), dtype=torch.float32)  # the moments do not depend on p, lr or step
+    _fused(fused, scratch, _scaled(grad, grad_scale), exp_avg.view(-1), exp_avg_sq.view(-1), step=1, lr=0.0,
+           beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.0)
 
 
 def grad_sumsq_nonfinite(grad: torch.Tensor) -> tuple[float, int]:

@@ -10,6 +10,10 @@ Math follows ``torch.optim.AdamW`` (decoupled weight decay, bias correction):
 
 ``step`` is the 1-based count *after* this update, as in torch. With ``source`` the step is out of place: the
 pre-step state is read from ``source`` and the new state written to ``param``/``exp_avg``/``exp_avg_sq``.
+
+With ``store_moments=False`` the step updates ``param`` (and its bf16 copy) from the new moments without storing
+them; :func:`adamw_moments_` stores them later from the same pre-step moments and gradient, with the same
+operations ([Note: deferred moment stores] in ``csrc/kernels_common.h``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 
 import torch
 
-__all__ = ["adamw_step_", "adamw_undo_", "check_source"]
+__all__ = ["adamw_moments_", "adamw_step_", "adamw_undo_", "check_source"]
 
 _STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -98,26 +102,69 @@ def adamw_step_(
     grad_scale: float | torch.Tensor = 1.0,
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    store_moments: bool = True,
 ) -> None:
-    """One AdamW step, in place or (``source`` = pre-step (param, exp_avg, exp_avg_sq)) out of place."""
+    """One AdamW step, in place or (``source`` = pre-step (param, exp_avg, exp_avg_sq)) out of place.
+
+    ``store_moments=False``: ``exp_avg``/``exp_avg_sq`` are not written (see :func:`adamw_moments_`).
+    """
     _check(param, grad, exp_avg, exp_avg_sq)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
     for dst, src in check_source((param, exp_avg, exp_avg_sq), source, _others(grad, param_bf16_out)):
-        dst.view(-1).copy_(src.view(-1))
-    g = grad.view(-1).to(torch.float32)
-    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
-        g = g * grad_scale
-    p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
+        if store_moments or dst is param:
+            dst.view(-1).copy_(src.view(-1))
+    g = _scaled(grad, grad_scale)
+    p = param.view(-1)
+    if store_moments:
+        m, v = exp_avg.view(-1), exp_avg_sq.view(-1)
+    else:  # the new moments in temporaries
+        src_m, src_v = (source[1], source[2]) if source is not None else (exp_avg, exp_avg_sq)
+        m, v = src_m.reshape(-1).clone(), src_v.reshape(-1).clone()
     bc1 = 1.0 - beta1**step
     bc2_sqrt = math.sqrt(1.0 - beta2**step)
     p.mul_(1.0 - lr * weight_decay)
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    _moments(g, m, v, beta1, beta2)
     denom = (v.sqrt() / bc2_sqrt).add_(eps)
     p.addcdiv_(m, denom, value=-(lr / bc1))
     if param_bf16_out is not None:
         param_bf16_out.view(-1).copy_(p)
+
+
+def _scaled(grad: torch.Tensor, grad_scale: float | torch.Tensor) -> torch.Tensor:
+    g = grad.view(-1).to(torch.float32)
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+        g = g * grad_scale
+    return g
+
+
+def _moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, beta1: float, beta2: float) -> None:
+    """The moment update, in place (the step and :func:`adamw_moments_` share it)."""
+    m.lerp_(g, 1.0 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+
+
+def adamw_moments_(
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    beta1: float,
+    beta2: float,
+    grad_scale: float | torch.Tensor = 1.0,
+    source: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Store the moments of a step taken with ``store_moments=False``: ``exp_avg``/``exp_avg_sq`` := m_t, v_t from
+    the pre-step moments (in place, or read from ``source`` = (exp_avg, exp_avg_sq)) and the step's gradient."""
+    _check(exp_avg, grad, exp_avg, exp_avg_sq)
+    if source is not None:
+        if len(source) != 2:
+            raise ValueError(f"source must be two tensors (exp_avg, exp_avg_sq), got {len(source)}")
+        # validated as a step's source whose param is read in place (the param slot is a dummy)
+        for dst, src in check_source((exp_avg.new_empty(0), exp_avg, exp_avg_sq), (exp_avg.new_empty(0), *source),
+                                     {"grad": grad}):
+            dst.view(-1).copy_(src.view(-1))
+    _moments(_scaled(grad, grad_scale), exp_avg.view(-1), exp_avg_sq.view(-1), beta1, beta2)
 
 
 def adamw_undo_(
@@ -140,9 +187,7 @@ def adamw_undo_(
     ``step`` and the hyper-parameters are those the step was taken with.
     """
     _check(param, grad, exp_avg, exp_avg_sq)
-    g = grad.view(-1).to(torch.float32)
-    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
-        g = g * grad_scale
+    g = _scaled(grad, grad_scale)
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     bc1 = 1.0 - beta1**step
     bc2_sqrt = math.sqrt(1.0 - beta2**step)

@@ -198,6 +198,7 @@ def load_engine_state(engine: OffloadEngine, sd: dict[str, Any], *, validate: bo
     the loaded masters. A refused state leaves the engine untouched."""
     if validate:
         validate_engine_state(engine, sd)
+    engine.drop_pending_moments()  # the loaded moments replace what a deferred step still owed
     ours = engine.flat_state()
     with torch.no_grad():
         if sd.get("sharding"):  # the same rank of the same layout: arena for arena

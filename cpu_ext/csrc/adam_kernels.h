@@ -113,6 +113,23 @@ inline void step_range(Isa isa, const AdamBuffers& b, const AdamHyper& h, int64_
   }
 }
 
+// Moments only ([Note: deferred moment stores]).
+inline void moments_range(Isa isa, const MomentBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  switch (isa) {
+#if defined(__x86_64__)
+    case Isa::kAvx2: return x86::avx2::moments_range(b, h, begin, end);
+    case Isa::kAvx512: return x86::avx512::moments_range(b, h, begin, end);
+    case Isa::kAvx512Bf16: return x86::avx512_bf16::moments_range(b, h, begin, end);
+#elif defined(__aarch64__)
+    case Isa::kNeon: return arm::neon::moments_range(b, h, begin, end);
+    case Isa::kSve: return arm::sve::moments_range(b, h, begin, end);
+#endif
+    default:
+      return b.grad_bf16 ? adamw_moments_scalar_loop<true>(b, h, begin, end)
+                         : adamw_moments_scalar_loop<false>(b, h, begin, end);
+  }
+}
+
 // The undo is in place only (sp/sm/sv are ignored: it reads and writes p/m/v).
 inline void undo_range(Isa isa, const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   switch (isa) {

@@ -124,7 +124,7 @@ void cpu_adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_a
                     int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
                     double grad_scale, const std::optional<Tensor>& param_bf16_out,
                     const std::optional<Tensor>& src_param, const std::optional<Tensor>& src_exp_avg,
-                    const std::optional<Tensor>& src_exp_avg_sq, int64_t num_threads) {
+                    const std::optional<Tensor>& src_exp_avg_sq, int64_t num_threads, bool store_moments) {
   std::vector<Named> ts;
   Call c = prepare(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
                    param_bf16_out, ts);
@@ -143,6 +143,7 @@ void cpu_adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_a
     // is read from its source and written to its destination, with regular stores).
     c.buffers.out_of_place = distinct == 3;
   }
+  c.buffers.store_moments = store_moments;  // false: exp_avg/exp_avg_sq are not written at all
   check_disjoint(ts);
   const hfso::Isa isa = current_isa();
   hfso::parallel_ranges(c.numel, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
@@ -161,6 +162,40 @@ void cpu_adamw_undo(const Tensor& param, const Tensor& grad, const Tensor& exp_a
   const hfso::Isa isa = current_isa();
   hfso::parallel_ranges(c.numel, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
     hfso::undo_range(isa, c.buffers, c.hyper, begin, end);
+  });
+}
+
+// Stores m_t, v_t of a step taken with store_moments=false ([Note: deferred moment stores]): in place, or from
+// src_exp_avg/src_exp_avg_sq (pre-step moments) into exp_avg/exp_avg_sq.
+void cpu_adamw_moments(const Tensor& grad, const Tensor& exp_avg, const Tensor& exp_avg_sq, double beta1,
+                       double beta2, double grad_scale, const std::optional<Tensor>& src_exp_avg,
+                       const std::optional<Tensor>& src_exp_avg_sq, int64_t num_threads) {
+  const int64_t n = exp_avg.numel();
+  check_f32(exp_avg, "exp_avg", n);
+  check_f32(exp_avg_sq, "exp_avg_sq", n);
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
+              "grad must be float32 or bfloat16, got ", grad.scalar_type());
+  check_cpu_contiguous(grad, "grad", n);
+  TORCH_CHECK(beta1 > 0.0 && beta1 < 1.0 && beta2 > 0.0 && beta2 < 1.0, "betas must lie in (0, 1), got ",
+              beta1, ", ", beta2);
+  std::vector<Named> ts = {{&grad, "grad"}, {&exp_avg, "exp_avg"}, {&exp_avg_sq, "exp_avg_sq"}};
+  TORCH_CHECK_VALUE(src_exp_avg.has_value() == src_exp_avg_sq.has_value(), "give both source tensors or none");
+  hfso::MomentBuffers b{exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                        exp_avg_sq.data_ptr<float>(), grad.data_ptr(), grad.scalar_type() == at::kBFloat16,
+                        false, n >= kStreamMinElems};
+  if (src_exp_avg.has_value()) {
+    int distinct = check_source(*src_exp_avg, "src_exp_avg", exp_avg, "exp_avg", n, ts);
+    distinct += check_source(*src_exp_avg_sq, "src_exp_avg_sq", exp_avg_sq, "exp_avg_sq", n, ts);
+    b.sm = src_exp_avg->data_ptr<float>();
+    b.sv = src_exp_avg_sq->data_ptr<float>();
+    b.out_of_place = distinct == 2;
+  }
+  check_disjoint(ts);
+  // The step's constants for beta1, beta2 and grad_scale, rounded by the same code (the rest is unused).
+  const hfso::AdamHyper h = hfso::make_hyper(1, 0.0, beta1, beta2, 0.0, 0.0, grad_scale);
+  const hfso::Isa isa = current_isa();
+  hfso::parallel_ranges(n, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
+    hfso::moments_range(isa, b, h, begin, end);
   });
 }
 
@@ -227,7 +262,10 @@ TORCH_LIBRARY_FRAGMENT(hf_superoffload, m) {
       "cpu_adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, "
       "Tensor(d!)? param_bf16_out, Tensor? src_param, Tensor? src_exp_avg, Tensor? src_exp_avg_sq, "
-      "int num_threads) -> ()");
+      "int num_threads, bool store_moments=True) -> ()");
+  m.def(
+      "cpu_adamw_moments(Tensor grad, Tensor(a!) exp_avg, Tensor(b!) exp_avg_sq, float beta1, float beta2, "
+      "float grad_scale, Tensor? src_exp_avg, Tensor? src_exp_avg_sq, int num_threads) -> ()");
   m.def(
       "cpu_adamw_undo(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, "
@@ -243,6 +281,7 @@ TORCH_LIBRARY_FRAGMENT(hf_superoffload, m) {
 TORCH_LIBRARY_IMPL(hf_superoffload, CPU, m) {
   m.impl("cpu_adamw_step", &cpu_adamw_step);
   m.impl("cpu_adamw_undo", &cpu_adamw_undo);
+  m.impl("cpu_adamw_moments", &cpu_adamw_moments);
   m.impl("grad_sumsq_nonfinite", &grad_sumsq_nonfinite);
   m.impl("_cpu_bench_inplace3", &bench_inplace3);
 }

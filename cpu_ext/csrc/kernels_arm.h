@@ -58,22 +58,30 @@ HFSO_INLINE float32x4_t load_grad4(const void* g, int64_t i) {
   }
 }
 
-// Reads 4 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v, returns the new p.
+// The moment update from the scaled gradient: the step and the moment kernel share it.
+HFSO_INLINE void moments4(const Consts& c, float32x4_t g, float32x4_t& m, float32x4_t& v) {
+  m = vfmaq_f32(m, c.omb1, vsubq_f32(g, m));
+  v = vfmaq_f32(vmulq_f32(v, c.beta2), c.omb2, vmulq_f32(g, g));
+}
+
+// Reads 4 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (m/v only when
+// `store_mv`), returns the new p.
 template <bool kBf16Grad>
-HFSO_INLINE float32x4_t step4(const AdamBuffers& b, const Consts& c, int64_t i) {
+HFSO_INLINE float32x4_t step4(const AdamBuffers& b, const Consts& c, int64_t i, bool store_mv) {
   float32x4_t p = vld1q_f32(b.sp + i);
   float32x4_t m = vld1q_f32(b.sm + i);
   float32x4_t v = vld1q_f32(b.sv + i);
   float32x4_t g = load_grad4<kBf16Grad>(b.grad, i);
   g = vmulq_f32(g, c.gscale);
   p = vmulq_f32(p, c.decay);
-  m = vfmaq_f32(m, c.omb1, vsubq_f32(g, m));
-  v = vfmaq_f32(vmulq_f32(v, c.beta2), c.omb2, vmulq_f32(g, g));
+  moments4(c, g, m, v);
   const float32x4_t den = vaddq_f32(vdivq_f32(vsqrtq_f32(v), c.bc2), c.eps);
   p = vfmaq_f32(p, c.neg_step, vdivq_f32(m, den));
   vst1q_f32(b.p + i, p);
-  vst1q_f32(b.m + i, m);
-  vst1q_f32(b.v + i, v);
+  if (store_mv) {
+    vst1q_f32(b.m + i, m);
+    vst1q_f32(b.v + i, v);
+  }
   return p;
 }
 
@@ -84,14 +92,15 @@ template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const Consts c = make_consts(h);
+    const bool store_mv = b.store_moments;
     for (; i + 16 <= end; i += 16) {
       __builtin_prefetch(b.sp + i + 1024);
       __builtin_prefetch(b.sm + i + 1024);
       __builtin_prefetch(b.sv + i + 1024);
-      const float32x4_t p0 = step4<kBf16Grad>(b, c, i);
-      const float32x4_t p1 = step4<kBf16Grad>(b, c, i + 4);
-      const float32x4_t p2 = step4<kBf16Grad>(b, c, i + 8);
-      const float32x4_t p3 = step4<kBf16Grad>(b, c, i + 12);
+      const float32x4_t p0 = step4<kBf16Grad>(b, c, i, store_mv);
+      const float32x4_t p1 = step4<kBf16Grad>(b, c, i + 4, store_mv);
+      const float32x4_t p2 = step4<kBf16Grad>(b, c, i + 8, store_mv);
+      const float32x4_t p3 = step4<kBf16Grad>(b, c, i + 12, store_mv);
       if constexpr (kOut) {
         vst1q_u16(b.p_bf16 + i, vcombine_u16(cvt_bf16(p0), cvt_bf16(p1)));
         vst1q_u16(b.p_bf16 + i + 8, vcombine_u16(cvt_bf16(p2), cvt_bf16(p3)));
@@ -105,6 +114,28 @@ inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, 
   dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
 }
 
+// Moments only ([Note: deferred moment stores]), 8 elements per iteration, scalar tail (regular stores, as
+// the out-of-place step).
+template <bool kBf16Grad>
+void moments_impl(const MomentBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+  const Consts c = make_consts(h);
+  for (; i + 8 <= end; i += 8) {
+    for (int64_t j = i; j < i + 8; j += 4) {
+      float32x4_t m = vld1q_f32(b.sm + j);
+      float32x4_t v = vld1q_f32(b.sv + j);
+      const float32x4_t g = vmulq_f32(load_grad4<kBf16Grad>(b.grad, j), c.gscale);
+      moments4(c, g, m, v);
+      vst1q_f32(b.m + j, m);
+      vst1q_f32(b.v + j, v);
+    }
+  }
+  adamw_moments_scalar_loop<kBf16Grad>(b, h, i, end);
+}
+
+inline void moments_range(const MomentBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  b.grad_bf16 ? moments_impl<true>(b, h, begin, end) : moments_impl<false>(b, h, begin, end);
+}
+
 }  // namespace neon
 
 // ---- SVE ------------------------------------------------------------------------------------------------
@@ -113,33 +144,50 @@ namespace sve {
 
 // Reads one vector of the pre-step state from sp/sm/sv and writes the new state to p/m/v, non-temporal
 // (STNT1) when `stream`: out of place only.
+// The scaled gradient of one vector (bf16 upcast in registers).
+template <bool kBf16Grad>
+HFSO_TARGET_SVE HFSO_INLINE svfloat32_t load_grad_vec(const void* grad, const AdamHyper& h, int64_t i,
+                                                      svbool_t pg) {
+  svfloat32_t g;
+  if constexpr (kBf16Grad) {
+    const svuint32_t gh = svld1uh_u32(pg, static_cast<const uint16_t*>(grad) + i);
+    g = svreinterpret_f32_u32(svlsl_n_u32_x(pg, gh, 16));
+  } else {
+    g = svld1_f32(pg, static_cast<const float*>(grad) + i);
+  }
+  return svmul_n_f32_x(pg, g, h.grad_scale);
+}
+
+// The moment update from the scaled gradient: the step and the moment kernel share it.
+HFSO_TARGET_SVE HFSO_INLINE void moments_vec(const AdamHyper& h, svbool_t pg, svfloat32_t g, svfloat32_t& m,
+                                             svfloat32_t& v) {
+  m = svmla_n_f32_x(pg, m, svsub_f32_x(pg, g, m), h.one_minus_beta1);
+  v = svmla_n_f32_x(pg, svmul_n_f32_x(pg, v, h.beta2), svmul_f32_x(pg, g, g), h.one_minus_beta2);
+}
+
+HFSO_TARGET_SVE HFSO_INLINE void store_vec(svbool_t pg, float* dst, svfloat32_t x, bool stream) {
+  if (stream) {
+    svstnt1_f32(pg, dst, x);
+  } else {
+    svst1_f32(pg, dst, x);
+  }
+}
+
 template <bool kBf16Grad, bool kOut>
 HFSO_TARGET_SVE HFSO_INLINE void step_vec(const AdamBuffers& b, const AdamHyper& h, int64_t i, svbool_t pg,
-                                          bool stream) {
+                                          bool stream, bool store_mv) {
   svfloat32_t p = svld1_f32(pg, b.sp + i);
   svfloat32_t m = svld1_f32(pg, b.sm + i);
   svfloat32_t v = svld1_f32(pg, b.sv + i);
-  svfloat32_t g;
-  if constexpr (kBf16Grad) {
-    const svuint32_t gh = svld1uh_u32(pg, static_cast<const uint16_t*>(b.grad) + i);
-    g = svreinterpret_f32_u32(svlsl_n_u32_x(pg, gh, 16));
-  } else {
-    g = svld1_f32(pg, static_cast<const float*>(b.grad) + i);
-  }
-  g = svmul_n_f32_x(pg, g, h.grad_scale);
+  const svfloat32_t g = load_grad_vec<kBf16Grad>(b.grad, h, i, pg);
   p = svmul_n_f32_x(pg, p, h.decay);
-  m = svmla_n_f32_x(pg, m, svsub_f32_x(pg, g, m), h.one_minus_beta1);
-  v = svmla_n_f32_x(pg, svmul_n_f32_x(pg, v, h.beta2), svmul_f32_x(pg, g, g), h.one_minus_beta2);
+  moments_vec(h, pg, g, m, v);
   const svfloat32_t den = svadd_n_f32_x(pg, svdiv_n_f32_x(pg, svsqrt_f32_x(pg, v), h.bc2_sqrt), h.eps);
   p = svmla_n_f32_x(pg, p, svdiv_f32_x(pg, m, den), -h.step_size);
-  if (stream) {
-    svstnt1_f32(pg, b.p + i, p);
-    svstnt1_f32(pg, b.m + i, m);
-    svstnt1_f32(pg, b.v + i, v);
-  } else {
-    svst1_f32(pg, b.p + i, p);
-    svst1_f32(pg, b.m + i, m);
-    svst1_f32(pg, b.v + i, v);
+  store_vec(pg, b.p + i, p, stream);
+  if (store_mv) {
+    store_vec(pg, b.m + i, m, stream);
+    store_vec(pg, b.v + i, v, stream);
   }
   if constexpr (kOut) {
     const svuint32_t u = svreinterpret_u32_f32(p);
@@ -157,15 +205,35 @@ struct Step {
     const int64_t vl = static_cast<int64_t>(svcntw());
     // Out of place, p/m/v are write-only (see the AVX-512 body); STNT1 has no alignment requirement.
     const bool stream = kOutOfPlace && b.stream_stores;
+    const bool store_mv = b.store_moments;
     for (; i < end; i += 2 * vl) {
       svprfw(svptrue_b32(), b.sp + i + 1024, SV_PLDL1STRM);
       svprfw(svptrue_b32(), b.sm + i + 1024, SV_PLDL1STRM);
       svprfw(svptrue_b32(), b.sv + i + 1024, SV_PLDL1STRM);
-      step_vec<kBf16Grad, kOut>(b, h, i, svwhilelt_b32_s64(i, end), stream);
-      step_vec<kBf16Grad, kOut>(b, h, i + vl, svwhilelt_b32_s64(i + vl, end), stream);
+      step_vec<kBf16Grad, kOut>(b, h, i, svwhilelt_b32_s64(i, end), stream, store_mv);
+      step_vec<kBf16Grad, kOut>(b, h, i + vl, svwhilelt_b32_s64(i + vl, end), stream, store_mv);
     }
   }
 };
+
+// Moments only ([Note: deferred moment stores]); predicated, no scalar remainder.
+template <bool kBf16Grad>
+HFSO_TARGET_SVE void moments_impl(const MomentBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+  const int64_t vl = static_cast<int64_t>(svcntw());
+  const bool stream = b.out_of_place && b.stream_stores;
+  for (; i < end; i += vl) {
+    const svbool_t pg = svwhilelt_b32_s64(i, end);
+    svfloat32_t m = svld1_f32(pg, b.sm + i);
+    svfloat32_t v = svld1_f32(pg, b.sv + i);
+    moments_vec(h, pg, load_grad_vec<kBf16Grad>(b.grad, h, i, pg), m, v);
+    store_vec(pg, b.m + i, m, stream);
+    store_vec(pg, b.v + i, v, stream);
+  }
+}
+
+HFSO_TARGET_SVE inline void moments_range(const MomentBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  b.grad_bf16 ? moments_impl<true>(b, h, begin, end) : moments_impl<false>(b, h, begin, end);
+}
 
 HFSO_TARGET_SVE inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);

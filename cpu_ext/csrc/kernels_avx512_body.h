@@ -49,31 +49,39 @@ HFSO_K_TARGET HFSO_INLINE void store_f32(float* dst, __m512 x, __mmask16 k, bool
   }
 }
 
+// The moment update from the scaled gradient: the step and the moment kernel share it.
+HFSO_K_TARGET HFSO_INLINE void moments16(const Consts& c, __m512 g, __m512& m, __m512& v) {
+  m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m), m);
+  v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v, c.beta2));
+}
+
 // Reads 16 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (streaming when
-// `stream`: out of place only, never on masked lanes) and returns the new p.
+// `stream`: out of place only, never on masked lanes; m/v only when `store_mv`) and returns the new p.
 template <bool kBf16Grad, bool kMasked>
 HFSO_K_TARGET HFSO_INLINE __m512 step16(const AdamBuffers& b, const Consts& c, int64_t i, __mmask16 k,
-                                        bool stream) {
+                                        bool stream, bool store_mv) {
   __m512 p = load_f32<kMasked>(b.sp + i, k);
   __m512 m = load_f32<kMasked>(b.sm + i, k);
   __m512 v = load_f32<kMasked>(b.sv + i, k);
   __m512 g = load_grad16<kBf16Grad, kMasked>(b.grad, i, k);
   g = _mm512_mul_ps(g, c.gscale);
   p = _mm512_mul_ps(p, c.decay);
-  m = _mm512_fmadd_ps(c.omb1, _mm512_sub_ps(g, m), m);
-  v = _mm512_fmadd_ps(c.omb2, _mm512_mul_ps(g, g), _mm512_mul_ps(v, c.beta2));
+  moments16(c, g, m, v);
   const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
   p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, den), p);
   store_f32<kMasked>(b.p + i, p, k, stream);
-  store_f32<kMasked>(b.m + i, m, k, stream);
-  store_f32<kMasked>(b.v + i, v, k, stream);
+  if (store_mv) {
+    store_f32<kMasked>(b.m + i, m, k, stream);
+    store_f32<kMasked>(b.v + i, v, k, stream);
+  }
   return p;
 }
 
 template <bool kBf16Grad, bool kOut>
-HFSO_K_TARGET HFSO_INLINE void step_masked(const AdamBuffers& b, const Consts& c, int64_t i, int64_t n) {
+HFSO_K_TARGET HFSO_INLINE void step_masked(const AdamBuffers& b, const Consts& c, int64_t i, int64_t n,
+                                           bool store_mv) {
   const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);  // 1 <= n <= 16
-  const __m512 p = step16<kBf16Grad, true>(b, c, i, k, false);
+  const __m512 p = step16<kBf16Grad, true>(b, c, i, k, false, store_mv);
   if constexpr (kOut) _mm256_mask_storeu_epi16(b.p_bf16 + i, k, HFSO_K_CVT(p));
 }
 
@@ -81,10 +89,11 @@ template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   HFSO_K_TARGET static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const Consts c = make_consts(h);
+    const bool store_mv = b.store_moments;
     int64_t head = head_elems<kOut, kOutOfPlace>(b, i, end);
     while (head > 0) {
       const int64_t n = head < 16 ? head : 16;
-      step_masked<kBf16Grad, kOut>(b, c, i, n);
+      step_masked<kBf16Grad, kOut>(b, c, i, n, store_mv);
       i += n;
       head -= n;
     }
@@ -110,8 +119,8 @@ struct Step {
           _mm_prefetch(static_cast<const char*>(b.grad) + 4 * j + 64, _MM_HINT_T0);
         }
       }
-      const __m512 p0 = step16<kBf16Grad, false>(b, c, i, 0, stream_state);
-      const __m512 p1 = step16<kBf16Grad, false>(b, c, i + 16, 0, stream_state);
+      const __m512 p0 = step16<kBf16Grad, false>(b, c, i, 0, stream_state, store_mv);
+      const __m512 p1 = step16<kBf16Grad, false>(b, c, i + 16, 0, stream_state, store_mv);
       if constexpr (kOut) {
         const __m512i o = _mm512_inserti64x4(_mm512_castsi256_si512(HFSO_K_CVT(p0)), HFSO_K_CVT(p1), 1);
         if (stream_out) {
@@ -123,7 +132,7 @@ struct Step {
     }
     while (i < end) {
       const int64_t n = end - i < 16 ? end - i : 16;
-      step_masked<kBf16Grad, kOut>(b, c, i, n);
+      step_masked<kBf16Grad, kOut>(b, c, i, n, store_mv);
       i += n;
     }
     if (stream_out || stream_state) _mm_sfence();  // order the weakly-ordered streaming stores
@@ -132,6 +141,46 @@ struct Step {
 
 HFSO_K_TARGET inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
+}
+
+// Moments only ([Note: deferred moment stores]): m_t, v_t of 16 lanes from sm/sv and the gradient.
+template <bool kBf16Grad, bool kMasked>
+HFSO_K_TARGET HFSO_INLINE void moments_lanes(const MomentBuffers& b, const Consts& c, int64_t i, __mmask16 k,
+                                             bool stream) {
+  __m512 m = load_f32<kMasked>(b.sm + i, k);
+  __m512 v = load_f32<kMasked>(b.sv + i, k);
+  const __m512 g = _mm512_mul_ps(load_grad16<kBf16Grad, kMasked>(b.grad, i, k), c.gscale);
+  moments16(c, g, m, v);
+  store_f32<kMasked>(b.m + i, m, k, stream);
+  store_f32<kMasked>(b.v + i, v, k, stream);
+}
+
+// A masked head up to a cache line of m (out of place, the write-only m/v then stream), 32 elements per
+// iteration, a masked tail.
+template <bool kBf16Grad>
+HFSO_K_TARGET void moments_impl(const MomentBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+  const Consts c = make_consts(h);
+  int64_t head = static_cast<int64_t>(((64 - (reinterpret_cast<uintptr_t>(b.m + i) & 63)) & 63)) / 4;
+  head = head < end - i ? head : end - i;
+  if (head > 0) {
+    moments_lanes<kBf16Grad, true>(b, c, i, static_cast<__mmask16>((1u << head) - 1u), false);
+    i += head;
+  }
+  const bool stream = b.out_of_place && b.stream_stores && line_aligned(b.m + i) && line_aligned(b.v + i);
+  for (; i + 32 <= end; i += 32) {
+    moments_lanes<kBf16Grad, false>(b, c, i, 0, stream);
+    moments_lanes<kBf16Grad, false>(b, c, i + 16, 0, stream);
+  }
+  while (i < end) {
+    const int64_t n = end - i < 16 ? end - i : 16;
+    moments_lanes<kBf16Grad, true>(b, c, i, static_cast<__mmask16>((1u << n) - 1u), false);
+    i += n;
+  }
+  if (stream) _mm_sfence();
+}
+
+HFSO_K_TARGET inline void moments_range(const MomentBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  b.grad_bf16 ? moments_impl<true>(b, h, begin, end) : moments_impl<false>(b, h, begin, end);
 }
 
 HFSO_K_TARGET inline void undo_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {

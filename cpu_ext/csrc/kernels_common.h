@@ -15,6 +15,13 @@
 // scalar reference, AVX2, AVX-512, NEON and SVE give identical fp32 results (the C++ test checks this).
 // torch itself rounds some steps differently (no fma in places), so parity with torch is up to fp32
 // rounding, not bitwise.
+//
+// [Note: deferred moment stores]
+// A step may leave m and v unstored (AdamBuffers::store_moments = false): p and the bf16 copy are computed
+// from the new m and v held in registers, and the moment kernel (MomentBuffers, moments_range) stores them
+// later from the same pre-step m, v and gradient. Both evaluate the g, m and v lines above with the same
+// operations in the same order (each path shares one helper between its step and its moment kernel), so the
+// stored moments are bit for bit those of a step with store_moments = true.
 #pragma once
 
 #include <cmath>
@@ -81,6 +88,20 @@ struct AdamBuffers {
   uint16_t* p_bf16;      // bf16 bits of the updated param (optional)
   bool out_of_place;     // sp/sm/sv are all disjoint from p/m/v (the p/m/v stores may then stream)
   bool stream_stores;    // write-only outputs may use non-temporal stores (large calls only)
+  bool store_moments = true;  // false: m/v are neither written nor modified ([Note: deferred moment stores])
+};
+
+// Pointers of one moment-only call: m_t, v_t from the pre-step sm/sv and the gradient, stored to m/v (in place:
+// the same arrays; out of place: disjoint, m/v are pure outputs).
+struct MomentBuffers {
+  float* m;
+  float* v;
+  const float* sm;
+  const float* sv;
+  const void* grad;
+  bool grad_bf16;
+  bool out_of_place;
+  bool stream_stores;
 };
 
 // In-place buffers (the source is the destination).
@@ -121,11 +142,16 @@ HFSO_INLINE float load_grad(const void* g, int64_t i) {
 
 // ---- scalar element math (the reference every SIMD path matches) -----------------------------------------
 
+// The moment update of one element, from the scaled gradient (shared by the step and the moment kernel).
+HFSO_INLINE void adamw_moments_elem(const AdamHyper& h, float& m, float& v, float g) {
+  m = std::fma(h.one_minus_beta1, g - m, m);
+  v = std::fma(h.one_minus_beta2, g * g, v * h.beta2);
+}
+
 HFSO_INLINE void adamw_elem(const AdamHyper& h, float& p, float& m, float& v, float g) {
   g = g * h.grad_scale;
   p = p * h.decay;
-  m = std::fma(h.one_minus_beta1, g - m, m);
-  v = std::fma(h.one_minus_beta2, g * g, v * h.beta2);
+  adamw_moments_elem(h, m, v, g);
   const float den = std::sqrt(v) / h.bc2_sqrt + h.eps;
   p = std::fma(-h.step_size, m / den, p);
 }
@@ -148,14 +174,29 @@ HFSO_INLINE void adamw_step_one(const AdamBuffers& b, const AdamHyper& h, int64_
   float p = b.sp[i], m = b.sm[i], v = b.sv[i];
   adamw_elem(h, p, m, v, load_grad<kBf16Grad>(b.grad, i));
   b.p[i] = p;
-  b.m[i] = m;
-  b.v[i] = v;
+  if (b.store_moments) {
+    b.m[i] = m;
+    b.v[i] = v;
+  }
   if constexpr (kOut) b.p_bf16[i] = f32_to_bf16_bits(p);
 }
 
 template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 HFSO_INLINE void adamw_step_scalar_loop(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
   for (; i < end; ++i) adamw_step_one<kBf16Grad, kOut, kOutOfPlace>(b, h, i);
+}
+
+template <bool kBf16Grad>
+HFSO_INLINE void adamw_moments_one(const MomentBuffers& b, const AdamHyper& h, int64_t i) {
+  float m = b.sm[i], v = b.sv[i];
+  adamw_moments_elem(h, m, v, load_grad<kBf16Grad>(b.grad, i) * h.grad_scale);
+  b.m[i] = m;
+  b.v[i] = v;
+}
+
+template <bool kBf16Grad>
+HFSO_INLINE void adamw_moments_scalar_loop(const MomentBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+  for (; i < end; ++i) adamw_moments_one<kBf16Grad>(b, h, i);
 }
 
 // True when q sits on a 64-byte (cache line) boundary.

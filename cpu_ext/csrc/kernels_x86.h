@@ -108,23 +108,31 @@ HFSO_TARGET_AVX2 HFSO_INLINE void store8(float* dst, __m256 x, bool stream) {
   }
 }
 
+// The moment update from the scaled gradient: the step and the moment kernel share it.
+HFSO_TARGET_AVX2 HFSO_INLINE void moments8(const Consts& c, __m256 g, __m256& m, __m256& v) {
+  m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m), m);
+  v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v, c.beta2));
+}
+
 // Reads 8 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (streaming when
-// `stream`: out of place only) and returns the new p.
+// `stream`: out of place only; m/v only when `store_mv`) and returns the new p.
 template <bool kBf16Grad>
-HFSO_TARGET_AVX2 HFSO_INLINE __m256 step8(const AdamBuffers& b, const Consts& c, int64_t i, bool stream) {
+HFSO_TARGET_AVX2 HFSO_INLINE __m256 step8(const AdamBuffers& b, const Consts& c, int64_t i, bool stream,
+                                          bool store_mv) {
   __m256 p = _mm256_loadu_ps(b.sp + i);
   __m256 m = _mm256_loadu_ps(b.sm + i);
   __m256 v = _mm256_loadu_ps(b.sv + i);
   __m256 g = load_grad8<kBf16Grad>(b.grad, i);
   g = _mm256_mul_ps(g, c.gscale);
   p = _mm256_mul_ps(p, c.decay);
-  m = _mm256_fmadd_ps(c.omb1, _mm256_sub_ps(g, m), m);
-  v = _mm256_fmadd_ps(c.omb2, _mm256_mul_ps(g, g), _mm256_mul_ps(v, c.beta2));
+  moments8(c, g, m, v);
   const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
   p = _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, den), p);
   store8(b.p + i, p, stream);
-  store8(b.m + i, m, stream);
-  store8(b.v + i, v, stream);
+  if (store_mv) {
+    store8(b.m + i, m, stream);
+    store8(b.v + i, v, stream);
+  }
   return p;
 }
 
@@ -142,6 +150,7 @@ struct Step {
     // AVX-512 body). 16 elements per iteration = one full line per stream when line aligned.
     const bool stream_state = kOutOfPlace && b.stream_stores && line_aligned(b.p + i) &&
                               line_aligned(b.m + i) && line_aligned(b.v + i);
+    const bool store_mv = b.store_moments;
     for (; i + 16 <= end; i += 16) {
       if constexpr (kPrefetchElems > 0) {
         const int64_t j = i + kPrefetchElems;
@@ -150,8 +159,8 @@ struct Step {
         _mm_prefetch(reinterpret_cast<const char*>(b.sv + j), _MM_HINT_T0);
         _mm_prefetch(static_cast<const char*>(b.grad) + (kBf16Grad ? 2 : 4) * j, _MM_HINT_T0);
       }
-      const __m256 p0 = step8<kBf16Grad>(b, c, i, stream_state);
-      const __m256 p1 = step8<kBf16Grad>(b, c, i + 8, stream_state);
+      const __m256 p0 = step8<kBf16Grad>(b, c, i, stream_state, store_mv);
+      const __m256 p1 = step8<kBf16Grad>(b, c, i + 8, stream_state, store_mv);
       if constexpr (kOut) {
         const __m256i o = pack_bf16(p0, p1);
         if (stream_out) {
@@ -168,6 +177,34 @@ struct Step {
 
 HFSO_TARGET_AVX2 inline void step_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
   dispatch3<Step>(b.grad_bf16, b.p_bf16 != nullptr, b.out_of_place, b, h, begin, end);
+}
+
+// Moments only ([Note: deferred moment stores]): 16 elements per iteration, a scalar head up to a cache line
+// of m (so out of place the write-only m/v can stream) and a scalar tail.
+template <bool kBf16Grad>
+HFSO_TARGET_AVX2 void moments_impl(const MomentBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
+  const Consts c = make_consts(h);
+  int64_t head = static_cast<int64_t>(((64 - (reinterpret_cast<uintptr_t>(b.m + i) & 63)) & 63)) / 4;
+  head = head < end - i ? head : end - i;
+  adamw_moments_scalar_loop<kBf16Grad>(b, h, i, i + head);
+  i += head;
+  const bool stream = b.out_of_place && b.stream_stores && line_aligned(b.m + i) && line_aligned(b.v + i);
+  for (; i + 16 <= end; i += 16) {
+    for (int64_t j = i; j < i + 16; j += 8) {
+      __m256 m = _mm256_loadu_ps(b.sm + j);
+      __m256 v = _mm256_loadu_ps(b.sv + j);
+      const __m256 g = _mm256_mul_ps(load_grad8<kBf16Grad>(b.grad, j), c.gscale);
+      moments8(c, g, m, v);
+      store8(b.m + j, m, stream);
+      store8(b.v + j, v, stream);
+    }
+  }
+  adamw_moments_scalar_loop<kBf16Grad>(b, h, i, end);
+  if (stream) _mm_sfence();
+}
+
+HFSO_TARGET_AVX2 inline void moments_range(const MomentBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {
+  b.grad_bf16 ? moments_impl<true>(b, h, begin, end) : moments_impl<false>(b, h, begin, end);
 }
 
 HFSO_TARGET_AVX2 inline void undo_range(const AdamBuffers& b, const AdamHyper& h, int64_t begin, int64_t end) {

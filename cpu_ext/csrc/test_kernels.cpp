@@ -241,6 +241,41 @@ void check_bf16_rounding(Isa isa, int n_random) {
   CHECK(hfso::f32_to_bf16_bits(from_bits(0x7f800001)) == 0xffff, "NaN");
 }
 
+// [Note: deferred moment stores]: a step with store_moments=false leaves m/v untouched (in place: as they were;
+// out of place: the destination keeps its contents) and gives the full step's p and bf16 copy; the moment
+// kernel then stores the full step's m/v, bit for bit. Compared with the same path's full step.
+void check_deferred(Isa isa, int64_t n, int64_t begin, int64_t end, int off, int off_dst, bool bf16_grad,
+                    bool out_of_place, bool stream, double grad_scale) {
+  State a(n, off, off, off_dst), full(n, off, off, off_dst);
+  for (State* s : {&a, &full}) fill(*s, n, 4321 + static_cast<uint32_t>(n));
+  const Mode mode = out_of_place ? Mode::kOutOfPlace : Mode::kInPlace;
+  const Options o{bf16_grad, true, mode, stream};
+  const Cursor ca(a, mode), cf(full, mode);
+  const AdamHyper h = hfso::make_hyper(5, 1e-2, 0.9, 0.999, 1e-8, 0.1, grad_scale);
+  const std::vector<float> m0(ca.nxt[1], ca.nxt[1] + n), v0(ca.nxt[2], ca.nxt[2] + n);
+  AdamBuffers lazy = ca.buffers(a, o);
+  lazy.store_moments = false;
+  hfso::step_range(isa, lazy, h, begin, end);
+  hfso::step_range(isa, cf.buffers(full, o), h, begin, end);
+  const char* name = hfso::isa_name(isa);
+  for (int64_t i = 0; i < n; ++i) {
+    CHECK(bits(ca.nxt[1][i]) == bits(m0[i]) && bits(ca.nxt[2][i]) == bits(v0[i]),
+          "%s store_moments=false wrote m/v at %" PRId64 " (n=%" PRId64 ", oop %d)", name, i, n, out_of_place);
+    CHECK(bits(ca.nxt[0][i]) == bits(cf.nxt[0][i]) && a.out.data[i] == full.out.data[i],
+          "%s store_moments=false: p/bf16 differ from the full step at %" PRId64, name, i);
+  }
+  const hfso::MomentBuffers mb{ca.nxt[1], ca.nxt[2], ca.cur[1], ca.cur[2],
+                               bf16_grad ? static_cast<const void*>(a.g16.data) : static_cast<const void*>(a.g32.data),
+                               bf16_grad, out_of_place, stream};
+  hfso::moments_range(isa, mb, hfso::make_hyper(1, 0.0, 0.9, 0.999, 0.0, 0.0, grad_scale), begin, end);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int k = 1; k < 3; ++k) {
+      CHECK(bits(ca.nxt[k][i]) == bits(cf.nxt[k][i]), "%s moments n=%" PRId64 " i=%" PRId64 " array %d: %.9g, the "
+            "full step stored %.9g (oop %d)", name, n, i, k, ca.nxt[k][i], cf.nxt[k][i], out_of_place);
+    }
+  }
+}
+
 void check_undo(Isa isa, int64_t n, bool bf16_grad, bool out) {
   State s(n, 1, 1, 1);
   fill(s, n, 99);
@@ -338,6 +373,11 @@ int main(int argc, char** argv) {
         check_step(isa, n, 0, n, 0, 0, 0, {true, true, mode, true}, 6, 0.1, 0.5);
         check_step(isa, n, 0, n, 1, 0, 3, {false, true, mode, true}, 3, 0.1, 0.5);
         if (n > 10) check_step(isa, n, 5, n - 2, 2, 1, 9, {true, false, mode, true}, 2, 0.0, 1.0);
+      }
+      for (int mask = 0; mask < 8; ++mask) {
+        const bool bf16 = (mask & 1) != 0, oop = (mask & 2) != 0, stream = (mask & 4) != 0;
+        check_deferred(isa, n, 0, n, (n + mask) % 5, (n + 3 * mask) % 7, bf16, oop, stream, mask < 4 ? 1.0 : 0.37);
+        if (n > 10) check_deferred(isa, n, 3, n - 5, 0, 0, bf16, oop, stream, 0.5);
       }
       check_undo(isa, n, (n & 1) != 0, true);
       check_undo(isa, n, (n & 1) == 0, false);

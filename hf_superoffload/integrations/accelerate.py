@@ -101,9 +101,10 @@ class SuperOffloadPlugin:
         config_file: YAML or JSON file with ``SuperOffloadConfig`` fields (default: ``$HF_SUPEROFFLOAD_CONFIG``).
         bucket_size_mb, gpu_resident_buckets, gpu_resident_fraction, device_memory_fraction, speculation,
         rollback, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
-        worker_timeout_s, check_finite, accumulate_on_host, host_accumulation_dtype: see
+        worker_timeout_s, check_finite, accumulate_on_host, host_accumulation_dtype, defer_moments: see
         :class:`SuperOffloadConfig`. ``cpu_threads="auto"`` forces the
-        automatic thread count even when the environment or file sets one.
+        automatic thread count even when the environment or file sets one; ``defer_moments="auto"`` the
+        planner's choice.
     """
 
     bucket_size_mb: float | None = None
@@ -122,6 +123,7 @@ class SuperOffloadPlugin:
     check_finite: bool | None = None
     accumulate_on_host: bool | str | None = None
     host_accumulation_dtype: str | None = None
+    defer_moments: bool | str | None = None
     config_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -182,6 +184,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     try:
         if name == "accumulate_on_host":  # true / false / auto
             return "auto" if v.lower() == "auto" else _BOOLS[v.lower()]
+        if name == "defer_moments":  # true / false / auto (None: the planner decides)
+            return None if v.lower() in ("auto", "none", "") else _BOOLS[v.lower()]
         if name in ("gpu_resident_buckets", "cpu_threads"):
             if v.lower() in ("auto", "none", ""):
                 return "auto" if name == "gpu_resident_buckets" else None

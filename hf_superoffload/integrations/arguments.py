@@ -91,6 +91,8 @@ class SuperOffloadArguments(TrainingArguments):
             offloaded) instead of in ``param.grad`` on the device. ``"auto"``: on in weight-flow mode.
         superoffload_host_accumulation_dtype: ``"auto"``, ``"fp32"`` (separate fp32 sum, +4 B/param host RAM) or
             ``"landing"`` (sum in the landing buffer, bf16 with CPU casts).
+        superoffload_defer_moments: ``"auto"``, ``"true"`` or ``"false"``: a CPU pass whose verdict is known stores
+            the Adam moments later, off the critical path (+2 B/param pinned). ``"auto"``: the planner decides.
         sequence_parallel_size: Ulysses sequence parallelism: ranks per sequence (1 = off).
     """
 
@@ -158,6 +160,12 @@ class SuperOffloadArguments(TrainingArguments):
         default=_D.host_accumulation_dtype,
         metadata=_help("SuperOffload: with host accumulation, 'fp32' (a separate fp32 sum, +4 B/param host RAM), "
                        "'landing' (the sum lives in the bf16 landing buffer) or 'auto' (fp32 when host RAM allows)."))
+    superoffload_defer_moments: str = field(
+        default="auto",
+        metadata=_help("SuperOffload: 'auto', 'true' or 'false': a CPU Adam pass whose verdict is already known (no "
+                       "speculation, clipping certain, a redo) writes p and the bf16 weights only and stores the Adam "
+                       "moments later, off the critical path (+2 B/param pinned host RAM); 'auto': the planner "
+                       "decides."))
     # ---- sequence parallelism (issue #11; hf_superoffload/sequence_parallel, integrations/_sequence_parallel.py)
     sequence_parallel_size: int = field(
         default=1,
@@ -179,6 +187,7 @@ class SuperOffloadArguments(TrainingArguments):
             )
         self.superoffload_gpu_resident_buckets = str(self.superoffload_gpu_resident_buckets)
         self.superoffload_accumulate_on_host = str(self.superoffload_accumulate_on_host).lower()
+        self.superoffload_defer_moments = str(self.superoffload_defer_moments).lower()
         self.to_superoffload_config()  # validate now, not at the first train() call
 
     # ------------------------------------------------------------------------------------------------
@@ -239,6 +248,11 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
         raise ValueError(f"SuperOffloadArguments.superoffload_accumulate_on_host={kw['accumulate_on_host']!r} is "
                          "invalid: use 'auto', 'true' or 'false'")
     kw["accumulate_on_host"] = accumulate if accumulate == "auto" else accumulate == "true"
+    defer = str(kw["defer_moments"]).lower()
+    if defer not in ("auto", "none", "true", "false"):
+        raise ValueError(f"SuperOffloadArguments.superoffload_defer_moments={kw['defer_moments']!r} is invalid: use "
+                         "'auto', 'true' or 'false'")
+    kw["defer_moments"] = None if defer in ("auto", "none") else defer == "true"
     try:
         return SuperOffloadConfig(**kw)
     except ValueError as e:

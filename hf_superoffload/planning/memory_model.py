@@ -180,6 +180,8 @@ class PlanLike:
         speculated_fraction: share of the rollback copy ever written. 1.0 for a double buffer (every step
             writes the other copy) and the conservative default; for a snapshot rollback, the share of host
             parameters stepped speculatively (only those write their snapshot).
+        deferred_landing_bytes: the second (pinned) gradient landing arena of deferred moment stores
+            (``OffloadPlan.deferred_landing_bytes``: 2 B/param with CPU casts, else 0).
     """
 
     device_numel: int = 0
@@ -191,6 +193,7 @@ class PlanLike:
     optimizer: Literal["superoffload", "gpu_adamw", "none"] = "superoffload"
     speculated_fraction: float = 1.0
     accumulation_bytes: int = 0
+    deferred_landing_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.host_bytes_per_param not in (16, 28):
@@ -205,6 +208,7 @@ class PlanLike:
         return cls(device_numel=plan.device_numel, host_numel=plan.host_numel,
                    host_bytes_per_param=28 if plan.rollback is Rollback.DOUBLE_BUFFER else 16,
                    accumulation_bytes=plan.accumulation_bytes(),
+                   deferred_landing_bytes=plan.deferred_landing_bytes(),
                    weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
                    bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu")
 
@@ -338,6 +342,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             untouched = int(12 * p.host_numel * (1.0 - p.speculated_fraction))
         if p.accumulation_bytes:
             host["grad_accumulation"] = p.accumulation_bytes
+        if p.deferred_landing_bytes:
+            host["deferred_landing"] = p.deferred_landing_bytes
         host["engine_overhead"] = int(ENGINE_HOST_BYTES_PER_PARAM * p.host_numel)
 
     return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {**phases, "step": step},
@@ -420,7 +426,10 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
         if p.host_numel and est.host.get("grad_accumulation", 0) >= 4 * p.host_numel:  # the fp32 arena
             out.append(f"  - host_accumulation_dtype='landing' saves most of the {est.host['grad_accumulation'] / GiB:.1f} "
                        "GiB fp32 gradient accumulator")
-        per = p.host_bytes_per_param + ENGINE_HOST_BYTES_PER_PARAM + p.accumulation_bytes / max(p.host_numel, 1)
+        if "deferred_landing" in est.host:
+            out.append(f"  - defer_moments=False saves {est.host['deferred_landing'] / GiB:.1f} GiB")
+        per = (p.host_bytes_per_param + ENGINE_HOST_BYTES_PER_PARAM
+               + (p.accumulation_bytes + p.deferred_landing_bytes) / max(p.host_numel, 1))
         move = min(p.host_numel, int(host_over / per) + 1)
         moved = _again(est, plan_like=dataclasses.replace(p, device_numel=p.device_numel + move,
                                                           host_numel=p.host_numel - move))

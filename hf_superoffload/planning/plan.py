@@ -105,6 +105,8 @@ class OffloadPlan:
             ([Note: data parallel sharding]); 1 / 0 on a single process.
         cpu_affinity: cores this rank's CPU Adam runs on (ranks sharing a host split them); ``None``: any.
         host_accumulation: where gradient accumulation sums the host buckets' gradients.
+        defer_moments: a host bucket stepped with the verdict known stores its moments later, off the critical
+            path; the landing arena is doubled ([Note: deferred moments] in docs/design.md).
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -122,6 +124,7 @@ class OffloadPlan:
     rank: int = 0
     cpu_affinity: tuple[int, ...] | None = None
     host_accumulation: HostAccumulation = HostAccumulation.OFF
+    defer_moments: bool = False
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -138,7 +141,16 @@ class OffloadPlan:
         full_weights = 0  # weight flow + data parallel: the whole bf16 weights of the host buckets on every rank
         if self.weight_mode is WeightMode.FLOW and self.world_size > 1:
             full_weights = 2 * sum(b.numel for b in self.host_buckets)
-        return self.host_numel * per + full_weights + self.accumulation_bytes()
+        return self.host_numel * per + full_weights + self.accumulation_bytes() + self.deferred_landing_bytes()
+
+    @property
+    def landing_element_size(self) -> int:
+        """Bytes per element of the gradient landing arena: bf16 with CPU casts, fp32 with GPU casts."""
+        return 4 if self.cast_side is CastSide.GPU else 2
+
+    def deferred_landing_bytes(self) -> int:
+        """Host RAM (pinned) of the second landing arena that deferred moment stores need."""
+        return self.landing_element_size * self.host_numel if self.defer_moments else 0
 
     def accumulation_bytes(self) -> int:
         """Host RAM of the gradient accumulation buffers (fp32 arena, or the landing mode's pinned ring)."""
@@ -163,6 +175,7 @@ class OffloadPlan:
             f"speculation: {'on' if self.speculation else 'off'}; cpu threads: {self.cpu_threads}; "
             f"pinned: {self.pin_memory}",
             f"  gradient accumulation: {_ACCUM_SUMMARY[self.host_accumulation]}",
+            f"  deferred moment stores: {'on (second landing arena)' if self.defer_moments else 'off'}",
         ]
         if self.world_size > 1:
             cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"

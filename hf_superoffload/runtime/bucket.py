@@ -20,7 +20,7 @@ import torch
 from ..planning.plan import BucketSpec
 from .streams import Handoff
 
-__all__ = ["BucketState", "DeviceBucket", "HostBucket", "Run"]
+__all__ = ["BucketState", "DeviceBucket", "HostBucket", "MomentCommit", "Run"]
 
 
 class BucketState(enum.Enum):
@@ -46,6 +46,24 @@ class Run:
     end: int
     group: int
     step: int
+
+
+@dataclass(frozen=True, slots=True)
+class MomentCommit:
+    """The moment stores a deferred step of a host bucket still owes ([Note: deferred moments] in docs/design.md).
+
+    The step wrote p and the bf16 weights of ``runs`` into state copy ``dst`` and left ``exp_avg``/``exp_avg_sq``
+    unstored; the commit computes them from copy ``src``'s pre-step moments (the same copy in place) and ``grad``
+    (the landing buffer that step read, kept alive by the doubled landing arena) with ``betas`` (per run) and
+    ``grad_scale``, exactly as the step did.
+    """
+
+    runs: tuple[Run, ...]
+    betas: tuple[tuple[float, float], ...]
+    grad_scale: float
+    src: int
+    dst: int
+    grad: torch.Tensor
 
 
 class _BucketBase:
@@ -107,6 +125,9 @@ class HostBucket(_BucketBase):
         pmv: per host state copy (one, or two when double-buffered), fp32 ``[numel]`` views of
             (master, exp_avg, exp_avg_sq) into that copy's arenas.
         landing: ``[numel]`` model-dtype view into the page-locked gradient landing arena (D2H target).
+        landings: the bucket's views of every landing arena: one, or two with deferred moment stores (a step's
+            gradient must outlive the next step's D2H until its moments are committed; see :meth:`next_landing`).
+        pending: the moment stores a deferred step still owes (``None``: none); guarded by ``commit_lock``.
         staging: ``[numel]`` model-dtype view into the page-locked weight staging arena (H2D source).
         home: weight flow: where the streamer reads the bucket's bf16 weights: ``staging`` on one process, a
             whole-bucket view of the full weights arena with data parallelism (staging holds one shard).
@@ -126,6 +147,9 @@ class HostBucket(_BucketBase):
 
     pmv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     landing: torch.Tensor
+    landings: tuple[torch.Tensor, ...]
+    pending: MomentCommit | None
+    commit_lock: threading.Lock
     grad: torch.Tensor
     accumulated: bool
     staging: torch.Tensor | None
@@ -155,9 +179,20 @@ class HostBucket(_BucketBase):
         self.applied = None
         self.accumulated = False
         self.pmv = []
+        self.landings = ()
+        self.pending = None
+        self.commit_lock = threading.Lock()
         self.gaps = ()
         self.staging = None
         self.home = None
+
+    def next_landing(self) -> torch.Tensor:
+        """The landing buffer this step's gradient goes to (training thread, at the flush): with two, the one a
+        pending moment commit does not read (the buffers alternate from step to step)."""
+        if len(self.landings) > 1:
+            busy = self.pending.grad if self.pending is not None else self.landing
+            self.landing = self.landings[1] if busy is self.landings[0] else self.landings[0]
+        return self.landing
 
     def _expect(self, *states: BucketState) -> None:
         if self.state not in states:

@@ -18,6 +18,8 @@ Schedule of one optimizer step (see docs/design.md for the notes named here):
 4. Each host bucket, once final, is copied host to device on the H2D stream and scattered into its
    parameters; its ``ready`` flag and H2D event release the next forward of the layers that own it
    ([Note: stream ordering]). Device-tail buckets step on the compute stream right after validation.
+   With ``plan.defer_moments`` a pass whose verdict is known stores p and the bf16 weights only; the bucket's
+   moments are stored at its next CPU task or by a reader ([Note: deferred moments]).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from .. import ops
 from ..planning.plan import CastSide, HostAccumulation, OffloadPlan, Placement, Rollback, WeightMode
 from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
 from .accumulation import HostAccumulator
-from .bucket import BucketState, DeviceBucket, HostBucket
+from .bucket import BucketState, DeviceBucket, HostBucket, MomentCommit
 from .collectives import ShardGroup
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
@@ -73,6 +75,8 @@ class _StepContext:
     """Sum of squares of the host buckets the worker has seen: a lower bound of the global norm."""
     clip_certain: bool = False
     """The partial norm already exceeds max_grad_norm: clipping will fire, so speculating is wasted work."""
+    failed: bool = False
+    """A bucket's CPU task failed before the verdict: ``step()`` must not publish one (it aborts the step)."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -85,7 +89,10 @@ class StepStats:
     clip_coef: float = 1.0
     speculative: bool = False
     cpu_s: float = 0.0
-    """Seconds the CPU worker spent in Adam (incl. undo/redo) during this iteration."""
+    """Seconds the CPU worker spent in Adam (incl. undo/redo) during this iteration: the critical passes."""
+    commit_s: float = 0.0
+    """Seconds spent storing deferred moments ([Note: deferred moments]) during this iteration (off the critical
+    path: at a bucket's next CPU task, or when a reader such as ``state_dict`` flushes them)."""
     wait_s: float = 0.0
     """Seconds the training thread blocked on buckets during this iteration (the GPU waiting for the CPU)."""
     iteration_s: float = 0.0
@@ -105,6 +112,7 @@ class StepStats:
     def as_log(self, prefix: str = "superoffload/") -> dict[str, float]:
         return {
             f"{prefix}cpu_adam_s": round(self.cpu_s, 4),
+            f"{prefix}moment_commit_s": round(self.commit_s, 4),
             f"{prefix}gpu_wait_s": round(self.wait_s, 4),
             f"{prefix}overlap": round(self.overlap, 4),
             f"{prefix}link_gb": round((self.d2h_bytes + self.h2d_bytes) / 1e9, 6),
@@ -188,6 +196,11 @@ class OffloadEngine(DataParallelMixin):
         if self.plan.host_numel:
             # Build/load the CPU Adam library now, not inside the first step (a first JIT build takes ~15 s).
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), self.plan.cpu_threads)
+        if plan.defer_moments and (comm is not None or plan.host_accumulation is not HostAccumulation.OFF):
+            raise ValueError("deferred moment stores are single-process and without host accumulation (the planner "
+                             "turns them off otherwise); build the plan with make_plan")
+        self._defer = plan.defer_moments
+        """[Note: deferred moments]: a verdict-known CPU pass leaves m/v unstored; the bucket's next task stores them."""
         self._build_buckets()
         self._install_hooks(modules)
         self._flow: WeightStreamer | None = None
@@ -232,6 +245,8 @@ class OffloadEngine(DataParallelMixin):
             self._arenas[f"exp_avg{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg (copy {k})")
             self._arenas[f"exp_avg_sq{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg_sq (copy {k})")
         self._arenas["landing"] = HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing")
+        if plan.defer_moments:  # a deferred step's gradient outlives the next step's D2H ([Note: deferred moments])
+            self._arenas["landing1"] = HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing (second)")
         if self._cast_on_cpu:
             self._arenas["staging"] = HostBuffer(n_host, self.dtype, pin=pin, name="weight staging")
         # weight flow + data parallel: staging holds this rank's shard only; the streamed weights need every
@@ -261,7 +276,8 @@ class OffloadEngine(DataParallelMixin):
             if spec.placement is Placement.HOST:
                 b = HostBucket(spec, ps)
                 b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(copies)]
-                b.landing = a["landing"][sl]
+                b.landings = tuple(a[k][sl] for k in ("landing", "landing1") if k in a)
+                b.landing = b.landings[0]
                 b.grad = b.landing
                 b.staging = a["staging"][sl] if self._cast_on_cpu else None
                 b.home = b.staging
@@ -478,7 +494,7 @@ class OffloadEngine(DataParallelMixin):
                     self._accum.submit(b, d2h, slot, [g is not None for g in grads], final=True)
                     b.grad = self._accum.grad(b)
                 else:
-                    d2h = self._offload_grads(b, grads, stats_row, b.landing)
+                    d2h = self._offload_grads(b, grads, stats_row, b.next_landing())
                     b.grad = b.landing
                 b.accumulated = bool(summed)
                 b.to_offloaded(runs, d2h)
@@ -535,7 +551,19 @@ class OffloadEngine(DataParallelMixin):
     # ------------------------------------------------------------------------------------------------
     # worker side
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
+        try:
+            self._run_host_unguarded(b, ctx)
+        except BaseException:
+            with self._lock:
+                if ctx.verdict is None:
+                    ctx.failed = True  # step() raises instead of validating: abort_step restores the state
+                elif ctx.verdict.kind is not StepVerdict.SKIP:
+                    self.consistent = False  # a validated step needed this bucket: it cannot be completed
+            raise
+
+    def _run_host_unguarded(self, b: HostBucket, ctx: _StepContext) -> None:
         assert b.d2h is not None
+        self._commit_moments(b)  # the last step's deferred moments, before anything reads them (CPU idle: backward)
         b.d2h.wait_host()
         if b.accumulated:  # host accumulation: the boundary add (queued before this task) computed them
             assert self._accum is not None
@@ -588,7 +616,14 @@ class OffloadEngine(DataParallelMixin):
         if not (speculated and b.applied == (verdict.hyper, verdict.grad_scale)):
             if speculated:
                 self._undo(b, ctx)
-            self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale)
+            # the verdict is known: with deferred moments this pass stores p and the bf16 weights only
+            self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments=not self._defer)
+            if self._defer and b.runs:
+                record = MomentCommit(runs=b.runs, betas=tuple(verdict.hyper[r.group][1:3] for r in b.runs),
+                                      grad_scale=verdict.grad_scale, src=ctx.src, dst=ctx.dst, grad=b.grad)
+                with b.commit_lock:
+                    assert b.pending is None, "a moment commit was still pending when its bucket stepped again"
+                    b.pending = record
         if ctx.dst != ctx.src:  # parameters without a gradient keep their state in the new copy too
             for start, end in b.gaps:
                 for d, s_ in zip(b.pmv[ctx.dst], b.pmv[ctx.src]):
@@ -600,8 +635,12 @@ class OffloadEngine(DataParallelMixin):
             b.to_running()
         self._finish(b, ctx, verdict, speculated=speculated)
 
-    def _cpu_step(self, b: HostBucket, ctx: _StepContext, hyper: Hyper, scale: float) -> None:
-        """AdamW on ``b``'s stepped slices: read state copy ``ctx.src``, write ``ctx.dst`` (the same in place)."""
+    def _cpu_step(self, b: HostBucket, ctx: _StepContext, hyper: Hyper, scale: float, *,
+                  store_moments: bool = True) -> None:
+        """AdamW on ``b``'s stepped slices: read state copy ``ctx.src``, write ``ctx.dst`` (the same in place).
+
+        ``store_moments=False``: p and staging only; the caller records the :class:`MomentCommit` that stores m/v.
+        """
         t0 = time.perf_counter()
         (p_src, m_src, v_src), (p, m, v) = b.pmv[ctx.src], b.pmv[ctx.dst]
         with torch.profiler.record_function("superoffload::cpu_adam"):
@@ -613,11 +652,68 @@ class OffloadEngine(DataParallelMixin):
                     step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
                     param_bf16_out=b.staging[sl] if b.staging is not None else None,
                     source=(p_src[sl], m_src[sl], v_src[sl]) if ctx.dst != ctx.src else None,
-                    num_threads=self.plan.cpu_threads,
+                    num_threads=self.plan.cpu_threads, store_moments=store_moments,
                 )
         b.applied = (hyper, scale)
         with self._lock:
             self._acc.cpu_s += time.perf_counter() - t0
+
+    def _commit_moments(self, b: HostBucket) -> None:
+        """Store the moments a deferred step of ``b`` still owes, if any ([Note: deferred moments]). Any thread;
+        ``b.commit_lock`` makes it happen once and makes a concurrent caller wait until it is done.
+
+        The commit belongs to the last completed step. Double buffer: it reads copy ``src`` and writes copy ``dst``,
+        so a failed commit can simply run again (the record stays); in place a failed one leaves the moments half
+        written: the engine is marked inconsistent.
+        """
+        with b.commit_lock:
+            c = b.pending
+            if c is None:
+                return
+            t0 = time.perf_counter()
+            (_, m_src, v_src), (_, m, v) = b.pmv[c.src], b.pmv[c.dst]
+            try:
+                with torch.profiler.record_function("superoffload::moment_commit"):
+                    for r, (beta1, beta2) in zip(c.runs, c.betas, strict=True):
+                        sl = slice(r.start, r.end)
+                        ops.cpu_adamw_moments_(
+                            c.grad[sl], m[sl], v[sl], beta1=beta1, beta2=beta2, grad_scale=c.grad_scale,
+                            source=(m_src[sl], v_src[sl]) if c.dst != c.src else None,
+                            num_threads=self.plan.cpu_threads,
+                        )
+            except BaseException:
+                if c.dst == c.src:
+                    self.consistent = False
+                raise
+            b.pending = None
+        with self._lock:
+            self._acc.commit_s += time.perf_counter() - t0
+
+    def commit_moments(self) -> None:
+        """Store every pending deferred moment (training thread): readers of the host state call it
+        (:meth:`flat_state` does). Between steps it first waits for the worker's queued tasks, which may record
+        commits; the worker itself commits a bucket's moments at that bucket's next CPU task."""
+        if not self._defer:
+            return
+        if not self.step_in_progress and not self._worker.failed:
+            self._worker.drain(self.timeout_s)
+        for b in self.host_buckets:
+            self._commit_moments(b)
+
+    def drop_pending_moments(self) -> None:
+        """Forget the pending moment commits: a loaded state replaces the moments they would store."""
+        if not self._defer:
+            return
+        if not self.step_in_progress and not self._worker.failed:
+            self._worker.drain(self.timeout_s)
+        for b in self.host_buckets:
+            with b.commit_lock:
+                b.pending = None
+
+    @property
+    def pending_moment_commits(self) -> int:
+        """Host buckets whose deferred moments are not stored yet."""
+        return sum(b.pending is not None for b in self.host_buckets)
 
     def _undo(self, b: HostBucket, ctx: _StepContext) -> None:
         """Take back a speculative step. Double buffer: the source copy is intact, only staging is refreshed."""
@@ -752,9 +848,16 @@ class OffloadEngine(DataParallelMixin):
         verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hyper=self.hyper_fn(),
                          spec_hyper=ctx.spec_hyper, check_finite=self.check_finite, grad_divisor=self._div)
         with self._lock:
-            ctx.verdict = verdict
+            failed = ctx.failed
+            if not failed:
+                ctx.verdict = verdict
             pending = [b for b in self.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
             states = {b.index: b.state for b in pending}
+        if failed:  # a CPU task failed before validation: wait until the worker records it, then raise it
+            with contextlib.suppress(TimeoutError):
+                self._worker.drain(self.timeout_s)
+            self._worker.raise_if_failed()
+            raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
         pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
         try:
             for b in pending:
@@ -909,7 +1012,9 @@ class OffloadEngine(DataParallelMixin):
         raise AssertionError(i)
 
     def flat_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The live flat arenas: ``{"host": {...}, "device": {...}}`` with master, exp_avg, exp_avg_sq."""
+        """The live flat arenas: ``{"host": {...}, "device": {...}}`` with master, exp_avg, exp_avg_sq (pending
+        deferred moments are stored first)."""
+        self.commit_moments()
         return {
             "host": {k: self._arenas[f"{k}{self._cur}"].tensor for k in ("master", "exp_avg", "exp_avg_sq")},
             "device": {"master": self._dev_master, "exp_avg": self._dev_exp_avg, "exp_avg_sq": self._dev_exp_avg_sq},

@@ -1,0 +1,103 @@
+"""The planner's deferred-moments decision ([Note: deferred moments] in docs/design.md) and its memory accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.planning.hardware import HardwareProfile
+from hf_superoffload.planning.memory_model import PlanLike, estimate
+from hf_superoffload.planning.plan import HostAccumulation, Rollback, WeightMode
+from hf_superoffload.planning.planner import PlanError, make_plan
+
+GiB = 1024**3
+NUMELS = [50_000_000] * 40  # 2B parameters
+
+
+def profile(**kw):
+    base = dict(device_type="cuda", device_free_bytes=80 * GiB, host_available_bytes=200 * GiB, cpu_threads=15)
+    base.update(kw)
+    return HardwareProfile(**base)
+
+
+def plan(config=None, **kw):
+    return make_plan(NUMELS, element_size=2, config=config or SuperOffloadConfig(gpu_resident_buckets=0),
+                     profile=kw.pop("prof", profile()), **kw)
+
+
+def test_auto_is_on_for_one_process_and_counts_the_second_landing_arena():
+    p = plan()
+    assert p.defer_moments and p.weight_mode is WeightMode.STATIONARY and p.rollback is Rollback.DOUBLE_BUFFER
+    assert p.deferred_landing_bytes() == 2 * p.host_numel
+    assert p.host_bytes() == p.host_numel * (28 + 2)
+    assert "deferred moment stores: on" in p.summary()
+    off = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=False))
+    assert not off.defer_moments and off.host_bytes() == p.host_bytes() - 2 * p.host_numel
+    gpu_cast = plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="gpu"))
+    assert gpu_cast.defer_moments and gpu_cast.deferred_landing_bytes() == 4 * gpu_cast.host_numel
+    # the memory model's host prediction carries it
+    est = estimate("1b", batch_size=1, seq_len=128, grad_ckpt=True, plan_like=PlanLike.from_plan(p))
+    assert est.host["deferred_landing"] == 2 * p.host_numel
+    est_off = estimate("1b", batch_size=1, seq_len=128, grad_ckpt=True, plan_like=PlanLike.from_plan(off))
+    assert "deferred_landing" not in est_off.host
+
+
+@pytest.mark.parametrize(("why", "kw", "config"), [
+    ("data parallel", {"world_size": 2}, {}),
+    ("host gradient accumulation", {}, {"accumulate_on_host": True}),
+    ("weight flow", {}, {"weight_placement": "flow"}),
+])
+def test_auto_is_off_and_true_is_refused_where_unsupported(why, kw, config):
+    p = plan(SuperOffloadConfig(gpu_resident_buckets=0, **config), **kw)
+    assert not p.defer_moments
+    assert any(why in n for n in p.notes), p.notes
+    with pytest.raises(PlanError, match="defer_moments=True is not supported"):
+        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=True, **config), **kw)
+
+
+def test_auto_is_off_when_host_ram_is_short_and_true_then_refused():
+    n = sum(NUMELS)
+    # room for p/m/v twice, landing and staging, headroom, but not a second landing arena
+    prof = profile(host_available_bytes=28 * n + 4 * GiB + n)
+    p = plan(prof=prof)
+    assert p.rollback is Rollback.DOUBLE_BUFFER and not p.defer_moments
+    assert any("host RAM too small for a second" in note for note in p.notes)
+    with pytest.raises(PlanError, match="second landing arena"):
+        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=True), prof=prof)
+    assert plan(prof=profile(host_available_bytes=28 * n + 4 * GiB + 2 * n)).defer_moments
+
+
+def test_host_accumulation_keeps_it_off():
+    p = plan(SuperOffloadConfig(gpu_resident_buckets=0, accumulate_on_host=True))
+    assert p.host_accumulation is not HostAccumulation.OFF and not p.defer_moments
+
+
+def test_config_validates_the_field():
+    with pytest.raises(ValueError, match=r"SuperOffloadConfig.defer_moments='yes' is invalid"):
+        SuperOffloadConfig(defer_moments="yes")  # type: ignore[arg-type]
+    assert SuperOffloadConfig(defer_moments=False).defer_moments is False
+
+
+def test_plugin_and_trainer_arguments_parse_it(monkeypatch):
+    pytest.importorskip("accelerate")
+    from hf_superoffload.integrations.accelerate import SuperOffloadPlugin
+
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MOMENTS", "false")
+    assert SuperOffloadPlugin().to_config().defer_moments is False
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MOMENTS", "auto")
+    assert SuperOffloadPlugin().to_config().defer_moments is None
+    assert SuperOffloadPlugin(defer_moments=True).to_config().defer_moments is True
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MOMENTS", "maybe")
+    with pytest.raises(ValueError, match="HF_SUPEROFFLOAD_DEFER_MOMENTS"):
+        SuperOffloadPlugin()
+    monkeypatch.delenv("HF_SUPEROFFLOAD_DEFER_MOMENTS")
+
+    from hf_superoffload.integrations.arguments import SuperOffloadArguments, superoffload_config_from_args
+
+    args = SuperOffloadArguments(output_dir="/tmp/hf_superoffload_defer_args", report_to=[], use_cpu=True)
+    assert args.to_superoffload_config().defer_moments is None
+    args.superoffload_defer_moments = "false"
+    assert superoffload_config_from_args(args).defer_moments is False
+    args.superoffload_defer_moments = "sometimes"
+    with pytest.raises(ValueError, match="superoffload_defer_moments"):
+        superoffload_config_from_args(args)
