@@ -34,6 +34,20 @@ for part in ${PARTS:-tests scaling ulysses}; do
       half=$(( $(nproc) / NGPU - 1 ))
       CUDA_VISIBLE_DEVICES=0 WRAP="taskset -c 0-$half" run_lc dp1_sharehost 200 --nproc_per_node 1 $args --tag "dp1 cores 0-$half"
       run_lc dpN 240 --nproc_per_node $NGPU $args --tag "dp$NGPU" ;;
+    largest)  # the largest full-parameter model over all GPUs (data parallel, sp 1): LARGEST_LAYERS of the 14b family
+      run_lc largest ${LARGEST_TIMEOUT:-240} --nproc_per_node $NGPU benchmarks/long_context.py --model 14b \
+        --layers ${LARGEST_LAYERS:-96} --seq-len 2048 --batch ${LARGEST_BATCH:-4} --sp 1 --optimizer superoffload \
+        --steps ${STEPS:-2} --warmup 1 --out "$OUT/parallel.jsonl" --tag "largest dp$NGPU" ;;
+    side)  # single-GPU jobs side by side: the soak on GPU 0, the Triton kernel sweep on GPU 1
+      CUDA_VISIBLE_DEVICES=0 timeout ${SOAK_TIMEOUT:-300} taskset -c 0-$(( $(nproc) / 2 - 1 )) python3 benchmarks/soak.py \
+        --model 3.6b --steps ${SOAK_STEPS:-500} --batch 1 --device-memory-fraction 0.35 --out "$OUT/soak.json" \
+        > "$OUT/soak.log" 2>&1 &
+      TK=${TRITON_SRC:-.}  # a tree with triton_kernels/ and benchmarks/bench_triton.py (a branch under test)
+      rm -rf /tmp/pkg_t; mkdir -p /tmp/pkg_t; cp -r "$STAGE/hf_superoffload" /tmp/pkg_t/
+      rm -rf /tmp/pkg_t/hf_superoffload/triton_kernels; cp -r "$TK/triton_kernels" /tmp/pkg_t/hf_superoffload/triton_kernels
+      CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/pkg_t timeout ${TRITON_TIMEOUT:-240} taskset -c $(( $(nproc) / 2 ))-$(( $(nproc) - 1 )) \
+        python3 "$TK/benchmarks/bench_triton.py" --sweep --out "$OUT/triton.json" > "$OUT/triton.txt" 2>&1 &
+      wait; echo "side done ($(( $(date +%s) - T0 )) s)"; tail -1 "$OUT/soak.log" | cut -c1-900; tail -25 "$OUT/triton.txt" ;;
     ulysses)
       run_lc ulysses 360 --nproc_per_node $NGPU benchmarks/long_context.py --model $MODEL --seq-len ${SP_SEQ:-256k} \
         --optimizer superoffload --steps 1 --warmup 1 --out "$OUT/parallel.jsonl" --tag "ulysses sp$NGPU" ;;

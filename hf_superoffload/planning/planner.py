@@ -342,7 +342,7 @@ def make_plan(
     if rollback is Rollback.DOUBLE_BUFFER:
         base += 12 * host_numel
     defer, defer_note = _defer_moments(config, weight_mode, cast_side, accumulation, world_size, host_numel, base,
-                                       avail)
+                                       None if avail is None else avail - reserve + _HOST_HEADROOM_BYTES)
     notes.append(defer_note)
 
     return OffloadPlan(
@@ -370,7 +370,7 @@ def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, cast_sid
     """Deferred moment stores ([Note: deferred moments] in docs/design.md): the CPU pass of a step whose verdict is
     known skips the m/v stores (20 instead of 28 B/param); they are stored at the bucket's next CPU task. Costs a
     second landing arena (the step's gradient must outlive the next step's D2H). ``base``: host bytes so far."""
-    extra = host_numel * (4 if cast_side is CastSide.GPU else 2)
+    extra = host_numel * 2  # the landing arena is in the model dtype with either cast side
     gib = 1024**3
     why_not = None
     if world_size > 1:

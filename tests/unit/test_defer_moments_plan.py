@@ -6,9 +6,9 @@ import pytest
 
 from hf_superoffload import SuperOffloadConfig
 from hf_superoffload.planning.hardware import HardwareProfile
-from hf_superoffload.planning.memory_model import PlanLike, estimate
+from hf_superoffload.planning.memory_model import ENGINE_HOST_BYTES_PER_PARAM, PlanLike, estimate
 from hf_superoffload.planning.plan import HostAccumulation, Rollback, WeightMode
-from hf_superoffload.planning.planner import PlanError, make_plan
+from hf_superoffload.planning.planner import _HOST_HEADROOM_BYTES, PlanError, make_plan
 
 GiB = 1024**3
 NUMELS = [50_000_000] * 40  # 2B parameters
@@ -58,13 +58,14 @@ def test_auto_is_off_and_true_is_refused_where_unsupported(why, kw, config):
 def test_auto_is_off_when_host_ram_is_short_and_true_then_refused():
     n = sum(NUMELS)
     # room for p/m/v twice, landing and staging, headroom, but not a second landing arena
-    prof = profile(host_available_bytes=28 * n + 4 * GiB + n)
+    keep = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * n)  # what the planner keeps free
+    prof = profile(host_available_bytes=28 * n + keep + n)
     p = plan(prof=prof)
     assert p.rollback is Rollback.DOUBLE_BUFFER and not p.defer_moments
     assert any("host RAM too small for a second" in note for note in p.notes)
     with pytest.raises(PlanError, match="second landing arena"):
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=True), prof=prof)
-    assert plan(prof=profile(host_available_bytes=28 * n + 4 * GiB + 2 * n)).defer_moments
+    assert plan(prof=profile(host_available_bytes=28 * n + keep + 2 * n)).defer_moments
 
 
 def test_host_accumulation_keeps_it_off():
