@@ -46,9 +46,11 @@ class SuperOffloadConfig:
             needed a redo (clipping fired): a redo costs a second, exposed CPU pass. It resumes by itself once
             clipping becomes rarer (every step's verdict is known, speculative or not).
         redo_window: Window (in optimizer steps) for ``max_redo_rate``.
-        cast_side: Where the fp32<->bf16 casts happen. ``"cpu"``: bf16 crosses the link and the casts are fused
-            into the CPU Adam pass (right for PCIe). ``"gpu"``: fp32 crosses the link and the GPU casts (right
-            for a fast chip-to-chip link). ``"auto"``: the planner decides from the measured link.
+        cast_side: Where the fp32 master becomes bf16 weights (gradients cross in bf16 either way). ``"cpu"``:
+            the cast is fused into the CPU Adam pass and bf16 weights cross the link (right for PCIe). ``"gpu"``:
+            the fp32 master crosses the link and the GPU casts; no host staging arena (2 B/param less host RAM;
+            right for a fast chip-to-chip link). ``"auto"``: the planner decides from the measured link and, when
+            only the GPU cast fits the host RAM, picks it.
         weight_placement: ``"stationary"`` keeps bf16 weights on the GPU; ``"flow"`` streams them from the
             host per layer; ``"auto"`` lets the planner decide from the memory budget.
         cpu_threads: Threads of the CPU Adam. ``None``: the cores of this process's affinity mask minus one,
