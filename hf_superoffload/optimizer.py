@@ -129,6 +129,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             profile = HardwareProfile.read(ordered[0].device)
             if workload is not None:
                 profile = _count_own_weights_as_free(profile, model, ordered[0].device)
+        self.workload: Workload | None = workload
         self.plan: OffloadPlan = make_plan([p.numel() for p in ordered], element_size=element_size,
                                            config=self.config, profile=profile, workload=workload, **ranks)
         if comm is not None:

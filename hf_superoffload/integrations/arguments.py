@@ -38,6 +38,8 @@ logger = logging.getLogger("hf_superoffload")
 _D = SuperOffloadConfig()
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 PREFIX = "superoffload_"
+# superoffload_ arguments that describe the run (the planner's workload), not a SuperOffloadConfig field
+_RUN_SHAPE_FIELDS = frozenset({"superoffload_max_seq_len"})
 
 # True while SuperOffloadTrainer.__init__ runs Trainer.__init__: a plain Trainer given these args is refused.
 _IN_SUPEROFFLOAD_TRAINER: ContextVar[bool] = ContextVar("hf_superoffload_in_trainer", default=False)
@@ -93,6 +95,8 @@ class SuperOffloadArguments(TrainingArguments):
             ``"landing"`` (sum in the landing buffer, bf16 with CPU casts).
         superoffload_defer_moments: ``"auto"``, ``"true"`` or ``"false"``: a CPU pass whose verdict is known stores
             the Adam moments later, off the critical path (+2 B/param pinned). ``"auto"``: the planner decides.
+        superoffload_max_seq_len: The longest training sequence in tokens; when given, the GPU-resident share of
+            the optimizer state is sized from the memory model for this batch shape (a planner ``Workload``).
         sequence_parallel_size: Ulysses sequence parallelism: ranks per sequence (1 = off).
     """
 
@@ -166,6 +170,12 @@ class SuperOffloadArguments(TrainingArguments):
                        "speculation, clipping certain, a redo) writes p and the bf16 weights only and stores the Adam "
                        "moments later, off the critical path (+2 B/param pinned host RAM); 'auto': the planner "
                        "decides."))
+    superoffload_max_seq_len: int | None = field(
+        default=None,
+        metadata=_help("SuperOffload: the longest sequence (tokens) a training batch holds. When given, the planner "
+                       "sizes the GPU-resident optimizer state with the memory model for per_device_train_batch_size "
+                       "x this length (all the memory the activations leave; everything when it all fits) instead of "
+                       "a fixed share of free GPU memory. Longer batches than declared may run out of memory."))
     # ---- sequence parallelism (issue #11; hf_superoffload/sequence_parallel, integrations/_sequence_parallel.py)
     sequence_parallel_size: int = field(
         default=1,
@@ -177,6 +187,10 @@ class SuperOffloadArguments(TrainingArguments):
                 or self.sequence_parallel_size < 1:
             raise ValueError(f"SuperOffloadArguments.sequence_parallel_size={self.sequence_parallel_size!r} is "
                              "invalid: use an integer >= 1 (1 turns sequence parallelism off)")
+        m = self.superoffload_max_seq_len
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"SuperOffloadArguments.superoffload_max_seq_len={m!r} is invalid: use the longest "
+                             "training sequence in tokens (e.g. 4096), or None to size the GPU tail without it")
         _refuse_incompatible(self)
         super().__post_init__()
         if self.mixed_precision == "fp16":  # from ACCELERATE_MIXED_PRECISION (accelerate launch/config)
@@ -225,7 +239,7 @@ class SuperOffloadArguments(TrainingArguments):
     def superoffload_fields(self) -> dict[str, Any]:
         """The ``superoffload_*`` fields as ``SuperOffloadConfig`` keyword arguments (JSON-friendly)."""
         return {f.name[len(PREFIX):]: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name.startswith(PREFIX)}
+                if f.name.startswith(PREFIX) and f.name not in _RUN_SHAPE_FIELDS}
 
 
 def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadConfig:

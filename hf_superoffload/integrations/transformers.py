@@ -81,6 +81,19 @@ __all__ = ["SuperOffloadArguments", "SuperOffloadTrainer", "superoffload_config_
 logger = logging.getLogger(__name__)
 
 
+def _workload_from_args(model: Any, args: Any) -> Any:
+    """The planner's ``Workload`` when ``superoffload_max_seq_len`` declares the batch shape, else ``None``."""
+    if not getattr(args, "superoffload_max_seq_len", None):
+        return None
+    from ..planning.planner import Workload
+    from ._sequence_parallel import LOSS_CHUNK_TOKENS
+
+    sp = args.sequence_parallel_size
+    ckpt = bool(getattr(args, "activation_checkpointing", False) or vars(args).get("gradient_checkpointing", False))
+    return Workload(model.config, args.per_device_train_batch_size, args.superoffload_max_seq_len, ckpt,
+                    sequence_parallel=sp, loss_chunk_tokens=LOSS_CHUNK_TOKENS if sp > 1 else None)
+
+
 class SuperOffloadTrainer(Trainer):
     """``Trainer`` whose optimizer is :class:`SuperOffloadOptimizer` (see the module docstring).
 
@@ -162,6 +175,7 @@ class SuperOffloadTrainer(Trainer):
             # sequence parallelism: the SP ranks of a group hold parts of the same samples' gradients (summed);
             # only the data-parallel replicas are averaged
             gradient_divisor=(args.world_size // args.sequence_parallel_size) if args.world_size > 1 else None,
+            workload=_workload_from_args(opt_model, args),
         )
         opt.set_sync_predicate(lambda: self.accelerator.sync_gradients)
         warn_if_threads_throttled(opt)

@@ -27,6 +27,9 @@ _HOST_HEADROOM_BYTES = 2 * 1024**3
 _DEVICE_BYTES_PER_PARAM = 16
 # With a workload, the device tail fills the free device memory the memory model predicts unused, less this share.
 _DEVICE_MARGIN = 0.04
+# ... and, with data parallelism, less this much for NCCL's own buffers (allocated outside torch's allocator, not in
+# the memory model): a 28B run over 2 H200 filled to 96% failed in its first all-reduce ("unhandled cuda error").
+_COLLECTIVES_BYTES = 2 * 1024**3
 # Small models still get this many buckets, so the CPU work pipelines with backward.
 _MIN_BUCKETS = 8
 
@@ -146,7 +149,7 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
         est = estimate(workload.model, batch_size=workload.batch_size, seq_len=workload.seq_len,
                        grad_ckpt=workload.grad_ckpt, plan_like=plan_like, sequence_parallel=workload.sequence_parallel,
                        loss_chunk_tokens=workload.loss_chunk_tokens)
-        return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN)
+        return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
 
     if fits(n_tail):
         return n_tail

@@ -52,7 +52,7 @@ def test_every_config_field_has_an_argument_and_the_parser_reads_them(tmp_path: 
     config_fields = {f.name for f in dataclasses.fields(SuperOffloadConfig)}
     arg_fields = {f.name[len("superoffload_"):] for f in dataclasses.fields(SuperOffloadArguments)
                   if f.name.startswith("superoffload_")}
-    assert arg_fields == config_fields
+    assert arg_fields == config_fields | {"max_seq_len"}  # the one run-shape argument (the planner's workload)
     (args,) = HfArgumentParser(SuperOffloadArguments).parse_args_into_dataclasses(args=[
         "--output_dir", str(tmp_path), "--use_cpu", "--superoffload_gpu_resident_buckets", "0",
         "--no_superoffload_speculation", "--superoffload_rollback", "inverse", "--superoffload_cpu_threads", "1",
@@ -108,3 +108,28 @@ def test_the_trainer_arguments_mirror_every_config_field() -> None:
     ours = {f.name for f in dataclasses.fields(SuperOffloadArguments)}
     missing = [f.name for f in dataclasses.fields(SuperOffloadConfig) if f"superoffload_{f.name}" not in ours]
     assert not missing, f"SuperOffloadArguments lacks superoffload_ fields for {missing}"
+
+
+def test_max_seq_len_gives_the_planner_the_batch_shape(hf: Any, tmp_path: Any) -> None:
+    """superoffload_max_seq_len becomes the planner's Workload (batch, length, checkpointing); it is not a config
+    field; without it there is no workload (the GPU tail then takes a fixed share of free memory)."""
+    from hf_superoffload.planning.planner import Workload
+
+    args = SuperOffloadArguments(**hf.train_kwargs(tmp_path, max_steps=1, per_device_train_batch_size=2,
+                                                   gradient_checkpointing=True),
+                                 **hf.SMALL_BUCKETS, superoffload_max_seq_len=16)
+    assert "max_seq_len" not in args.superoffload_fields()
+    model = tiny_llama(seed=0)
+    trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=hf.TokenDataset(4))
+    trainer.create_optimizer()
+    w = trainer.superoffload_optimizer.workload
+    assert w == Workload(model.config, 2, 16, True, sequence_parallel=1, loss_chunk_tokens=None)
+    plain = SuperOffloadTrainer(model=tiny_llama(seed=0), args=_args(tmp_path / "plain"), train_dataset=hf.TokenDataset(4))
+    plain.create_optimizer()
+    assert plain.superoffload_optimizer.workload is None
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 1.5])
+def test_max_seq_len_is_validated(tmp_path: Any, bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"superoffload_max_seq_len=.* is invalid: use the longest training sequence"):
+        _args(tmp_path, superoffload_max_seq_len=bad)
