@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,10 +40,11 @@ from .. import ops
 from ..planning.plan import CastSide, HostAccumulation, OffloadPlan, Placement, Rollback, WeightMode
 from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
 from .accumulation import HostAccumulator
-from .bucket import BucketState, DeviceBucket, HostBucket, MomentCommit
+from .bucket import BucketState, DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
+from .host_step import HostStepMixin, _StepContext
 from .sharding import DataParallelMixin, _add_stats_
 from .streams import Handoff, StreamSet
 from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
@@ -56,28 +56,6 @@ logger = logging.getLogger("hf_superoffload")
 
 # The live engine whose hooks drive each parameter (by id; the value is checked with `is` before use).
 _ENGINE_OF_PARAM: weakref.WeakValueDictionary[int, OffloadEngine] = weakref.WeakValueDictionary()
-
-
-@dataclass(slots=True)
-class _StepContext:
-    """What the CPU tasks of one optimizer step share. Guarded by the engine lock."""
-
-    speculative: bool
-    spec_hyper: Hyper
-    max_grad_norm: float | None
-    src: int
-    """Host state copy this step reads (double buffer: the current one)."""
-    dst: int
-    """Host state copy this step writes (double buffer: the other one; in place: ``src``)."""
-    verdict: Verdict | None = None
-    saw_nonfinite: bool = False
-    partial_sumsq: float = 0.0
-    """Sum of squares of the host buckets the worker has seen: a lower bound of the global norm."""
-    clip_certain: bool = False
-    """The partial norm already exceeds max_grad_norm: clipping will fire, so speculating is wasted work."""
-    failed: bool = False
-    """A bucket's CPU task failed before the verdict: ``step()`` must not publish one (it aborts the step)."""
-    started: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(slots=True)
@@ -132,7 +110,7 @@ def module_weights(module: torch.nn.Module) -> contextlib.AbstractContextManager
 
 
 
-class OffloadEngine(DataParallelMixin):
+class OffloadEngine(HostStepMixin, DataParallelMixin):
     """Wires plan, buckets, hooks, streams and the CPU worker for one optimizer."""
 
     def __init__(
@@ -547,223 +525,6 @@ class OffloadEngine(DataParallelMixin):
     def _need_order(self, b: HostBucket | DeviceBucket) -> int:
         """Priority: the next forward needs the last-arriving bucket first."""
         return len(self.buckets) - 1 - b.index
-
-    # ------------------------------------------------------------------------------------------------
-    # worker side
-    def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
-        try:
-            self._run_host_unguarded(b, ctx)
-        except BaseException:
-            with self._lock:
-                if ctx.verdict is None:
-                    ctx.failed = True  # step() raises instead of validating: abort_step restores the state
-                elif ctx.verdict.kind is not StepVerdict.SKIP:
-                    self.consistent = False  # a validated step needed this bucket: it cannot be completed
-            raise
-
-    def _run_host_unguarded(self, b: HostBucket, ctx: _StepContext) -> None:
-        assert b.d2h is not None
-        self._commit_moments(b)  # the last step's deferred moments, before anything reads them (CPU idle: backward)
-        b.d2h.wait_host()
-        if b.accumulated:  # host accumulation: the boundary add (queued before this task) computed them
-            assert self._accum is not None
-            sumsq, nonfinite_count = self._accum.stats(b)
-        else:
-            sumsq, nonfinite_count = self._grad_stats_host[b.index].tolist()
-        with self._lock:
-            verdict = ctx.verdict
-            if verdict is None:
-                ctx.saw_nonfinite |= nonfinite_count > 0
-                ctx.partial_sumsq += sumsq / self._div**2
-                if ctx.max_grad_norm and math.sqrt(ctx.partial_sumsq) + 1e-6 > ctx.max_grad_norm:
-                    ctx.clip_certain = True
-                if not ctx.speculative or ctx.saw_nonfinite or ctx.clip_certain:
-                    b.to_deferred()
-                    return
-            b.to_running()
-        if verdict is not None:
-            self._finish(b, ctx, verdict, speculated=False)
-            return
-        self._cpu_step(b, ctx, ctx.spec_hyper, 1.0 / self._div)
-        with self._lock:
-            self._acc.speculated_buckets += 1
-            verdict = ctx.verdict
-            if verdict is None:
-                b.to_speculated()
-                return
-        self._finish(b, ctx, verdict, speculated=True)
-
-    def _finish(self, b: HostBucket, ctx: _StepContext, verdict: Verdict, *, speculated: bool) -> None:
-        """Bring a RUNNING bucket to its final state for ``verdict``."""
-        try:
-            self._finish_unguarded(b, ctx, verdict, speculated=speculated)
-        except BaseException:
-            if verdict.kind is not StepVerdict.SKIP:
-                self.consistent = False  # a validated step is half applied: refuse to checkpoint it
-            raise
-
-    def _finish_unguarded(self, b: HostBucket, ctx: _StepContext, verdict: Verdict, *, speculated: bool) -> None:
-        if speculated and not (verdict.kind is StepVerdict.COMMIT and b.applied == (verdict.hyper, verdict.grad_scale)):
-            with self._lock:
-                self._acc.wasted_buckets += 1
-        if verdict.kind is StepVerdict.SKIP:
-            if speculated:
-                self._undo(b, ctx)
-            with self._lock:
-                b.to_idle_skipped()
-            self._unwaited.discard(b.index)
-            return
-        if not (speculated and b.applied == (verdict.hyper, verdict.grad_scale)):
-            if speculated:
-                self._undo(b, ctx)
-            # the verdict is known: with deferred moments this pass stores p and the bf16 weights only
-            self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments=not self._defer)
-            if self._defer and b.runs:
-                record = MomentCommit(runs=b.runs, betas=tuple(verdict.hyper[r.group][1:3] for r in b.runs),
-                                      grad_scale=verdict.grad_scale, src=ctx.src, dst=ctx.dst, grad=b.grad)
-                with b.commit_lock:
-                    assert b.pending is None, "a moment commit was still pending when its bucket stepped again"
-                    b.pending = record
-        if ctx.dst != ctx.src:  # parameters without a gradient keep their state in the new copy too
-            for start, end in b.gaps:
-                for d, s_ in zip(b.pmv[ctx.dst], b.pmv[ctx.src]):
-                    d[start:end].copy_(s_[start:end])
-        self._upload(b, ctx.dst)
-
-    def _finish_task(self, b: HostBucket, ctx: _StepContext, verdict: Verdict, speculated: bool) -> None:
-        with self._lock:
-            b.to_running()
-        self._finish(b, ctx, verdict, speculated=speculated)
-
-    def _cpu_step(self, b: HostBucket, ctx: _StepContext, hyper: Hyper, scale: float, *,
-                  store_moments: bool = True) -> None:
-        """AdamW on ``b``'s stepped slices: read state copy ``ctx.src``, write ``ctx.dst`` (the same in place).
-
-        ``store_moments=False``: p and staging only; the caller records the :class:`MomentCommit` that stores m/v.
-        """
-        t0 = time.perf_counter()
-        (p_src, m_src, v_src), (p, m, v) = b.pmv[ctx.src], b.pmv[ctx.dst]
-        with torch.profiler.record_function("superoffload::cpu_adam"):
-            for r in b.runs:
-                lr, beta1, beta2, eps, wd = hyper[r.group]
-                sl = slice(r.start, r.end)
-                ops.cpu_adamw_step_(
-                    p[sl], b.grad[sl], m[sl], v[sl],
-                    step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
-                    param_bf16_out=b.staging[sl] if b.staging is not None else None,
-                    source=(p_src[sl], m_src[sl], v_src[sl]) if ctx.dst != ctx.src else None,
-                    num_threads=self.plan.cpu_threads, store_moments=store_moments,
-                )
-        b.applied = (hyper, scale)
-        with self._lock:
-            self._acc.cpu_s += time.perf_counter() - t0
-
-    def _commit_moments(self, b: HostBucket) -> None:
-        """Store the moments a deferred step of ``b`` still owes, if any ([Note: deferred moments]). Any thread;
-        ``b.commit_lock`` makes it happen once and makes a concurrent caller wait until it is done.
-
-        The commit belongs to the last completed step. Double buffer: it reads copy ``src`` and writes copy ``dst``,
-        so a failed commit can simply run again (the record stays); in place a failed one leaves the moments half
-        written: the engine is marked inconsistent.
-        """
-        with b.commit_lock:
-            c = b.pending
-            if c is None:
-                return
-            t0 = time.perf_counter()
-            (_, m_src, v_src), (_, m, v) = b.pmv[c.src], b.pmv[c.dst]
-            try:
-                with torch.profiler.record_function("superoffload::moment_commit"):
-                    for r, (beta1, beta2) in zip(c.runs, c.betas, strict=True):
-                        sl = slice(r.start, r.end)
-                        ops.cpu_adamw_moments_(
-                            c.grad[sl], m[sl], v[sl], beta1=beta1, beta2=beta2, grad_scale=c.grad_scale,
-                            source=(m_src[sl], v_src[sl]) if c.dst != c.src else None,
-                            num_threads=self.plan.cpu_threads,
-                        )
-            except BaseException:
-                if c.dst == c.src:
-                    self.consistent = False
-                raise
-            b.pending = None
-        with self._lock:
-            self._acc.commit_s += time.perf_counter() - t0
-
-    def commit_moments(self) -> None:
-        """Store every pending deferred moment (training thread): readers of the host state call it
-        (:meth:`flat_state` does). Between steps it first waits for the worker's queued tasks, which may record
-        commits; the worker itself commits a bucket's moments at that bucket's next CPU task."""
-        if not self._defer:
-            return
-        if not self.step_in_progress and not self._worker.failed:
-            self._worker.drain(self.timeout_s)
-        for b in self.host_buckets:
-            self._commit_moments(b)
-
-    def drop_pending_moments(self) -> None:
-        """Forget the pending moment commits: a loaded state replaces the moments they would store."""
-        if not self._defer:
-            return
-        if not self.step_in_progress and not self._worker.failed:
-            self._worker.drain(self.timeout_s)
-        for b in self.host_buckets:
-            with b.commit_lock:
-                b.pending = None
-
-    @property
-    def pending_moment_commits(self) -> int:
-        """Host buckets whose deferred moments are not stored yet."""
-        return sum(b.pending is not None for b in self.host_buckets)
-
-    def _undo(self, b: HostBucket, ctx: _StepContext) -> None:
-        """Take back a speculative step. Double buffer: the source copy is intact, only staging is refreshed."""
-        assert b.applied is not None
-        hyper, scale = b.applied
-        t0 = time.perf_counter()
-        p, m, v = b.pmv[ctx.src]
-        with torch.profiler.record_function("superoffload::undo"):
-            for r in b.runs:
-                sl = slice(r.start, r.end)
-                if ctx.dst == ctx.src:
-                    lr, beta1, beta2, eps, wd = hyper[r.group]
-                    ops.cpu_adamw_undo_(
-                        p[sl], b.grad[sl], m[sl], v[sl],
-                        step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
-                        param_bf16_out=None, num_threads=self.plan.cpu_threads,
-                    )
-                if b.staging is not None:
-                    b.staging[sl].copy_(p[sl])
-        b.applied = None
-        with self._lock:
-            self._acc.cpu_s += time.perf_counter() - t0
-
-    def _upload(self, b: HostBucket, copy: int) -> None:
-        if self._flow is not None and self.comm is None:  # weight flow: staging is the weights' home
-            with self._lock:
-                b.to_uploaded(None)
-            return
-        s = self.streams
-        source = b.staging if b.staging is not None else b.pmv[copy][0]  # GPU cast: the fp32 master itself
-        sharded = self.comm is not None  # data parallel: only this rank's shard goes up; the gatherer assembles
-        with torch.profiler.record_function("superoffload::upload"):
-            if not s.is_cuda:
-                on_device, event = source, None
-                if not sharded:
-                    scatter_flat_(source, b.params)
-            else:
-                with torch.cuda.stream(s.h2d):
-                    assert b.d2h is not None
-                    b.d2h.wait_stream(s.h2d)
-                    on_device = torch.empty(source.numel(), dtype=source.dtype, device=self.device)
-                    on_device.copy_(source, non_blocking=True)
-                    if not sharded:
-                        scatter_flat_(on_device, b.params)
-                    event = s.record(s.h2d)
-            if sharded:
-                b.gather_src = on_device
-        with self._lock:
-            self._acc.h2d_bytes += source.numel() * source.element_size()
-            b.to_uploaded(event, final=not sharded)
 
     def _wake_all(self) -> None:
         if self._accum is not None:
