@@ -620,6 +620,12 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
                 "overlap": round(statistics.median(t.get("overlap", float("nan")) for t in telemetry), 4),
                 "verdicts": [t["verdict"] for t in telemetry],
             }
+            with contextlib.suppress(Exception):  # launch-plan caches of the Triton bucket kernels (whole run)
+                from hf_superoffload.triton_kernels import _kernels as tk
+
+                rec["telemetry"]["plan_cache"] = {name: {"hits": c.hits, "misses": c.misses}
+                                                  for name, c in (("flatten", tk._flatten_plans),
+                                                                  ("scatter", tk._scatter_plans))}
         if cuda:
             rec["peak_gpu_gb"] = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
             rec["peak_gpu_reserved_gb"] = round(torch.cuda.max_memory_reserved(dev) / 1e9, 2)

@@ -87,7 +87,11 @@ class PlanCache:
     tables: base pointers are taken from the caller's tensors at each launch.
     """
 
-    def __init__(self, capacity: int = 64) -> None:
+    def __init__(self, capacity: int = 4096) -> None:
+        # The engine flattens every bucket once per step and scatters every host bucket once per upload: a few
+        # hundred layouts for a large model, whose addresses the caching allocator hands back step after step. The
+        # cache must hold them all, or each call rebuilds its table (numpy + a pinned upload) in the backward hook.
+        # A plan's tables are a few bytes per parameter tensor.
         self.capacity = capacity
         self._d: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
