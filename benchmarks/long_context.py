@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="superoffload: SuperOffloadOptimizer (multi-rank needs its data-parallel version); sgd: "
                          "all-reduce + clip + SGD on the GPU (rehearsal); none: forward/backward only")
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--attn", choices=["sdpa", "flash_attention_2", "flash_attention_3"], default="sdpa",
+    ap.add_argument("--attn", choices=["sdpa", "superoffload_sdpa_cudnn", "flash_attention_2", "flash_attention_3"],
+                    default="sdpa",
                     help="local attention inside Ulysses")
     ap.add_argument("--chunk-size", type=int, default=4096, help="LM-head/CE tokens per chunk")
     ap.add_argument("--no-checkpointing", action="store_true")

@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/run_parallel_on_box.sh            (PARTS="tests scaling ulysses" by default)
 #
-# Environment (optional): PARTS, MODEL (8b), DP_SEQ/DP_BATCH (2048/4 per GPU), SP_SEQ (256k), STEPS/WARMUP,
+# Environment (optional): PARTS, MODEL (8b), DP_SEQ/DP_BATCH (2048/4 per GPU), SP_SEQ (256k), ATTN (sdpa), STEPS/WARMUP,
 # NGPU (default: all visible GPUs). Every part has its own timeout; one failing part does not stop the others.
 set -u
 T0=$(date +%s)
@@ -50,7 +50,7 @@ for part in ${PARTS:-tests scaling ulysses}; do
       wait; echo "side done ($(( $(date +%s) - T0 )) s)"; tail -1 "$OUT/soak.log" | cut -c1-900; tail -25 "$OUT/triton.txt" ;;
     ulysses)
       run_lc ulysses 360 --nproc_per_node $NGPU benchmarks/long_context.py --model $MODEL --seq-len ${SP_SEQ:-256k} \
-        --optimizer superoffload --steps 1 --warmup 1 --out "$OUT/parallel.jsonl" --tag "ulysses sp$NGPU" ;;
+        --optimizer superoffload --attn ${ATTN:-sdpa} --steps 1 --warmup 1 --out "$OUT/parallel.jsonl" --tag "ulysses sp$NGPU ${ATTN:-sdpa}" ;;
   esac
 done
 echo "total $(( $(date +%s) - T0 )) s"

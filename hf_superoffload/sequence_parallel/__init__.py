@@ -24,6 +24,7 @@ from .all_to_all import all_to_all
 from .attention import (
     ATTN_IMPLEMENTATION,
     INNER_IMPLEMENTATIONS,
+    SDPA_CUDNN,
     active_groups,
     check_heads,
     kv_replication,
@@ -40,6 +41,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "IGNORE_INDEX",
     "INNER_IMPLEMENTATIONS",
+    "SDPA_CUDNN",
     "SequenceParallelGroups",
     "SequenceParallelLoss",
     "active_groups",

@@ -32,17 +32,22 @@ from .groups import SequenceParallelGroups
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "INNER_IMPLEMENTATIONS",
+    "SDPA_CUDNN",
     "active_groups",
     "check_heads",
     "kv_replication",
     "register_ulysses_attention",
+    "sdpa_cudnn_attention_forward",
     "set_active_groups",
     "ulysses_attention_forward",
     "ulysses_mask",
 ]
 
 ATTN_IMPLEMENTATION = "superoffload_ulysses"
-INNER_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+SDPA_CUDNN = "superoffload_sdpa_cudnn"
+"""SDPA with cuDNN's fused attention first (then flash, memory-efficient, math): on Hopper cuDNN's kernels are
+the fastest SDPA backend at long sequences; elsewhere the first backend that supports the inputs runs."""
+INNER_IMPLEMENTATIONS = ("sdpa", SDPA_CUDNN, "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +187,28 @@ def ulysses_mask(*, attention_mask: torch.Tensor | None = None, mask_function: A
     return None
 
 
+def sdpa_cudnn_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, attention_mask: torch.Tensor | None,
+                                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with the backends tried in the order cuDNN, flash, memory-efficient, math
+    (``torch.nn.attention.sdpa_kernel(..., set_priority=True)``). Backward uses the backend the forward chose."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(order, set_priority=True):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def register_ulysses_attention() -> None:
     """Register :func:`ulysses_attention_forward` as ``attn_implementation="superoffload_ulysses"`` and
-    :func:`ulysses_mask` as its mask function (idempotent)."""
+    :func:`ulysses_mask` as its mask function, and :func:`sdpa_cudnn_attention_forward` as
+    ``"superoffload_sdpa_cudnn"`` with SDPA's mask (idempotent)."""
     from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, ulysses_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ulysses_mask)
+    AttentionInterface.register(SDPA_CUDNN, sdpa_cudnn_attention_forward)
+    AttentionMaskInterface.register(SDPA_CUDNN, sdpa_mask)
 

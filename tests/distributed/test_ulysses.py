@@ -244,6 +244,25 @@ def test_attention_without_groups_is_refused():
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
 
 
+def test_sdpa_cudnn_inner_attention_matches_sdpa():
+    """superoffload_sdpa_cudnn is SDPA with cuDNN tried first: on a machine without it (CPU) the next backend runs,
+    and the model computes what plain SDPA computes; it is a valid inner attention under Ulysses."""
+    from hf_superoffload.testing import tiny_llama
+
+    assert sp.SDPA_CUDNN in sp.INNER_IMPLEMENTATIONS
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for impl in ("sdpa", sp.SDPA_CUDNN):
+        model = tiny_llama(seed=0, dtype=torch.float32, attn_implementation=impl)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        out[impl] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    (l0, g0), (l1, g1) = out["sdpa"], out[sp.SDPA_CUDNN]
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_trainer_arguments_sequence_parallel_size(tmp_path):
     from hf_superoffload.integrations.arguments import SuperOffloadArguments
     from hf_superoffload.integrations.transformers import SuperOffloadTrainer
