@@ -8,6 +8,7 @@ from typing import Any
 
 from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
+from .memory_model import ENGINE_HOST_BYTES_PER_PARAM
 from .plan import (
     LANDING_RING_SLOTS,
     BucketSpec,
@@ -295,10 +296,6 @@ def make_plan(
     avail = profile.host_available_bytes
     if avail is not None and local_world_size > 1:
         avail //= local_world_size  # every rank on this host holds its own shard of the state
-    from .memory_model import (
-        ENGINE_HOST_BYTES_PER_PARAM,  # the memory model imports plan types: import it lazily
-    )
-
     # kept free beside the arenas: the OS/runtime headroom and the engine's measured per-parameter RSS
     reserve = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * host_numel)
     if (config.cast_side == "auto" and cast_side is CastSide.CPU and weight_mode is WeightMode.STATIONARY
