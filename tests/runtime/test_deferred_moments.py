@@ -254,7 +254,9 @@ def test_state_dict_with_pending_commits_equals_the_eager_run_mid_training() -> 
         assert_bitwise(lazy.state(), eager.state())
         assert lazy.opt.engine.pending_moment_commits == 0
     stats = lazy.opt.last_step_stats
-    assert stats.commit_s >= 0 and stats.cpu_s > 0
+    # the last step's CPU pass runs after its step() was called: it is counted in that step's stats if the worker
+    # finished it before step() closed the window, else in the window now open (telemetry runs step() to step())
+    assert stats.commit_s >= 0 and stats.cpu_s + lazy.opt.engine._acc.cpu_s > 0
 
 
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
