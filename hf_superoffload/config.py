@@ -68,14 +68,14 @@ class SuperOffloadConfig:
             [Note: host accumulation] in docs/weight_flow.md.
         host_accumulation_dtype: With host accumulation, where the sum lives. ``"fp32"``: a separate fp32 arena
             (+4 B/param host RAM, the CPU Adam steps from fp32); ``"landing"``: in the gradient landing buffer,
-            in its dtype (bf16 with CPU casts, rounded like torch's bf16 ``.grad`` accumulation; no per-parameter
-            RAM); ``"auto"``: fp32 when host RAM allows it, else landing (GPU casts: landing, already fp32).
+            in its dtype (the model's, rounded like torch's bf16 ``.grad`` accumulation; no per-parameter
+            RAM); ``"auto"``: fp32 when host RAM allows it, else landing.
         defer_moments: Deferred moment stores. A host bucket stepped once the verdict is known (speculation off or
             paused, clipping certain, a redo) writes only p and the bf16 weights on the critical path (20 instead
             of 28 B/param of host traffic) and stores ``exp_avg``/``exp_avg_sq`` later, off the critical path (at
             the bucket's next CPU task, during the next backward), bit for bit as the fused step would. Costs a
-            second gradient landing arena (+2 B/param pinned; 4 with GPU casts). ``None`` (auto): on for a single
-            process with stationary weights and no host accumulation when host RAM allows it.
+            second gradient landing arena (+2 B/param pinned). ``"auto"``: on for a single process with stationary
+            weights and no host accumulation when host RAM allows it.
             [Note: deferred moments] in docs/design.md.
     """
 
@@ -95,7 +95,7 @@ class SuperOffloadConfig:
     check_finite: bool = True
     accumulate_on_host: bool | Literal["auto"] = "auto"
     host_accumulation_dtype: AccumulationDtype = "auto"
-    defer_moments: bool | None = None
+    defer_moments: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, fix: str) -> ValueError:
@@ -129,8 +129,8 @@ class SuperOffloadConfig:
             raise bad("accumulate_on_host", self.accumulate_on_host, "use True, False or 'auto'")
         if self.host_accumulation_dtype not in ("auto", "fp32", "landing"):
             raise bad("host_accumulation_dtype", self.host_accumulation_dtype, "use 'auto', 'fp32' or 'landing'")
-        if self.defer_moments is not None and not isinstance(self.defer_moments, bool):
-            raise bad("defer_moments", self.defer_moments, "use None (automatic), True or False")
+        if not (isinstance(self.defer_moments, bool) or self.defer_moments == "auto"):
+            raise bad("defer_moments", self.defer_moments, "use True, False or 'auto'")
 
     def replace(self, **changes: Any) -> SuperOffloadConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -182,10 +182,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     v = value.strip()
     try:
-        if name == "accumulate_on_host":  # true / false / auto
+        if name in ("accumulate_on_host", "defer_moments"):  # true / false / auto
             return "auto" if v.lower() == "auto" else _BOOLS[v.lower()]
-        if name == "defer_moments":  # true / false / auto (None: the planner decides)
-            return None if v.lower() in ("auto", "none", "") else _BOOLS[v.lower()]
         if name in ("gpu_resident_buckets", "cpu_threads"):
             if v.lower() in ("auto", "none", ""):
                 return "auto" if name == "gpu_resident_buckets" else None

@@ -40,6 +40,8 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused")
 PREFIX = "superoffload_"
 # superoffload_ arguments that describe the run (the planner's workload), not a SuperOffloadConfig field
 _RUN_SHAPE_FIELDS = frozenset({"superoffload_max_seq_len"})
+# SuperOffloadConfig fields that take True, False or "auto" (strings on the command line)
+_TRI_STATE_FIELDS = ("accumulate_on_host", "defer_moments")
 
 # True while SuperOffloadTrainer.__init__ runs Trainer.__init__: a plain Trainer given these args is refused.
 _IN_SUPEROFFLOAD_TRAINER: ContextVar[bool] = ContextVar("hf_superoffload_in_trainer", default=False)
@@ -134,8 +136,10 @@ class SuperOffloadArguments(TrainingArguments):
         metadata=_help("SuperOffload: window, in optimizer steps, for superoffload_max_redo_rate."))
     superoffload_cast_side: CastSide = field(
         default=_D.cast_side,
-        metadata=_help("SuperOffload: where fp32<->bf16 casts happen: 'cpu' (bf16 over the link, right for "
-                       "PCIe), 'gpu' (fp32 over the link, right for chip-to-chip links) or 'auto'."))
+        metadata=_help("SuperOffload: where the fp32 master becomes bf16 weights (gradients cross in bf16 either "
+                       "way): 'cpu' (fused into the CPU Adam, bf16 weights over the link, right for PCIe), 'gpu' "
+                       "(the fp32 master over the link, no host staging arena, right for chip-to-chip links or short "
+                       "host RAM) or 'auto'."))
     superoffload_weight_placement: WeightPlacement = field(
         default=_D.weight_placement,
         metadata=_help("SuperOffload: 'stationary' keeps bf16 weights on the GPU, 'flow' streams them per layer, "
@@ -165,7 +169,7 @@ class SuperOffloadArguments(TrainingArguments):
         metadata=_help("SuperOffload: with host accumulation, 'fp32' (a separate fp32 sum, +4 B/param host RAM), "
                        "'landing' (the sum lives in the bf16 landing buffer) or 'auto' (fp32 when host RAM allows)."))
     superoffload_defer_moments: str = field(
-        default="auto",
+        default=str(_D.defer_moments),
         metadata=_help("SuperOffload: 'auto', 'true' or 'false': a CPU Adam pass whose verdict is already known (no "
                        "speculation, clipping certain, a redo) writes p and the bf16 weights only and stores the Adam "
                        "moments later, off the critical path (+2 B/param pinned host RAM); 'auto': the planner "
@@ -200,8 +204,8 @@ class SuperOffloadArguments(TrainingArguments):
                 "mixed_precision bf16 or no in the accelerate config, or pass bf16=True."
             )
         self.superoffload_gpu_resident_buckets = str(self.superoffload_gpu_resident_buckets)
-        self.superoffload_accumulate_on_host = str(self.superoffload_accumulate_on_host).lower()
-        self.superoffload_defer_moments = str(self.superoffload_defer_moments).lower()
+        for name in _TRI_STATE_FIELDS:
+            setattr(self, PREFIX + name, str(getattr(self, PREFIX + name)).lower())
         self.to_superoffload_config()  # validate now, not at the first train() call
 
     # ------------------------------------------------------------------------------------------------
@@ -257,16 +261,12 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
             raise ValueError(f"SuperOffloadArguments.superoffload_gpu_resident_buckets={resident!r} is invalid: "
                              "use 'auto' or an integer >= 0") from None
     kw["gpu_resident_buckets"] = resident
-    accumulate = str(kw["accumulate_on_host"]).lower()
-    if accumulate not in ("auto", "true", "false"):
-        raise ValueError(f"SuperOffloadArguments.superoffload_accumulate_on_host={kw['accumulate_on_host']!r} is "
-                         "invalid: use 'auto', 'true' or 'false'")
-    kw["accumulate_on_host"] = accumulate if accumulate == "auto" else accumulate == "true"
-    defer = str(kw["defer_moments"]).lower()
-    if defer not in ("auto", "none", "true", "false"):
-        raise ValueError(f"SuperOffloadArguments.superoffload_defer_moments={kw['defer_moments']!r} is invalid: use "
-                         "'auto', 'true' or 'false'")
-    kw["defer_moments"] = None if defer in ("auto", "none") else defer == "true"
+    for name in _TRI_STATE_FIELDS:  # 'auto' / 'true' / 'false' -> "auto" / True / False
+        value = str(kw[name]).lower()
+        if value not in ("auto", "true", "false"):
+            raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto', 'true' or "
+                             "'false'")
+        kw[name] = "auto" if value == "auto" else value == "true"
     try:
         return SuperOffloadConfig(**kw)
     except ValueError as e:

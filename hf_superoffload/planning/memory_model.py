@@ -181,7 +181,7 @@ class PlanLike:
             writes the other copy) and the conservative default; for a snapshot rollback, the share of host
             parameters stepped speculatively (only those write their snapshot).
         deferred_landing_bytes: the second (pinned) gradient landing arena of deferred moment stores
-            (``OffloadPlan.deferred_landing_bytes``: 2 B/param with CPU casts, else 0).
+            (``OffloadPlan.deferred_landing_bytes``: 2 B/param when on, else 0).
     """
 
     device_numel: int = 0

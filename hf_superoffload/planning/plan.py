@@ -143,14 +143,9 @@ class OffloadPlan:
             full_weights = 2 * sum(b.numel for b in self.host_buckets)
         return self.host_numel * per + full_weights + self.accumulation_bytes() + self.deferred_landing_bytes()
 
-    @property
-    def landing_element_size(self) -> int:
-        """Bytes per element of the gradient landing arena: bf16 with CPU casts, fp32 with GPU casts."""
-        return 4 if self.cast_side is CastSide.GPU else 2
-
     def deferred_landing_bytes(self) -> int:
-        """Host RAM (pinned) of the second landing arena that deferred moment stores need."""
-        return self.landing_element_size * self.host_numel if self.defer_moments else 0
+        """Host RAM (pinned) of the second (bf16) landing arena that deferred moment stores need."""
+        return 2 * self.host_numel if self.defer_moments else 0
 
     def accumulation_bytes(self) -> int:
         """Host RAM of the gradient accumulation buffers (fp32 arena, or the landing mode's pinned ring)."""

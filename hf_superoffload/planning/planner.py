@@ -383,12 +383,12 @@ def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, cast_sid
         why_not = "no host buckets"
     if config.defer_moments is True:
         if why_not is not None:
-            raise PlanError(f"defer_moments=True is not supported here ({why_not}): use defer_moments=None (auto) "
+            raise PlanError(f"defer_moments=True is not supported here ({why_not}): use defer_moments='auto' "
                             "or False")
         if avail is not None and base + extra + _HOST_HEADROOM_BYTES > avail:
             raise PlanError(f"defer_moments=True needs {(base + extra) / gib:.1f} GiB of host RAM (a second landing "
                             f"arena of {extra / gib:.1f} GiB) but {avail / gib:.1f} GiB is available; use "
-                            "defer_moments=None (auto) or False")
+                            "defer_moments='auto' or False")
         return True, f"deferred moment stores: on, +{extra / gib:.2f} GiB pinned landing (configured)"
     if config.defer_moments is False:
         return False, "deferred moment stores: off (configured)"
