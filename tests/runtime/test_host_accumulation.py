@@ -8,6 +8,7 @@ caller, on both sides.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -82,7 +83,7 @@ def train(model, opt, data, *, accum=ACCUM, poison=None, after_backward=None, be
         total = 0.0
         for k in range(accum):
             ids = data[step * accum + k]
-            ctx = opt.no_sync() if ours and k < accum - 1 else _null()
+            ctx = opt.no_sync() if ours and k < accum - 1 else contextlib.nullcontext()
             with ctx:
                 loss = model(input_ids=ids, labels=ids).loss / accum
                 if poison is not None and poison(step, k):
@@ -102,13 +103,6 @@ def train(model, opt, data, *, accum=ACCUM, poison=None, after_backward=None, be
         opt.synchronize()
     return losses
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def masters(opt) -> dict[str, torch.Tensor]:

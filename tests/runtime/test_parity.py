@@ -7,6 +7,7 @@ are compared at a tolerance a real bug would exceed by orders of magnitude.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -55,7 +56,7 @@ def run_pair(*, steps=30, device="cpu", config=None, max_grad_norm=1.0, groups=N
                 hook(("before", step, side), model, o)
             for k in range(accum):
                 ids = data[step * accum + k]
-                ctx = o.no_sync() if (side == 0 and k < accum - 1) else _null()
+                ctx = o.no_sync() if (side == 0 and k < accum - 1) else contextlib.nullcontext()
                 with ctx:
                     loss = model(input_ids=ids, labels=ids).loss / accum
                     loss.backward()
@@ -68,13 +69,6 @@ def run_pair(*, steps=30, device="cpu", config=None, max_grad_norm=1.0, groups=N
     opt.synchronize()
     return ours, ref, opt, ropt, losses, ref_losses
 
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def assert_parity(ours, ref, opt, ropt, losses, ref_losses, *, tight_steps=3):
