@@ -251,7 +251,6 @@ def make_plan(
         # device memory is what weight flow saves: do not spend it on optimizer state
         n_tail, tail_note = 0, "device tail: none (auto: weight flow leaves device memory to activations)"
     else:
-        n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
         if workload is not None and config.gpu_resident_buckets == "auto" and profile.device_free_bytes is not None:
             # the memory model knows the activations: the tail takes every byte they leave (a bucket on the device
             # is one the CPU need not step and the next forward need not wait for); everything, when it all fits
@@ -262,6 +261,8 @@ def make_plan(
             tail_note = (f"device tail: {n_tail} bucket(s) = {covered / max(sum(numels), 1):.0%} of parameters (auto: "
                          f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
                          f"{sp_note}, {_DEVICE_MARGIN:.0%} of free device memory kept spare)")
+        else:
+            n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
         if weight_mode is WeightMode.FLOW and n_tail:
             tail_note += "; their bf16 weights stay on the device"
     notes = [tail_note, weight_note]
@@ -296,25 +297,25 @@ def make_plan(
     avail = profile.host_available_bytes
     if avail is not None and local_world_size > 1:
         avail //= local_world_size  # every rank on this host holds its own shard of the state
-    # kept free beside the arenas: the OS/runtime headroom and the engine's measured per-parameter RSS
+    # kept free beside the arenas: the OS/runtime headroom and the engine's measured per-parameter RSS; ``room``:
+    # the host bytes the arenas may take (every host-RAM decision below compares against it)
     reserve = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * host_numel)
+    room = None if avail is None else avail - reserve
     if (config.cast_side == "auto" and cast_side is CastSide.CPU and weight_mode is WeightMode.STATIONARY
-            and avail is not None and host_numel * 16 + reserve > avail
-            and host_numel * 14 + reserve <= avail):
+            and room is not None and host_numel * 16 > room >= host_numel * 14):
         # RAM-aware casting: the CPU cast's bf16 staging arena (2 B/param) does not fit, the GPU cast needs none
         cast_side = CastSide.GPU
         notes[-1] = ("fp32 master crosses the link and the GPU casts (auto: host RAM fits the state without the CPU "
                      "cast's 2 B/param staging arena, not with it)")
     base = host_numel * (16 if cast_side is CastSide.CPU else 14)  # p/m/v + bf16 landing (+ bf16 staging: CPU cast)
     largest_host = max((b.shard for b in buckets if b.placement is Placement.HOST), default=0)
-    accumulation, accum_note = _host_accumulation(config, weight_mode, cast_side, world_size, host_numel,
-                                                  base, avail, largest_host)
+    accumulation, accum_note = _host_accumulation(config, weight_mode, world_size, host_numel, base, room)
     notes.append(accum_note)
     if accumulation is HostAccumulation.FP32:
         base += 4 * host_numel
     elif accumulation is HostAccumulation.LANDING:
         base += LANDING_RING_SLOTS * largest_host * 2
-    if avail is not None and base + reserve > avail:
+    if room is not None and base > room:
         gib = 1024**3
         raise PlanError(
             f"the host optimizer state needs {base / gib:.1f} GiB ({base / max(host_numel, 1):.0f} B/param for "
@@ -327,22 +328,21 @@ def make_plan(
         rollback = Rollback.DOUBLE_BUFFER
     elif config.rollback == "inverse":
         rollback = Rollback.INVERSE
-    elif avail is None or base + host_numel * 12 + reserve <= avail:
+    elif room is None or base + host_numel * 12 <= room:
         rollback = Rollback.DOUBLE_BUFFER
         notes.append("rollback: double buffer (bit-exact, free undo of speculative steps; host RAM allows it)")
     else:
         rollback = Rollback.INVERSE
         notes.append("rollback: inverse (host RAM too small for a second state copy; undo exact to fp32 rounding)")
-    if rollback is Rollback.DOUBLE_BUFFER and avail is not None and base + host_numel * 12 + reserve > avail:
+    if rollback is Rollback.DOUBLE_BUFFER and room is not None and base + host_numel * 12 > room:
         raise PlanError(
             f"rollback='double_buffer' needs {(base + host_numel * 12) / 1024**3:.1f} GiB of host RAM but "
-            f"{avail / 1024**3:.1f} GiB is available; use rollback='inverse' or 'auto'"
+            f"{room / 1024**3:.1f} GiB is left for the arenas; use rollback='inverse' or 'auto'"
         )
 
     if rollback is Rollback.DOUBLE_BUFFER:
         base += 12 * host_numel
-    defer, defer_note = _defer_moments(config, weight_mode, cast_side, accumulation, world_size, host_numel, base,
-                                       None if avail is None else avail - reserve + _HOST_HEADROOM_BYTES)
+    defer, defer_note = _defer_moments(config, weight_mode, accumulation, world_size, host_numel, base, room)
     notes.append(defer_note)
 
     return OffloadPlan(
@@ -364,12 +364,12 @@ def make_plan(
     )
 
 
-def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, cast_side: CastSide,
-                   accumulation: HostAccumulation, world_size: int, host_numel: int, base: int,
-                   avail: int | None) -> tuple[bool, str]:
+def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, accumulation: HostAccumulation,
+                   world_size: int, host_numel: int, base: int, room: int | None) -> tuple[bool, str]:
     """Deferred moment stores ([Note: deferred moments] in docs/design.md): the CPU pass of a step whose verdict is
     known skips the m/v stores (20 instead of 28 B/param); they are stored at the bucket's next CPU task. Costs a
-    second landing arena (the step's gradient must outlive the next step's D2H). ``base``: host bytes so far."""
+    second landing arena (the step's gradient must outlive the next step's D2H). ``base``: host bytes so far;
+    ``room``: host bytes the arenas may take (``None``: unknown)."""
     extra = host_numel * 2  # the landing arena is in the model dtype with either cast side
     gib = 1024**3
     why_not = None
@@ -385,24 +385,24 @@ def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, cast_sid
         if why_not is not None:
             raise PlanError(f"defer_moments=True is not supported here ({why_not}): use defer_moments='auto' "
                             "or False")
-        if avail is not None and base + extra + _HOST_HEADROOM_BYTES > avail:
+        if room is not None and base + extra > room:
             raise PlanError(f"defer_moments=True needs {(base + extra) / gib:.1f} GiB of host RAM (a second landing "
-                            f"arena of {extra / gib:.1f} GiB) but {avail / gib:.1f} GiB is available; use "
+                            f"arena of {extra / gib:.1f} GiB) but {room / gib:.1f} GiB is left for the arenas; use "
                             "defer_moments='auto' or False")
         return True, f"deferred moment stores: on, +{extra / gib:.2f} GiB pinned landing (configured)"
     if config.defer_moments is False:
         return False, "deferred moment stores: off (configured)"
     if why_not is not None:
         return False, f"deferred moment stores: off (auto: {why_not})"
-    if avail is not None and base + extra + _HOST_HEADROOM_BYTES > avail:
+    if room is not None and base + extra > room:
         return False, (f"deferred moment stores: off (auto: host RAM too small for a second {extra / gib:.2f} GiB "
                        "landing arena)")
     return True, (f"deferred moment stores: on (auto: the verdict-known CPU pass moves 20 instead of 28 B/param; "
                   f"+{extra / gib:.2f} GiB pinned for a second landing arena)")
 
 
-def _host_accumulation(config: SuperOffloadConfig, weight_mode: WeightMode, cast_side: CastSide, world_size: int,
-                       host_numel: int, base: int, avail: int | None, largest_host: int) -> tuple[HostAccumulation, str]:
+def _host_accumulation(config: SuperOffloadConfig, weight_mode: WeightMode, world_size: int, host_numel: int,
+                       base: int, room: int | None) -> tuple[HostAccumulation, str]:
     """Where micro-batch gradients are summed ([Note: host accumulation] in docs/weight_flow.md).
 
     ``"auto"`` is on in weight-flow mode: there the device cannot hold a second copy of the weights' size in
@@ -425,7 +425,7 @@ def _host_accumulation(config: SuperOffloadConfig, weight_mode: WeightMode, cast
         return HostAccumulation.FP32, f"gradient accumulation: on the host, fp32 arena ({why})"
     if config.host_accumulation_dtype == "landing":
         return HostAccumulation.LANDING, f"gradient accumulation: on the host, in the landing buffer ({why})"
-    if avail is None or base + 4 * host_numel + _HOST_HEADROOM_BYTES <= avail:
+    if room is None or base + 4 * host_numel <= room:
         return HostAccumulation.FP32, f"gradient accumulation: on the host, fp32 arena ({why}; host RAM allows it)"
     return HostAccumulation.LANDING, (f"gradient accumulation: on the host, in the bf16 landing buffer ({why}; host "
                                       "RAM too small for a 4 B/param fp32 arena)")
