@@ -168,6 +168,7 @@ def sgd_step(model: Any, lr: float, groups: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import contextlib
+    import gc
 
     import torch
     import torch.distributed as dist
@@ -299,6 +300,13 @@ def run(args: argparse.Namespace) -> int:
     if opt is not None and hasattr(opt, "close"):
         opt.close()
     if status == 0:
+        # Tear down while the interpreter is fully alive: every rank done with collectives, our references to the
+        # groups dropped, then the process groups destroyed. A gloo group left to interpreter finalization (still
+        # referenced from the active-attention registry) aborted the process now and then in CI.
+        dist.barrier()
+        sp.set_active_groups(None)
+        del groups, model, opt
+        gc.collect()
         dist.destroy_process_group()
     return status
 

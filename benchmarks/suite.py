@@ -507,16 +507,23 @@ def _make_system(system: str, wl: Workload, dev: Any, spec: dict[str, Any]) -> t
 
 def _profile(system: str, step: Any, sync: Any, dev: Any, n_steps: int, trace_dir: Path, tag: str) -> dict[str, Any]:
     """Run ``n_steps`` more steps under torch.profiler; gzip the Chrome trace, write a top-ops summary."""
+    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     trace_dir.mkdir(parents=True, exist_ok=True)
-    with profile(activities=activities) as prof:
-        for _ in range(n_steps):
-            step()
-            sync()
+    try:  # the CPU worker's record_function ranges live on another thread; torch < 2.7 has no such option
+        experimental = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        experimental = None
+    with profile(activities=activities, experimental_config=experimental) as prof:
+        for i in range(n_steps):
+            with torch.profiler.record_function(f"ProfilerStep#{i}"):  # one range per step, for trace_summary
+                step()
+                sync()
     raw = trace_dir / f"{tag}.json"
     prof.export_chrome_trace(str(raw))
+    timeline = _timeline(raw)
     with raw.open("rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
         shutil.copyfileobj(src, dst)
     raw.unlink()
@@ -533,7 +540,20 @@ def _profile(system: str, step: Any, sync: Any, dev: Any, n_steps: int, trace_di
             "self_device_ms": round((getattr(e, "self_device_time_total", 0) or 0) / 1e3 / n_steps, 2),
             "self_cpu_ms": round(e.self_cpu_time_total / 1e3 / n_steps, 2)} for e in rows]
     return {"steps": n_steps, "trace": f"traces/{tag}.json.gz", "summary": f"traces/{tag}_top_ops.txt",
-            "sorted_by": key, "top_ops_per_step": top}
+            "sorted_by": key, "top_ops_per_step": top, "timeline": timeline}
+
+
+def _timeline(raw: Path) -> dict[str, Any] | str:
+    """``trace_summary.summarize`` of an exported trace (an error string if it cannot be read)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location("trace_summary", Path(__file__).with_name("trace_summary.py"))
+        mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        return mod.summarize(mod.load_events(raw))
+    except Exception as e:  # a summary is a convenience: the trace itself is kept either way
+        return f"trace_summary failed: {type(e).__name__}: {e}"
 
 
 def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ error message that was raised."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -218,6 +219,10 @@ def main() -> None:
         dist.barrier()
     with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f)
+    dist.barrier()
+    sp.set_active_groups(None)  # no group left to interpreter finalization (see benchmarks/long_context.py)
+    del groups
+    gc.collect()
     dist.destroy_process_group()
 
 
