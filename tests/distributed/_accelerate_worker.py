@@ -62,6 +62,9 @@ def main() -> None:
         (out / "losses.json").write_text(json.dumps(losses))
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / "weights.pt")
     opt.superoffload.close()
+    if torch.distributed.is_initialized():  # tear down while the interpreter is alive (see _ulysses_worker.py)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ def main() -> None:
             torch.save({n: p.detach().clone() for n, p in trainer.model.named_parameters()}, out / "weights.pt")
     assert opt is not None
     opt.close()
+    if torch.distributed.is_initialized():  # tear down while the interpreter is alive (see _ulysses_worker.py)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
