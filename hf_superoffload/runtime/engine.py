@@ -42,7 +42,7 @@ from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_fla
 from .accumulation import HostAccumulator
 from .bucket import BucketState, DeviceBucket, HostBucket
 from .collectives import ShardGroup
-from .cpu_worker import CpuWorker
+from .cpu_worker import CpuWorker, WorkerError
 from .host_memory import HostBuffer
 from .host_step import HostStepMixin, _StepContext
 from .sharding import DataParallelMixin, _add_stats_
@@ -178,7 +178,11 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             raise ValueError("deferred moment stores are single-process and without host accumulation (the planner "
                              "turns them off otherwise); build the plan with make_plan")
         self._defer = plan.defer_moments
-        """[Note: deferred moments]: a verdict-known CPU pass leaves m/v unstored; the bucket's next task stores them."""
+        """[Note: deferred moments]: a verdict-known CPU pass leaves m/v unstored; they are stored later."""
+        self.commit_when_idle = True
+        """[Note: deferred moments]: after a step's pass the worker stores the moments whenever it has nothing more
+        urgent (lowest priority, in the next backward's arrival order). ``False``: only at the bucket's next CPU
+        task or a reader's request (white-box tests of the pending path use it)."""
         self._build_buckets()
         self._install_hooks(modules)
         self._flow: WeightStreamer | None = None
@@ -635,6 +639,12 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             if verdict.kind is not StepVerdict.SKIP:
                 self.consistent = False  # host buckets are being committed with this verdict: it cannot be undone
             raise
+        if self._defer and self.commit_when_idle and verdict.kind is not StepVerdict.SKIP:
+            idle = len(self.buckets)  # after every finishing task and every task of the next backward
+            with contextlib.suppress(WorkerError):  # a failed worker: its error reaches the next interaction
+                for b in self.host_buckets:  # the next backward's arrival order: lm_head's first, embedding's last
+                    self._worker.submit(idle + b.index, f"moment commit of {b.describe()}",
+                                        lambda b=b: self._commit_moments(b))
         if verdict.kind is not StepVerdict.SKIP:
             self._cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             for b in self.buckets:

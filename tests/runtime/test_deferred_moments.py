@@ -57,7 +57,7 @@ class Run:
     """One model + optimizer (ours or the reference) fed the same batches; ``clip(step)`` sets max_grad_norm."""
 
     def __init__(self, config: SuperOffloadConfig | None, *, clip: Callable[[int], float | None],
-                 extras: bool = True) -> None:
+                 extras: bool = True, commit_when_idle: bool = True) -> None:
         self.model = tiny_llama(seed=0)
         pg = groups(self.model) if extras else None
         self.extras, self.clip = extras, clip
@@ -66,6 +66,8 @@ class Run:
         else:
             self.opt = SuperOffloadOptimizer(self.model, pg, lr=LR, weight_decay=0.1, max_grad_norm=clip(0),
                                              config=config, log_plan=False)
+            # False: the moments stay pending until the bucket's next CPU task (tests of the pending path)
+            self.opt.engine.commit_when_idle = commit_when_idle
         self.step_no = 0
         self.losses: list[float] = []
 
@@ -128,24 +130,31 @@ def always(norm: float | None) -> Callable[[int], float | None]:
 # -------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 @pytest.mark.parametrize("schedule", ["speculation_off", "clip_every_step"])
-def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str, schedule: str) -> None:
+@pytest.mark.parametrize("commit", ["when_idle", "next_task"])
+def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str, schedule: str, commit: str) -> None:
     """Two param groups, a frozen parameter and one without gradient every third step."""
     spec = schedule != "speculation_off"
     clip = always(1e-3 if schedule == "clip_every_step" else 1.0)
     data = batches(30)
-    lazy = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=True), clip=clip)
+    lazy = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=True), clip=clip,
+               commit_when_idle=commit == "when_idle")
     eager = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=False), clip=clip)
     ref = Run(None, clip=clip)
     assert lazy.opt.plan.defer_moments and not eager.opt.plan.defer_moments
     assert len(lazy.opt.engine._arenas["landing1"].tensor) == lazy.opt.plan.host_numel
-    pending_seen = 0
+    pending_seen, commit_s = 0, 0.0
     for ids in data:
         lazy.train([ids])
         eager.train([ids])
         ref.train([ids])
-        lazy.opt.synchronize()
+        commit_s += lazy.opt.last_step_stats.commit_s
+        lazy.opt.synchronize()  # drains the worker: with commits when idle, that includes them
         pending_seen += lazy.opt.engine.pending_moment_commits
-    assert pending_seen > 0, "no step was deferred"
+    assert commit_s > 0, "no step was deferred"
+    if commit == "next_task":
+        assert pending_seen > 0, "no moments were left for the next task"
+    else:
+        assert pending_seen == 0, "the idle worker left moments pending"
     if schedule == "clip_every_step":
         assert lazy.opt.clipped_steps == 30
     assert_bitwise(lazy.state(), eager.state())
@@ -189,7 +198,8 @@ def test_nan_after_a_deferred_step_is_skipped_bit_exactly(rollback: str, where: 
     completed step) and changes nothing else: bitwise the run that never saw the NaN batch."""
     config = cfg(rollback=rollback, speculation=False, defer_moments=True)
     data = batches(6)
-    clean, poisoned = Run(config, clip=always(1.0)), Run(config, clip=always(1.0))
+    clean = Run(config, clip=always(1.0))
+    poisoned = Run(config, clip=always(1.0), commit_when_idle=False)
     clean.train(data[:3])
     poisoned.train(data[:3])
     poisoned.opt.synchronize()
@@ -217,7 +227,7 @@ def test_save_with_pending_commits_and_resume_bit_identically(rollback: str) -> 
     whole = Run(config, clip=clip)
     whole.train(data)
 
-    first = Run(config, clip=clip)
+    first = Run(config, clip=clip, commit_when_idle=False)
     first.train(data[:4])
     first.opt.synchronize()
     assert first.opt.engine.pending_moment_commits > 0
@@ -228,7 +238,7 @@ def test_save_with_pending_commits_and_resume_bit_identically(rollback: str) -> 
     ckpt = torch.load(buf, weights_only=True)
 
     # the resuming optimizer has pending commits of its own (two steps on other data): the load drops them
-    second = Run(config, clip=clip)
+    second = Run(config, clip=clip, commit_when_idle=False)
     second.train(batches(2, seed=5))
     second.opt.synchronize()
     assert second.opt.engine.pending_moment_commits > 0
@@ -243,7 +253,7 @@ def test_save_with_pending_commits_and_resume_bit_identically(rollback: str) -> 
 def test_state_dict_with_pending_commits_equals_the_eager_run_mid_training() -> None:
     clip = always(1e-3)
     data = batches(10)
-    lazy = Run(cfg(speculation=False, defer_moments=True), clip=clip, extras=False)
+    lazy = Run(cfg(speculation=False, defer_moments=True), clip=clip, extras=False, commit_when_idle=False)
     eager = Run(cfg(speculation=False, defer_moments=False), clip=clip, extras=False)
     for k in (3, 7, 10):
         start = lazy.step_no
@@ -264,7 +274,7 @@ def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsisten
                                                                                           monkeypatch) -> None:
     data = batches(3)
     config = cfg(rollback=rollback, speculation=False, defer_moments=True, worker_timeout_s=30)
-    lazy = Run(config, clip=always(1.0), extras=False)
+    lazy = Run(config, clip=always(1.0), extras=False, commit_when_idle=False)
     eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
     lazy.train(data[:2])
     eager.train(data[:2])
@@ -299,3 +309,43 @@ def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsisten
         with pytest.raises(RuntimeError, match=r"inconsistent|injected moment commit failure"):
             lazy.opt.state_dict()
     lazy.opt.close()
+
+
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(rollback: str, monkeypatch) -> None:
+    """The worker's idle-time commit fails after step() returned: the error reaches the training thread at its next
+    interaction; double buffer: the record survives and a reader stores it (state bitwise the eager run's);
+    in place: the state is marked inconsistent and is never checkpointed."""
+    data = batches(3)
+    config = cfg(rollback=rollback, speculation=False, defer_moments=True, worker_timeout_s=30)
+    lazy = Run(config, clip=always(1.0), extras=False)
+    eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
+    lazy.train(data[:1])
+    eager.train(data[:1])
+    lazy.opt.synchronize()
+    real = ops_module.cpu_adamw_moments_
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        real(*args, **kwargs)
+        if calls["n"] == 1:
+            raise RuntimeError("injected moment commit failure")
+
+    monkeypatch.setattr(ops_module, "cpu_adamw_moments_", flaky)
+    lazy.train(data[1:2])  # step() queued the finishing tasks, then the idle commits
+    eager.train(data[1:2])
+    with pytest.raises(WorkerError, match="injected moment commit failure"):
+        lazy.opt.engine._worker.drain(30)
+    with pytest.raises(WorkerError, match="injected moment commit failure"):
+        lazy.train(data[2:3])
+    lazy.opt.zero_grad()
+    assert not lazy.opt.engine.step_in_progress
+    monkeypatch.setattr(ops_module, "cpu_adamw_moments_", real)
+    if rollback == "double_buffer":
+        assert lazy.opt.engine.consistent
+        assert_bitwise(lazy.state(), eager.state())
+    else:
+        assert not lazy.opt.engine.consistent
+        with pytest.raises(RuntimeError, match=r"inconsistent|injected moment commit failure"):
+            lazy.opt.state_dict()
