@@ -269,6 +269,33 @@ def test_state_dict_with_pending_commits_equals_the_eager_run_mid_training() -> 
     assert stats.commit_s >= 0 and stats.cpu_s + lazy.opt.engine._acc.cpu_s > 0
 
 
+def fail_first_commit(monkeypatch) -> Callable[[], None]:
+    """The next moment commit stores its first run, then raises; returns the undo of the patch."""
+    real = ops_module.cpu_adamw_moments_
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        real(*args, **kwargs)  # (part of the bucket's runs stored, then the failure)
+        if calls["n"] == 1:
+            raise RuntimeError("injected moment commit failure")
+
+    monkeypatch.setattr(ops_module, "cpu_adamw_moments_", flaky)
+    return lambda: monkeypatch.setattr(ops_module, "cpu_adamw_moments_", real)
+
+
+def assert_kept_after_a_failed_commit(lazy: Run, eager: Run, rollback: str) -> None:
+    assert not lazy.opt.engine.step_in_progress
+    if rollback == "double_buffer":  # the commit reads one copy and writes the other: run again, exact
+        assert lazy.opt.engine.consistent
+        assert_bitwise(lazy.state(), eager.state())
+    else:
+        assert not lazy.opt.engine.consistent
+        with pytest.raises(RuntimeError, match=r"inconsistent|injected moment commit failure"):
+            lazy.opt.state_dict()
+    lazy.opt.close()
+
+
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsistent_in_place(rollback: str,
                                                                                           monkeypatch) -> None:
@@ -279,17 +306,7 @@ def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsisten
     lazy.train(data[:2])
     eager.train(data[:2])
     lazy.opt.synchronize()
-    real = ops_module.cpu_adamw_moments_
-    calls = {"n": 0}
-
-    def flaky(*args: Any, **kwargs: Any) -> None:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            real(*args, **kwargs)  # half of the bucket's runs stored, then the failure
-            raise RuntimeError("injected moment commit failure")
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(ops_module, "cpu_adamw_moments_", flaky)
+    restore = fail_first_commit(monkeypatch)
     t0 = time.perf_counter()
     ids = data[2]
     with pytest.raises(WorkerError, match="injected moment commit failure"):
@@ -299,16 +316,8 @@ def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsisten
         lazy.opt.step()
     lazy.opt.zero_grad()
     assert time.perf_counter() - t0 < 20
-    assert not lazy.opt.engine.step_in_progress
-    monkeypatch.setattr(ops_module, "cpu_adamw_moments_", real)
-    if rollback == "double_buffer":  # the commit reads one copy and writes the other: run again, exact
-        assert lazy.opt.engine.consistent
-        assert_bitwise(lazy.state(), eager.state())
-    else:
-        assert not lazy.opt.engine.consistent
-        with pytest.raises(RuntimeError, match=r"inconsistent|injected moment commit failure"):
-            lazy.opt.state_dict()
-    lazy.opt.close()
+    restore()
+    assert_kept_after_a_failed_commit(lazy, eager, rollback)
 
 
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
@@ -323,16 +332,7 @@ def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(rollback: 
     lazy.train(data[:1])
     eager.train(data[:1])
     lazy.opt.synchronize()
-    real = ops_module.cpu_adamw_moments_
-    calls = {"n": 0}
-
-    def flaky(*args: Any, **kwargs: Any) -> None:
-        calls["n"] += 1
-        real(*args, **kwargs)
-        if calls["n"] == 1:
-            raise RuntimeError("injected moment commit failure")
-
-    monkeypatch.setattr(ops_module, "cpu_adamw_moments_", flaky)
+    restore = fail_first_commit(monkeypatch)
     lazy.train(data[1:2])  # step() queued the finishing tasks, then the idle commits
     eager.train(data[1:2])
     with pytest.raises(WorkerError, match="injected moment commit failure"):
@@ -340,12 +340,5 @@ def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(rollback: 
     with pytest.raises(WorkerError, match="injected moment commit failure"):
         lazy.train(data[2:3])
     lazy.opt.zero_grad()
-    assert not lazy.opt.engine.step_in_progress
-    monkeypatch.setattr(ops_module, "cpu_adamw_moments_", real)
-    if rollback == "double_buffer":
-        assert lazy.opt.engine.consistent
-        assert_bitwise(lazy.state(), eager.state())
-    else:
-        assert not lazy.opt.engine.consistent
-        with pytest.raises(RuntimeError, match=r"inconsistent|injected moment commit failure"):
-            lazy.opt.state_dict()
+    restore()
+    assert_kept_after_a_failed_commit(lazy, eager, rollback)
