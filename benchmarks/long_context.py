@@ -18,7 +18,11 @@ CPU rehearsal (gloo, tiny model)::
 Training recipe: a Llama-style config built locally (no download), bf16 weights, gradient checkpointing, SDPA
 (flash kernel) inside Ulysses attention, the chunked LM-head loss normalised by the group's token count,
 ``--offload-activations`` moves the checkpointed layer inputs to pinned host memory
-(``torch.autograd.graph.save_on_cpu``).
+(``torch.autograd.graph.save_on_cpu``), ``--tiled-mlp TOKENS`` runs each layer's MLP in tiles of tokens
+(``sequence_parallel.enable_tiled_mlp``, docs/long_context.md): 512k tokens on 2 GPUs::
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/long_context.py --model 8b --seq-len 512k \\
+        --tiled-mlp 8192 --optimizer superoffload --steps 1 --warmup 0 --out results/long_context.jsonl
 
 MFU convention (docs/benchmarks.md, shared/context/hardware_and_anchors.md section 6): model FLOPs per token
 = 6N + 6*L*d*s (N all parameters incl. embeddings and LM head, d = heads x head_dim, s = sequence length,
@@ -85,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-checkpointing", action="store_true")
     ap.add_argument("--offload-activations", action="store_true",
                     help="keep the checkpointed layer inputs in pinned host memory")
+    ap.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
+                    help="run every decoder layer's MLP this many tokens at a time, forward and backward "
+                         "(sequence_parallel.enable_tiled_mlp; 0: off)")
     ap.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
     ap.add_argument("--tag", default="", help="free text copied into every line")
     ap.add_argument("--search", type=lambda s: [parse_len(x) for x in s.split(",")], default=None,
@@ -195,11 +202,14 @@ def run(args: argparse.Namespace) -> int:
         model.config._attn_implementation = args.attn
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable()
+    if args.tiled_mlp:
+        sp.enable_tiled_mlp(model, tile_tokens=args.tiled_mlp)
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     from hf_superoffload.planning.planner import Workload
 
-    workload = Workload(cfg, args.batch, args.seq_len, not args.no_checkpointing, groups.sp_size, args.chunk_size)
+    workload = Workload(cfg, args.batch, args.seq_len, not args.no_checkpointing, groups.sp_size, args.chunk_size,
+                        mlp_tile_tokens=args.tiled_mlp or None)
     opt = build_optimizer(args.optimizer, model, args.lr, groups, workload, args.max_grad_norm or None,
                           args.accumulate_on_host)
     init_s = time.perf_counter() - t0
@@ -241,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
                   params_B=round(n_params / 1e9, 3), seq_len=args.seq_len, batch=args.batch,
                   world=world, sp=groups.sp_size, dp=groups.dp_size, device=dev_type, dtype=args.dtype,
                   optimizer=args.optimizer, attn=args.attn, checkpointing=not args.no_checkpointing,
-                  offload_activations=args.offload_activations, chunk_size=args.chunk_size, tag=args.tag,
+                  offload_activations=args.offload_activations, chunk_size=args.chunk_size,
+                  tiled_mlp=args.tiled_mlp or None, tag=args.tag,
                   torch=torch.__version__, mfu_convention="6N+6*L*d*s per token, vs 989 TFLOP/s per GPU")
     if opt is not None and hasattr(opt, "plan"):
         pl = opt.plan
@@ -364,6 +375,8 @@ def search(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.tiled_mlp < 0:
+        raise SystemExit(f"--tiled-mlp {args.tiled_mlp}: use a number of tokens per MLP tile (e.g. 8192), or 0 for off")
     if args.search:
         if "LOCAL_RANK" in os.environ:
             raise SystemExit("--search launches its own torchrun per length: run it with plain python")

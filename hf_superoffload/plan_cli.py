@@ -203,6 +203,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
                    help="LM head + loss over chunks of this many tokens (default: 4096 with --sequence-parallel > 1, "
                         "else HF's loss over all logits)")
+    p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
+                   help="each decoder layer's MLP runs this many tokens at a time (sequence_parallel.enable_tiled_mlp; "
+                        "0: untiled)")
     p.set_defaults(func=main_plan)
     return p
 
@@ -222,6 +225,8 @@ def main_plan(args: argparse.Namespace) -> int:
             raise InputError("--batch-size and --seq-len must be >= 1")
         if args.sequence_parallel < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
             raise InputError("--sequence-parallel and --loss-chunk must be >= 1")
+        if args.tiled_mlp < 0:
+            raise InputError("--tiled-mlp must be >= 0 (0: untiled)")
         config = load_model_config(args.model)
         shape = ModelShape.from_config(config)
         profile = resolve_profile(args.profile, gpu_mem_gb=args.gpu_mem, host_mem_gb=args.host_mem)
@@ -233,7 +238,7 @@ def main_plan(args: argparse.Namespace) -> int:
     run = dict(batch_size=args.batch_size, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
     sp = args.sequence_parallel
     chunk = args.loss_chunk if args.loss_chunk is not None else (4096 if sp > 1 else None)
-    sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk)
+    sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk, mlp_tile_tokens=args.tiled_mlp or None)
     workload = Workload(shape, **run, **sp_kw)
     ranks: dict[str, Any] = {}
     if sp > 1:  # one rank per GPU of this host; the profile's cores are split between them

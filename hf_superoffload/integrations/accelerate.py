@@ -46,7 +46,8 @@ every process); a YAML/JSON file named by ``config_file=`` or ``HF_SUPEROFFLOAD_
 **Long sequences.** ``prepare_superoffload(..., sequence_parallel_size=P)`` switches the model to Ulysses
 attention over groups of P ranks and makes the optimizer average over the data-parallel replicas only; the loop
 trains each batch with ``sp.causal_lm_loss(model, sp.shard_batch(batch, groups), groups)``
-(``groups = hf_superoffload.sequence_parallel.active_groups()``).
+(``groups = hf_superoffload.sequence_parallel.active_groups()``). ``tiled_mlp_tokens=N`` runs every decoder
+layer's MLP N tokens at a time (docs/long_context.md).
 
 **Threads.** ``accelerate launch`` exports ``OMP_NUM_THREADS=1`` on GPU runs. The compiled CPU Adam sizes its pool
 from the process's affinity mask and ignores it, so nothing is changed; only when the torch fallback of CPU Adam
@@ -216,6 +217,7 @@ def prepare_superoffload(
     *,
     plugin: SuperOffloadPlugin | None = None,
     sequence_parallel_size: int = 1,
+    tiled_mlp_tokens: int = 0,
 ) -> tuple[torch.nn.Module, SuperOffloadAcceleratedOptimizer]:
     """Prepare ``model`` and its SuperOffload optimizer on ``accelerator`` (see the module docstring).
 
@@ -233,6 +235,8 @@ def prepare_superoffload(
             and sets the optimizer's gradient divisor to the data-parallel size; the loop then trains each batch
             with ``sp.causal_lm_loss(model, sp.shard_batch(batch, groups), groups)`` where
             ``groups = hf_superoffload.sequence_parallel.active_groups()`` (docs/sequence_parallel.md).
+        tiled_mlp_tokens: run each decoder layer's MLP this many tokens at a time (0: off;
+            ``sequence_parallel.enable_tiled_mlp``, docs/long_context.md).
 
     Returns:
         ``(model, optimizer)``: the prepared model and the registered ``SuperOffloadAcceleratedOptimizer``.
@@ -241,6 +245,9 @@ def prepare_superoffload(
     if isinstance(sequence_parallel_size, bool) or not isinstance(sequence_parallel_size, int) \
             or sequence_parallel_size < 1:
         raise ValueError(f"sequence_parallel_size={sequence_parallel_size!r} is invalid: use an integer >= 1")
+    if isinstance(tiled_mlp_tokens, bool) or not isinstance(tiled_mlp_tokens, int) or tiled_mlp_tokens < 0:
+        raise ValueError(f"tiled_mlp_tokens={tiled_mlp_tokens!r} is invalid: use the tokens per MLP tile (e.g. 8192), "
+                         "or 0 to leave the MLP untiled")
     if not getattr(model, "_is_accelerate_prepared", False):
         # several processes: the optimizer reduces gradients itself (sharded offload), so no DDP wrapper;
         # evaluation_mode is accelerate's switch for "device placement and autocast only". A built optimizer in
@@ -248,6 +255,10 @@ def prepare_superoffload(
         flow = isinstance(optimizer_or_kwargs, SuperOffloadOptimizer) and optimizer_or_kwargs.plan.weight_mode.value == "flow"
         model = accelerator.prepare_model(model, device_placement=False if flow else None, evaluation_mode=True)
     base = accelerator.unwrap_model(model)
+    if tiled_mlp_tokens:
+        from ..sequence_parallel import enable_tiled_mlp
+
+        enable_tiled_mlp(base, tile_tokens=tiled_mlp_tokens)
     if isinstance(optimizer_or_kwargs, SuperOffloadOptimizer):
         opt = optimizer_or_kwargs
         if opt.engine.device != _param_device(base):

@@ -100,6 +100,8 @@ class SuperOffloadArguments(TrainingArguments):
         superoffload_max_seq_len: The longest training sequence in tokens; when given, the GPU-resident share of
             the optimizer state is sized from the memory model for this batch shape (a planner ``Workload``).
         sequence_parallel_size: Ulysses sequence parallelism: ranks per sequence (1 = off).
+        tiled_mlp_tokens: Run each decoder layer's MLP this many tokens at a time, forward and backward (0 = off;
+            ``sequence_parallel.enable_tiled_mlp``, docs/long_context.md).
     """
 
     superoffload_bucket_size_mb: float = field(
@@ -185,12 +187,21 @@ class SuperOffloadArguments(TrainingArguments):
         default=1,
         metadata=_help("Ulysses sequence parallelism: how many ranks share each sequence (1 = off). Must divide "
                        "the number of processes and the model's attention heads; see docs/sequence_parallel.md."))
+    tiled_mlp_tokens: int = field(
+        default=0,
+        metadata=_help("Run every decoder layer's MLP this many tokens at a time, forward and backward (0 = off): "
+                       "bounds the MLP's activation memory to one tile for one more MLP forward per layer; for "
+                       "very long sequences, see docs/long_context.md."))
 
     def __post_init__(self) -> None:
         if isinstance(self.sequence_parallel_size, bool) or not isinstance(self.sequence_parallel_size, int) \
                 or self.sequence_parallel_size < 1:
             raise ValueError(f"SuperOffloadArguments.sequence_parallel_size={self.sequence_parallel_size!r} is "
                              "invalid: use an integer >= 1 (1 turns sequence parallelism off)")
+        t = self.tiled_mlp_tokens
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"SuperOffloadArguments.tiled_mlp_tokens={t!r} is invalid: use the tokens per MLP tile "
+                             "(e.g. 8192), or 0 to leave the MLP untiled")
         m = self.superoffload_max_seq_len
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
             raise ValueError(f"SuperOffloadArguments.superoffload_max_seq_len={m!r} is invalid: use the longest "

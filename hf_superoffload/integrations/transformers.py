@@ -91,7 +91,8 @@ def _workload_from_args(model: Any, args: Any) -> Any:
     sp = args.sequence_parallel_size
     ckpt = bool(getattr(args, "activation_checkpointing", False) or vars(args).get("gradient_checkpointing", False))
     return Workload(model.config, args.per_device_train_batch_size, args.superoffload_max_seq_len, ckpt,
-                    sequence_parallel=sp, loss_chunk_tokens=LOSS_CHUNK_TOKENS if sp > 1 else None)
+                    sequence_parallel=sp, loss_chunk_tokens=LOSS_CHUNK_TOKENS if sp > 1 else None,
+                    mlp_tile_tokens=args.tiled_mlp_tokens or None)
 
 
 class SuperOffloadTrainer(Trainer):
@@ -130,6 +131,10 @@ class SuperOffloadTrainer(Trainer):
             from ._sequence_parallel import setup_sequence_parallel
 
             self._sp_groups = setup_sequence_parallel(self.model, self.args.sequence_parallel_size)
+        if self.args.tiled_mlp_tokens:
+            from ..sequence_parallel import enable_tiled_mlp
+
+            enable_tiled_mlp(self.model, tile_tokens=self.args.tiled_mlp_tokens)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         if self._sp_groups is None:

@@ -29,6 +29,12 @@ Peak allocated bytes are the largest of three phases:
 Ulysses sequence parallelism over P ranks (``sequence_parallel``): every per-token activation is 1/P per GPU
 (attention holds all tokens of 1/P of the heads: the same bytes), plus one all-to-all input beside its output.
 
+Tiled MLP (``mlp_tile_tokens`` = t, sequence_parallel/tiled_mlp.py): the MLP saves only its input (already
+counted: the norm's output), so a layer saves ``A - 8f`` per token; its backward recomputes the 8f of one tile
+at a time: ``1.5 ((A - 8f) T + 8f min(t, T))``, plus the tiles' summed weight gradients (fp32, 4 B per MLP
+parameter) and one tile's own (2 B; 4 B with fp32 weights) when there is more than one tile. Modelled from the
+mechanism, not yet calibrated against a measurement.
+
 The GPU coefficients follow from this accounting; checked against ``torch.cuda.max_memory_allocated`` on the
 team's H200 box (torch 2.11, HF Llama, SDPA, bf16; GB = 1e9) they need no fitted scale:
 
@@ -159,6 +165,16 @@ class ModelShape:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return 16 * h + 4 * q + 4 * kv + 8 * self.intermediate_size + (10 * h if autocast else 0)
 
+    @property
+    def mlp_activation_bytes_per_token(self) -> int:
+        """The MLP's share of :meth:`layer_activation_bytes_per_token`: gate, up, act(gate) and their product."""
+        return 8 * self.intermediate_size
+
+    @property
+    def mlp_numel(self) -> int:
+        h, f = self.hidden_size, self.intermediate_size
+        return 3 * h * f + ((2 * f + h) if self.mlp_bias else 0)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanLike:
@@ -232,6 +248,7 @@ class MemoryEstimate:
     notes: tuple[str, ...] = field(default=())
     sequence_parallel: int = 1
     loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
 
     @property
     def gpu_peak_phase(self) -> str:
@@ -264,7 +281,7 @@ class MemoryEstimate:
 
 def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
              plan_like: PlanLike | None = None, sequence_parallel: int = 1,
-             loss_chunk_tokens: int | None = None) -> MemoryEstimate:
+             loss_chunk_tokens: int | None = None, mlp_tile_tokens: int | None = None) -> MemoryEstimate:
     """Predict the peak GPU and host memory of one training step (see [Note: memory model]).
 
     Args:
@@ -274,10 +291,14 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             activation (attention holds all tokens of ``1/sequence_parallel`` of the heads: the same bytes).
         loss_chunk_tokens: the LM head and loss run over chunks of this many tokens (the sequence-parallel loss
             does), so only one chunk of logits exists at a time; ``None``: HF's loss over all logits at once.
+        mlp_tile_tokens: every decoder layer's MLP runs this many tokens at a time (``enable_tiled_mlp``); ``None``:
+            untiled.
     """
     if batch_size < 1 or seq_len < 1 or sequence_parallel < 1:
         raise ValueError(f"batch_size, seq_len and sequence_parallel must be >= 1, got {batch_size}, {seq_len} "
                          f"and {sequence_parallel}")
+    if mlp_tile_tokens is not None and mlp_tile_tokens < 1:
+        raise ValueError(f"mlp_tile_tokens={mlp_tile_tokens}: use a positive number of tokens, or None (untiled)")
     s = ModelShape.from_config(model_config)
     p = plan_like or PlanLike.all_host(s.numel)
     n, tokens, h = s.numel, -(-batch_size * seq_len // sequence_parallel), s.hidden_size
@@ -299,7 +320,13 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
     else:  # the fwd+bwd probe's gradients persist
         resident["gradients"] = 2 * n
 
-    layer_act = s.layer_activation_bytes_per_token(autocast=autocast) * tokens
+    layer_act = s.layer_activation_bytes_per_token(autocast=autocast) * tokens  # what one layer saves
+    layer_bwd = int(1.5 * layer_act)  # one layer's recompute and activation gradients
+    tile_sums = 0
+    if mlp_tile_tokens is not None:  # the MLP saves nothing of its own; backward recomputes one tile at a time
+        layer_act -= s.mlp_activation_bytes_per_token * tokens
+        layer_bwd = int(1.5 * (layer_act + s.mlp_activation_bytes_per_token * min(mlp_tile_tokens, tokens)))
+        tile_sums = (4 + (4 if autocast else 2)) * s.mlp_numel if tokens > mlp_tile_tokens else 0
     loss = dict(resident, activations=s.num_layers * (tokens * h * (4 if autocast else 2) if grad_ckpt else layer_act))
     loss["final_norm"] = (14 if autocast else 8) * h * tokens
     loss["logits"] = LOGITS_BYTES_PER_ELEMENT * min(tokens, loss_chunk_tokens or tokens) * s.vocab_size
@@ -307,13 +334,17 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         loss["autocast_weight_copies"] = 2 * s.embedding_numel  # the LM head's bf16 copy, saved for backward
 
     # the last decoder layer's backward (its recompute and activation gradients), then the optimizer step
-    backward = dict(resident, activations=int(1.5 * layer_act))
+    backward = dict(resident, activations=layer_bwd)
     phases = {"loss": loss, "backward": backward}
     if grad_ckpt:
         # the first recomputed layer (the last one): every layer's checkpointed input is still alive. Negligible
         # next to the logits at short sequences; the peak at long ones (the logits are chunked or freed by then).
-        phases["backward_start"] = dict(resident, activations=int(1.5 * layer_act),
+        phases["backward_start"] = dict(resident, activations=layer_bwd,
                                         checkpoints=s.num_layers * tokens * h * (4 if autocast else 2))
+    if tile_sums:
+        for d in phases.values():
+            if d is not loss:
+                d["mlp_tile_grad_sums"] = tile_sums
     if sequence_parallel > 1:  # an all-to-all's input beside its output (q, k, v; KV heads replicated to P)
         kv = max(s.num_kv_heads, sequence_parallel)
         for d in phases.values():
@@ -347,7 +378,7 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         host["engine_overhead"] = int(ENGINE_HOST_BYTES_PER_PARAM * p.host_numel)
 
     return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {**phases, "step": step},
-                          host, untouched, tuple(notes), sequence_parallel, loss_chunk_tokens)
+                          host, untouched, tuple(notes), sequence_parallel, loss_chunk_tokens, mlp_tile_tokens)
 
 
 # ---------------------------------------------------------------------------------------------- fit checks
@@ -365,7 +396,8 @@ def fits(est: MemoryEstimate, profile: HardwareProfile) -> bool:
 
 def _again(est: MemoryEstimate, **changes: Any) -> MemoryEstimate:
     kw = dict(batch_size=est.batch_size, seq_len=est.seq_len, grad_ckpt=est.grad_ckpt, plan_like=est.plan_like,
-              sequence_parallel=est.sequence_parallel, loss_chunk_tokens=est.loss_chunk_tokens)
+              sequence_parallel=est.sequence_parallel, loss_chunk_tokens=est.loss_chunk_tokens,
+              mlp_tile_tokens=est.mlp_tile_tokens)
     return estimate(est.shape, **(kw | changes))
 
 

@@ -46,7 +46,8 @@ class Workload:
 
     Attributes:
         model: a transformers config, a dict of its fields, a preset name or a ``ModelShape``.
-        sequence_parallel, loss_chunk_tokens: see ``memory_model.estimate``.
+        sequence_parallel, loss_chunk_tokens, mlp_tile_tokens: see ``memory_model.estimate``
+            (``mlp_tile_tokens``: the tile of ``enable_tiled_mlp``; ``None``: untiled).
     """
 
     model: Any
@@ -55,6 +56,13 @@ class Workload:
     grad_ckpt: bool
     sequence_parallel: int = 1
     loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
+
+    def estimate_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``memory_model.estimate`` this workload fixes."""
+        return dict(batch_size=self.batch_size, seq_len=self.seq_len, grad_ckpt=self.grad_ckpt,
+                    sequence_parallel=self.sequence_parallel, loss_chunk_tokens=self.loss_chunk_tokens,
+                    mlp_tile_tokens=self.mlp_tile_tokens)
 
 
 # Without a workload, "auto" streams the weights when their bf16 copy alone would take more than this share of
@@ -147,9 +155,7 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
         tail = sum(shards[len(shards) - k :]) if k else 0
         plan_like = PlanLike(device_numel=tail, host_numel=total - tail, bucket_bytes=bucket_bytes,
                              weight_mode="flow" if weight_mode is WeightMode.FLOW else "stationary")
-        est = estimate(workload.model, batch_size=workload.batch_size, seq_len=workload.seq_len,
-                       grad_ckpt=workload.grad_ckpt, plan_like=plan_like, sequence_parallel=workload.sequence_parallel,
-                       loss_chunk_tokens=workload.loss_chunk_tokens)
+        est = estimate(workload.model, plan_like=plan_like, **workload.estimate_kwargs())
         return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
 
     if fits(n_tail):
@@ -194,9 +200,7 @@ def _weight_mode(numels: Sequence[int], bucket_bytes: int, config: SuperOffloadC
 
     def need(mode: str) -> int:
         plan_like = PlanLike(host_numel=total, weight_mode=mode, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
-        return estimate(workload.model, batch_size=workload.batch_size, seq_len=workload.seq_len,
-                        grad_ckpt=workload.grad_ckpt, plan_like=plan_like, sequence_parallel=workload.sequence_parallel,
-                        loss_chunk_tokens=workload.loss_chunk_tokens).gpu_required_bytes
+        return estimate(workload.model, plan_like=plan_like, **workload.estimate_kwargs()).gpu_required_bytes
 
     stationary = need("stationary")
     if stationary <= free:
@@ -258,6 +262,7 @@ def make_plan(
                                               weight_mode, largest)
             covered = sum(sum(numels[i] for i in g) for g in groups[len(groups) - n_tail :]) if n_tail else 0
             sp_note = (f", {workload.sequence_parallel} ranks per sequence" if workload.sequence_parallel > 1 else "")
+            sp_note += f", MLP tiles of {workload.mlp_tile_tokens} tokens" if workload.mlp_tile_tokens else ""
             tail_note = (f"device tail: {n_tail} bucket(s) = {covered / max(sum(numels), 1):.0%} of parameters (auto: "
                          f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
                          f"{sp_note}, {_DEVICE_MARGIN:.0%} of free device memory kept spare)")

@@ -11,6 +11,9 @@ Usage, one process per GPU (``torchrun``)::
     out = sp.causal_lm_loss(model, shard, groups)          # chunked LM head, loss / group token count
     out.loss.backward()                                    # SP ranks' gradients sum to the full-sequence one
 
+At 512k tokens and more, ``sp.enable_tiled_mlp(model, tile_tokens=8192)`` also runs each layer's MLP in tiles of
+tokens, forward and backward (see :mod:`.tiled_mlp`, docs/long_context.md).
+
 See docs/sequence_parallel.md.
 """
 
@@ -36,6 +39,7 @@ from .batch import IGNORE_INDEX, shard_batch, shift_labels
 from .groups import SequenceParallelGroups
 from .groups import init_sequence_parallel as _init_groups
 from .loss import SequenceParallelLoss, causal_lm_loss, chunked_cross_entropy, sequence_parallel_loss
+from .tiled_mlp import disable_tiled_mlp, enable_tiled_mlp, find_decoder_mlps
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -49,7 +53,10 @@ __all__ = [
     "causal_lm_loss",
     "check_heads",
     "chunked_cross_entropy",
+    "disable_tiled_mlp",
     "enable_sequence_parallel",
+    "enable_tiled_mlp",
+    "find_decoder_mlps",
     "init_sequence_parallel",
     "kv_replication",
     "register_ulysses_attention",

@@ -37,12 +37,14 @@ def _reference(batch: dict[str, torch.Tensor], **model_kw: Any) -> tuple[float, 
 
 
 def _sp_grads(groups: sp.SequenceParallelGroups, batch: dict[str, torch.Tensor], *, ckpt: bool = False,
-              chunk_size: int = 7, **model_kw: Any) -> tuple[float, float, dict[str, torch.Tensor]]:
+              chunk_size: int = 7, tile: int | None = None, **model_kw: Any) -> tuple[float, float, dict[str, torch.Tensor]]:
     model = tiny_llama(seed=0, dtype=torch.float32, attn_implementation="sdpa", **model_kw)
     sp.enable_sequence_parallel(model, groups)
     if ckpt:
         model.gradient_checkpointing_enable()
         model.train()
+    if tile is not None:
+        sp.enable_tiled_mlp(model, tile_tokens=tile)
     shard = sp.shard_batch(batch, groups)
     out = sp.causal_lm_loss(model, shard, groups, chunk_size=chunk_size)
     out.loss.backward()
@@ -64,9 +66,9 @@ def _compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> floa
 
 
 def _parity(groups: sp.SequenceParallelGroups, batch: dict[str, torch.Tensor], *, ckpt: bool = False,
-            **model_kw: Any) -> dict[str, Any]:
+            tile: int | None = None, **model_kw: Any) -> dict[str, Any]:
     ref_loss, ref_grads = _reference(batch, **model_kw)
-    loss, local, grads = _sp_grads(groups, batch, ckpt=ckpt, **model_kw)
+    loss, local, grads = _sp_grads(groups, batch, ckpt=ckpt, tile=tile, **model_kw)
     locals_ = [torch.zeros(()) for _ in range(groups.sp_size)]
     dist.all_gather(locals_, torch.tensor(local), group=groups.sp_group)
     return {"ref_loss": ref_loss, "sp_loss": loss, "sum_of_local_losses": float(sum(locals_)),
@@ -87,6 +89,10 @@ def case_uneven(groups):  # 15 tokens over 2 ranks: padded to 16
 
 def case_ckpt(groups):
     return _parity(groups, _batch(4, 1, 16), ckpt=True)
+
+
+def case_tiled(groups):  # tiled MLP (3 tokens per tile) + checkpointing, 2 x 15 tokens: 2 x 8 per rank, padded
+    return _parity(groups, _batch(6, 2, 15), ckpt=True, tile=3)
 
 
 def case_padmask(groups):  # right padding: row 1 has 11 real tokens of 16

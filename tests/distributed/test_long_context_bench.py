@@ -26,20 +26,32 @@ def _bench_module():
     return mod
 
 
-@pytest.mark.timeout(180)
-def test_long_context_rehearsal_two_ranks(tmp_path):
-    out = tmp_path / "lc.jsonl"
-    seq = 96
+SEQ = 96
+
+
+def _rehearse(out: Path, *extra: str) -> list[dict]:
+    """2 ranks, tiny fp32 model, 1 warmup + 2 steps of the SGD rehearsal optimizer; the JSON lines."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--seq-len", str(seq), "--optimizer", "sgd",
-           "--lr", "0.5", "--steps", "2", "--warmup", "1", "--chunk-size", "40", "--out", str(out)]
+           "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--seq-len", str(SEQ), "--optimizer", "sgd",
+           "--lr", "0.5", "--steps", "2", "--warmup", "1", "--chunk-size", "40", "--out", str(out), *extra]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=150)
     except subprocess.TimeoutExpired:
         pytest.fail("torchrun rehearsal hung")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def untiled_lines(tmp_path_factory) -> list[dict]:
+    return _rehearse(tmp_path_factory.mktemp("lc") / "lc.jsonl")
+
+
+@pytest.mark.timeout(180)
+def test_long_context_rehearsal_two_ranks(untiled_lines):
+    lines = untiled_lines
+    seq = SEQ
     steps = [x for x in lines if "step" in x]
     summary = [x for x in lines if x.get("summary")]
     assert [x["step"] for x in steps] == [0, 1, 2] and len(summary) == 1
@@ -47,6 +59,7 @@ def test_long_context_rehearsal_two_ranks(tmp_path):
         assert x["world"] == 2 and x["sp"] == 2 and x["dp"] == 1 and x["tokens"] == seq
         assert x["step_s"] > 0 and x["tokens_per_s"] > 0 and x["peak_host_rss_GB_max_rank"] > 0
         assert x["mfu"] is None  # no peak for CPU
+        assert x["tiled_mlp"] is None
     assert steps[2]["loss"] < steps[0]["loss"]
 
     bench = _bench_module()
@@ -58,6 +71,19 @@ def test_long_context_rehearsal_two_ranks(tmp_path):
     with torch.no_grad():
         ref = float(model(input_ids=ids, labels=ids).loss)
     assert abs(steps[0]["loss"] - ref) < 1e-3, (steps[0]["loss"], ref)
+
+
+@pytest.mark.timeout(180)
+def test_long_context_rehearsal_tiled_mlp(untiled_lines, tmp_path):
+    """``--tiled-mlp 7`` (48 tokens per rank: 7 tiles, the last one of 6): every step's loss equals the untiled
+    run's, so the updates (from the tiled gradients) were the same."""
+    lines = _rehearse(tmp_path / "lc.jsonl", "--tiled-mlp", "7")
+    steps = [x for x in lines if "step" in x]
+    ref = [x for x in untiled_lines if "step" in x]
+    assert [x["step"] for x in steps] == [0, 1, 2]
+    assert all(x["tiled_mlp"] == 7 for x in steps)
+    for a, b in zip(steps, ref, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 2e-4, (a["loss"], b["loss"])
 
 
 def test_parse_len_and_flops():

@@ -62,7 +62,8 @@ def _launch(tmp: Path, nproc: int, sp_size: int, cases: list[str], timeout: floa
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    return _launch(tmp_path_factory.mktemp("sp2"), 2, 2, ["a2a", "gqa", "kv1", "uneven", "ckpt", "padmask", "errors", "trainer_step"])
+    return _launch(tmp_path_factory.mktemp("sp2"), 2, 2, ["a2a", "gqa", "kv1", "uneven", "ckpt", "tiled", "padmask", "errors",
+                                                            "trainer_step"])
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +80,11 @@ def _assert_parity(res: dict[str, Any]) -> None:
 
 # ---- distributed -----------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("case", ["gqa", "kv1", "uneven", "ckpt", "padmask"])
+@pytest.mark.parametrize("case", ["gqa", "kv1", "uneven", "ckpt", "tiled", "padmask"])
 def test_two_rank_parity(two_ranks, case):
     """GQA (2 KV heads over 2 ranks), 1 KV head < P (replicated), 15 tokens (padded), gradient checkpointing,
-    right-padded attention_mask: loss and every parameter gradient (summed over the SP ranks) equal the
-    single-process whole-sequence ones."""
+    tiled MLP with checkpointing, right-padded attention_mask: loss and every parameter gradient (summed over
+    the SP ranks) equal the single-process whole-sequence ones."""
     for rank_res in two_ranks:
         _assert_parity(rank_res[case])
 

@@ -209,3 +209,49 @@ def test_sequence_parallel_divides_the_activations_and_chunking_the_logits():
     assert chunked.gpu_phases["loss"]["logits"] * 16 == one.gpu_phases["loss"]["logits"]
     with pytest.raises(ValueError, match="sequence_parallel"):
         estimate(shape, batch_size=1, seq_len=8, grad_ckpt=True, sequence_parallel=0)
+
+
+def test_tiled_mlp_keeps_one_tile_of_mlp_intermediates():
+    """``mlp_tile_tokens``: the layers save no MLP intermediates, the backward holds one tile's (8f bytes per token,
+    x1.5 with their gradients) and the fp32 sums of the MLP's weight gradients; 8B at 512k over 2 GPUs fits an
+    H200's memory tiled, not untiled (all optimizer state on the host)."""
+    s = ModelShape.from_config(L8)
+    h, f, layers = s.hidden_size, s.intermediate_size, s.num_layers
+    run = dict(batch_size=1, seq_len=524_288, grad_ckpt=True, sequence_parallel=2, loss_chunk_tokens=4096)
+    tokens, tile = 262_144, 8192
+    untiled = estimate(L8, **run)
+    tiled = estimate(L8, **run, mlp_tile_tokens=tile)
+    for phase in ("backward", "backward_start"):
+        saved = untiled.gpu_phases[phase]["activations"] - tiled.gpu_phases[phase]["activations"]
+        assert saved == pytest.approx(1.5 * 8 * f * (tokens - tile), abs=2)
+        assert tiled.gpu_phases[phase]["mlp_tile_grad_sums"] == 6 * 3 * h * f
+    assert tiled.gpu_phases["loss"] == untiled.gpu_phases["loss"]  # checkpointed: only layer inputs are saved
+    assert tiled.mlp_tile_tokens == tile
+    # 256k tokens per rank: 4 x 7.5 GB of [T, f] intermediates (x1.5) less one tile and the 1.1 GB of sums
+    assert (untiled.gpu_peak_bytes - tiled.gpu_peak_bytes) / 1e9 == pytest.approx(42.6, abs=0.1)
+    assert tiled.gpu_required_bytes < HardwareProfile.h200_pcie().device_free_bytes < untiled.gpu_required_bytes
+    # one tile (tile >= tokens): the untiled peak, no gradient sums
+    whole = estimate(L8, **run, mlp_tile_tokens=tokens)
+    assert whole.gpu_phases["backward_start"] == untiled.gpu_phases["backward_start"]
+    # without checkpointing the layers keep everything they save: the MLP's intermediates no more
+    short = dict(batch_size=1, seq_len=4096, grad_ckpt=False)
+    drop = (estimate(L8, **short).gpu_phases["loss"]["activations"]
+            - estimate(L8, **short, mlp_tile_tokens=512).gpu_phases["loss"]["activations"])
+    assert drop == layers * 8 * f * 4096
+    with pytest.raises(ValueError, match="mlp_tile_tokens=0"):
+        estimate(L8, **run, mlp_tile_tokens=0)
+
+
+def test_planner_workload_with_tiled_mlp_leaves_room_for_a_bigger_tail():
+    h200 = HardwareProfile.h200_pcie()
+    numels = arrival_numels(load_model_config("8b"))
+    cfg = SuperOffloadConfig(rollback="inverse")
+    from hf_superoffload.planning.planner import Workload
+
+    plans = [make_plan(numels, element_size=2, config=cfg, profile=h200, world_size=2, rank=0,
+                       local_world_size=2, local_rank=0,
+                       workload=Workload("8b", 1, 393_216, True, sequence_parallel=2, loss_chunk_tokens=4096,
+                                         mlp_tile_tokens=tile))
+             for tile in (None, 8192)]
+    assert plans[1].device_numel > plans[0].device_numel
+    assert "MLP tiles of 8192 tokens" in " ".join(plans[1].notes)

@@ -189,3 +189,16 @@ def test_sequence_parallel_reports_the_longest_sequence(capsys):
     assert "longest sequence that fits at batch 1:" in out
     rc, _, err = plan(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "8", "--sequence-parallel", "0")
     assert rc == EXIT_BAD_INPUT and "--sequence-parallel" in err
+
+
+def test_tiled_mlp_makes_512k_fit_on_two_h200(capsys):
+    """8B, 524,288 tokens over 2 H200 (the run the tiled MLP is for): refused untiled, fits with MLP tiles of 8192."""
+    argv = ("--model", "8b", "--batch-size", "1", "--seq-len", "524288", "--grad-ckpt", "--profile", "h200",
+            "--sequence-parallel", "2")
+    rc, untiled = plan_json(capsys, *argv)
+    assert rc == EXIT_DOES_NOT_FIT
+    rc, tiled = plan_json(capsys, *argv, "--tiled-mlp", "8192")
+    assert rc == EXIT_FITS, tiled["reason"]
+    assert tiled["longest_sequence"]["tokens"] >= 524_288 > untiled["longest_sequence"]["tokens"]
+    rc, _, err = plan(capsys, *argv, "--tiled-mlp", "-1")
+    assert rc == EXIT_BAD_INPUT and "--tiled-mlp" in err
