@@ -202,3 +202,27 @@ def test_tiled_mlp_makes_512k_fit_on_two_h200(capsys):
     assert tiled["longest_sequence"]["tokens"] >= 524_288 > untiled["longest_sequence"]["tokens"]
     rc, _, err = plan(capsys, *argv, "--tiled-mlp", "-1")
     assert rc == EXIT_BAD_INPUT and "--tiled-mlp" in err
+
+
+def test_sequence_parallel_step_time_is_one_ranks_share():
+    """Ulysses over P GPUs: each rank computes 1/P of every layer and the P ranks split the host's CPU Adam. The 8B
+    step at 262,144 tokens on two H200 was measured at 95.9 s (run 6); one rank's roofline must be near it, and
+    the tiled MLP adds exactly one MLP forward per layer."""
+    shape = ModelShape.from_config(dict(json.loads(Path(model("llama_3p6b")).read_text()), hidden_size=4096,
+                                        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                                        num_key_value_heads=8, vocab_size=128256))
+    profile = HardwareProfile.h200_pcie()
+    run = dict(batch_size=1, seq_len=262_144, grad_ckpt=True)
+    host = PlanLike.all_host(shape.numel)
+    one = predict_step_time(shape, host, profile, **run)
+    two = predict_step_time(shape, PlanLike.all_host(shape.numel // 2), profile, **run, sequence_parallel=2)
+    assert two.gpu_s == pytest.approx(one.gpu_s / 2)
+    assert two.gpu_s == pytest.approx(95.9, rel=0.1)
+    assert two.cpu_s == pytest.approx(one.cpu_s, rel=0.01)  # half the state at half the cores
+    tiled = predict_step_time(shape, PlanLike.all_host(shape.numel // 2), profile, **run, sequence_parallel=2,
+                              mlp_tile_tokens=8192)
+    mlp_forward = 2 * 3 * 4096 * 14336 * 32 * 262_144 / 2 / (profile.matmul_tflops * 1e12 * 0.6)
+    assert tiled.gpu_s == pytest.approx(two.gpu_s + mlp_forward)
+    one_tile = predict_step_time(shape, PlanLike.all_host(shape.numel // 2), profile, **run, sequence_parallel=2,
+                                 mlp_tile_tokens=131_072)  # a tile holds every token of the rank: no recompute
+    assert one_tile.gpu_s == pytest.approx(two.gpu_s)
