@@ -70,11 +70,14 @@ def _direction(e: dict[str, Any]) -> str:
 def summarize(events: list[dict[str, Any]], *, min_gap_us: float = 20.0) -> dict[str, Any]:
     """Per-step breakdown of ``events`` (see the module docstring). Steps are the ``ProfilerStep#N`` ranges;
     a trace without them is one step spanning every event."""
-    steps = sorted((e for e in events if str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    # CUDA traces mirror annotations on the GPU timeline as "gpu_user_annotation": only the CPU-side ones count
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation"
+                    and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
     annotations = [e for e in events if e.get("cat") == "user_annotation" and str(e["name"]).startswith(PREFIX)]
     main_tid = steps[0]["tid"] if steps else None
     if main_tid is None:
-        opt = [e for e in events if str(e.get("name", "")).startswith("Optimizer.step#")]
+        opt = [e for e in events if e.get("cat") == "user_annotation"
+               and str(e.get("name", "")).startswith("Optimizer.step#")]
         main_tid = opt[0]["tid"] if opt else None
     gpu = [e for e in events if e.get("cat") in _GPU_CATS]
     kernel_time: dict[Any, float] = defaultdict(float)

@@ -74,6 +74,15 @@ def test_synthetic_breakdown(ts):
     assert "wait_cpu 0.0" in text and "HtoD 0.005 GB" in text
 
 
+def test_gpu_mirrors_of_annotations_are_not_steps(ts):
+    """CUDA traces repeat every user annotation on the GPU timeline ("gpu_user_annotation")."""
+    ev = [*_synthetic(), _x("ProfilerStep#0", 5, 990, 7, cat="gpu_user_annotation", pid=0),
+          _x("superoffload::flush", 110, 40, 7, cat="gpu_user_annotation", pid=0)]
+    s = ts.summarize(ev, min_gap_us=10)
+    assert [x["step"] for x in s["steps"]] == ["ProfilerStep#0"] and s["main_thread"] == 10
+    assert s["steps"][0]["main"]["flush"] == 0.05 and s["steps"][0]["worker"]["busy_ms"] == 0.29
+
+
 def test_gap_inside_validate_and_min_gap(ts):
     ev = _synthetic()
     # a kernel ending at 410 leaves a gap 410-420 that starts inside validate (400-440)
