@@ -516,6 +516,8 @@ def _profile(system: str, step: Any, sync: Any, dev: Any, n_steps: int, trace_di
         experimental = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
     except (AttributeError, TypeError):
         experimental = None
+    step()  # the timed window ended with a drained pipeline: refill it, so each profiled step's forward overlaps
+    sync()  # the previous step's CPU pass as in the timed steps
     with profile(activities=activities, experimental_config=experimental) as prof:
         for i in range(n_steps):
             with torch.profiler.record_function(f"ProfilerStep#{i}"):  # one range per step, for trace_summary

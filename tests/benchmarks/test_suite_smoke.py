@@ -32,7 +32,7 @@ def suite_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("suite")
     cmd = [sys.executable, str(BENCH / "suite.py"), "--workload", "tiny", "--device", "cpu", "--systems", "gpu",
            "ours", "ours_host", "ds_zero2", "--steps", "2", "--warmup", "1", "--out", str(out),
-           "--commit", "c0ffee", "--timeout", "120"]
+           "--commit", "c0ffee", "--timeout", "120", "--profile", "--profile-steps", "2", "--profile-systems", "ours_host"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env, cwd=out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -139,6 +139,24 @@ def test_report_reference_when_gpu_only_ooms():
     assert "oom" in rows[1] and "139.1" in rows[1]
     assert rows[2].split("|")[4].strip() == "1.20"
     assert report.reference(big, big)[0] is None
+
+
+def test_profile_timeline(suite_run):
+    """--profile: the trace records the CPU worker's thread too, and the record carries the per-step timeline."""
+    out, _, records, _ = suite_run
+    by = {r["system"]: r for r in records}
+    assert "profile" not in by["ours"]  # only the systems asked for
+    prof = by["ours_host"]["profile"]
+    assert (out / prof["trace"]).is_file() and (out / prof["summary"]).is_file()
+    steps = prof["timeline"]["steps"]
+    assert [s["step"] for s in steps] == ["ProfilerStep#0", "ProfilerStep#1"]
+    for st in steps:
+        assert st["main"]["flush"] > 0 and "validate" in st["main"]
+        assert st["worker"]["busy_ms"] <= st["wall_ms"]
+    # step 0's CPU pass runs after its step() returned and before step 1's forward got its weights: inside the trace
+    # (which window holds which part depends on timing)
+    for key in ("cpu_adam", "upload"):
+        assert sum(st["worker"].get(key, 0.0) for st in steps) > 0, key
 
 
 def test_workload_shapes():
