@@ -72,10 +72,10 @@ class SuperOffloadConfig:
             RAM); ``"auto"``: fp32 when host RAM allows it, else landing.
         defer_moments: Deferred moment stores. A host bucket stepped once the verdict is known (speculation off or
             paused, clipping certain, a redo) writes only p and the bf16 weights on the critical path (20 instead
-            of 28 B/param of host traffic) and stores ``exp_avg``/``exp_avg_sq`` later, off the critical path (at
-            the bucket's next CPU task, during the next backward), bit for bit as the fused step would. Costs a
-            second gradient landing arena (+2 B/param pinned). ``"auto"``: on for a single process with stationary
-            weights and no host accumulation when host RAM allows it.
+            of 28 B/param of host traffic) and stores ``exp_avg``/``exp_avg_sq`` later, off the critical path (when
+            the worker is idle, during the rest of the forward and the backward), bit for bit as the fused step
+            would. Costs a second gradient landing arena (+2 B/param pinned). ``"auto"``: on for a single process
+            with stationary weights and no host accumulation when host RAM allows it.
             [Note: deferred moments] in docs/design.md.
     """
 

@@ -372,7 +372,7 @@ def make_plan(
 def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, accumulation: HostAccumulation,
                    world_size: int, host_numel: int, base: int, room: int | None) -> tuple[bool, str]:
     """Deferred moment stores ([Note: deferred moments] in docs/design.md): the CPU pass of a step whose verdict is
-    known skips the m/v stores (20 instead of 28 B/param); they are stored at the bucket's next CPU task. Costs a
+    known skips the m/v stores (20 instead of 28 B/param); the worker stores them when idle. Costs a
     second landing arena (the step's gradient must outlive the next step's D2H). ``base``: host bytes so far;
     ``room``: host bytes the arenas may take (``None``: unknown)."""
     extra = host_numel * 2  # the landing arena is in the model dtype with either cast side

@@ -18,8 +18,8 @@ Schedule of one optimizer step (see docs/design.md for the notes named here):
 4. Each host bucket, once final, is copied host to device on the H2D stream and scattered into its
    parameters; its ``ready`` flag and H2D event release the next forward of the layers that own it
    ([Note: stream ordering]). Device-tail buckets step on the compute stream right after validation.
-   With ``plan.defer_moments`` a pass whose verdict is known stores p and the bf16 weights only; the bucket's
-   moments are stored at its next CPU task or by a reader ([Note: deferred moments]).
+   With ``plan.defer_moments`` a pass whose verdict is known stores p and the bf16 weights only; the worker
+   stores the moments when it is idle, at the latest at the bucket's next CPU task ([Note: deferred moments]).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_fla
 from .accumulation import HostAccumulator
 from .bucket import BucketState, DeviceBucket, HostBucket
 from .collectives import ShardGroup
-from .cpu_worker import CpuWorker, WorkerError
+from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
 from .host_step import HostStepMixin, _StepContext
 from .sharding import DataParallelMixin, _add_stats_
@@ -70,7 +70,7 @@ class StepStats:
     """Seconds the CPU worker spent in Adam (incl. undo/redo) during this iteration: the critical passes."""
     commit_s: float = 0.0
     """Seconds spent storing deferred moments ([Note: deferred moments]) during this iteration (off the critical
-    path: at a bucket's next CPU task, or when a reader such as ``state_dict`` flushes them)."""
+    path: when the worker is idle, at a bucket's next CPU task, or when a reader such as ``state_dict`` needs them)."""
     wait_s: float = 0.0
     """Seconds the training thread blocked on buckets during this iteration (the GPU waiting for the CPU)."""
     iteration_s: float = 0.0
@@ -218,7 +218,6 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         # CPU cast -> a bf16 staging arena written by the Adam pass; GPU cast -> the fp32 master itself is the
         # (pinned) upload source, and the GPU casts: no staging arena (2 B/param less host RAM).
         self._cast_on_cpu = plan.cast_side is CastSide.CPU
-        link_dtype = self.dtype
         copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
         self._arenas: dict[str, HostBuffer] = {}
         for k in range(copies):
@@ -226,9 +225,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                                                     name=f"fp32 master (copy {k})")
             self._arenas[f"exp_avg{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg (copy {k})")
             self._arenas[f"exp_avg_sq{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg_sq (copy {k})")
-        self._arenas["landing"] = HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing")
+        self._arenas["landing"] = HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing")
         if plan.defer_moments:  # a deferred step's gradient outlives the next step's D2H ([Note: deferred moments])
-            self._arenas["landing1"] = HostBuffer(n_host, link_dtype, pin=pin, name="gradient landing (second)")
+            self._arenas["landing1"] = HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing (second)")
         if self._cast_on_cpu:
             self._arenas["staging"] = HostBuffer(n_host, self.dtype, pin=pin, name="weight staging")
         # weight flow + data parallel: staging holds this rank's shard only; the streamed weights need every
@@ -640,11 +639,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 self.consistent = False  # host buckets are being committed with this verdict: it cannot be undone
             raise
         if self._defer and self.commit_when_idle and verdict.kind is not StepVerdict.SKIP:
-            idle = len(self.buckets)  # after every finishing task and every task of the next backward
-            with contextlib.suppress(WorkerError):  # a failed worker: its error reaches the next interaction
-                for b in self.host_buckets:  # the next backward's arrival order: lm_head's first, embedding's last
-                    self._worker.submit(idle + b.index, f"moment commit of {b.describe()}",
-                                        lambda b=b: self._commit_moments(b))
+            self._queue_idle_commits()
         if verdict.kind is not StepVerdict.SKIP:
             self._cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             for b in self.buckets:

@@ -8,6 +8,7 @@ docs/design.md say why it works this way.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -19,6 +20,7 @@ import torch
 from .. import ops
 from ..triton_kernels import scatter_flat_
 from .bucket import HostBucket, MomentCommit
+from .cpu_worker import WorkerError
 from .validation import Hyper, StepVerdict, Verdict
 
 __all__ = ["HostStepMixin"]
@@ -196,10 +198,27 @@ class HostStepMixin:
         with self._lock:
             self._acc.commit_s += time.perf_counter() - t0
 
+    def _queue_idle_commits(self, k: int = 0) -> None:
+        """Store the pending moments of host buckets ``k``, ``k + 1``, ... one task at a time, at the lowest worker
+        priority (after every finishing task and every task of the next backward), in the next backward's arrival
+        order. Each task queues the next: ``step()`` submits one task, and a more urgent task never waits for more
+        than one bucket's commit. A failed worker: its error reaches the training thread at its next interaction."""
+        buckets = self.host_buckets
+        if k >= len(buckets):
+            return
+        b = buckets[k]
+
+        def task() -> None:
+            self._commit_moments(b)
+            self._queue_idle_commits(k + 1)
+
+        with contextlib.suppress(WorkerError):
+            self._worker.submit(len(self.buckets) + k, f"idle moment commit of {b.describe()}", task)
+
     def commit_moments(self) -> None:
         """Store every pending deferred moment (training thread): readers of the host state call it
         (:meth:`flat_state` does). Between steps it first waits for the worker's queued tasks, which may record
-        commits; the worker itself commits a bucket's moments at that bucket's next CPU task."""
+        commits; the worker itself commits them when idle, at the latest at the bucket's next CPU task."""
         if not self._defer:
             return
         if not self.step_in_progress and not self._worker.failed:
