@@ -122,13 +122,16 @@ def host_rss_gb() -> tuple[float, float]:
 
 
 # ---- one run (under torchrun) ---------------------------------------------------------------------
+def model_dims(name: str, layers: int | None = None) -> dict[str, int]:
+    """``MODELS[name]`` with ``layers`` (if given) as the decoder depth (the size search of the largest-model runs)."""
+    return dict(MODELS[name], **({"num_hidden_layers": layers} if layers else {}))
+
+
 def build_config(name: str, seq_len: int, layers: int | None = None) -> Any:
-    """The Llama-style config of ``--model`` (no download), rope theta 500k as Llama 3; ``layers`` overrides the
-    decoder depth (the size search of the largest-model runs)."""
+    """The Llama-style config of ``--model`` (no download), rope theta 500k as Llama 3 (see :func:`model_dims`)."""
     from transformers import LlamaConfig
 
-    dims = dict(MODELS[name], **({"num_hidden_layers": layers} if layers else {}))
-    return LlamaConfig(**dims, max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
+    return LlamaConfig(**model_dims(name, layers), max_position_embeddings=max(seq_len, 2048), tie_word_embeddings=False,
                        use_cache=False, rope_theta=500000.0)
 
 
@@ -190,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
     groups = sp.init_sequence_parallel(args.sp or world, device_type=dev_type, inner_attention=args.attn)
     dev = torch.device(dev_type, torch.cuda.current_device()) if dev_type == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    shape = dict(MODELS[args.model], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    shape = model_dims(args.model, args.layers)
     cfg = build_config(args.model, args.seq_len, layers=args.layers)
     sp.check_heads(cfg, groups.sp_size)  # fails before any memory is touched
 
