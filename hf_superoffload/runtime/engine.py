@@ -279,10 +279,10 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         # Per-bucket [sum of squares, non-finite count]; host buckets' rows are also copied to the host
         # with their gradients so the worker can refuse to speculate on a non-finite bucket.
         self._grad_stats = torch.zeros(len(self.buckets), 2, dtype=torch.float32, device=self.device)
-        self._grad_stats_host = (
-            HostBuffer(len(self.buckets) * 2, torch.float32, pin=pin, name="stats").tensor.view(-1, 2)
-            if self.streams.is_cuda else self._grad_stats
-        )
+        # The HostBuffer is kept: its page registration ends with it (a pageable row makes every flush's
+        # non-blocking copy synchronous).
+        self._grad_stats_buf = HostBuffer(len(self.buckets) * 2, torch.float32, pin=pin, name="gradient statistics")
+        self._grad_stats_host = self._grad_stats_buf.tensor.view(-1, 2) if self.streams.is_cuda else self._grad_stats
         with torch.no_grad():
             self._load_masters_from_params()
 

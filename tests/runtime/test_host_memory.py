@@ -1,0 +1,96 @@
+"""HostBuffer: exact size, page-locked on whole pages of its own, registered as long as the object lives; the
+engine's small pinned buffers really are pinned (a pageable destination makes a non-blocking D2H synchronous)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from hf_superoffload.runtime import host_memory
+from hf_superoffload.runtime.host_memory import HostBuffer
+
+
+class _FakeCudart:
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.calls: list[tuple[str, int, int]] = []
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.calls.append(("register", ptr, nbytes))
+        for p, n in self.registered.items():
+            if ptr < p + n and p < ptr + nbytes:
+                return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.calls.append(("unregister", ptr, 0))
+        return 0 if self.registered.pop(ptr, None) is not None else 713
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch: pytest.MonkeyPatch) -> _FakeCudart:
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    return fake
+
+
+@pytest.mark.parametrize("numel", [1, 3, 452, 1023, 1024, 4097, 300_001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pinned_buffer_registers_whole_pages_of_its_own(fake_cudart: _FakeCudart, numel: int,
+                                                         dtype: torch.dtype) -> None:
+    page = host_memory._PAGE
+    bufs = [HostBuffer(numel, dtype, pin=True, name=f"b{i}") for i in range(3)]  # neighbours on the heap
+    for buf in bufs:
+        t = buf.tensor
+        assert buf.pinned and t.dtype == dtype and t.shape == (numel,) and t.is_contiguous()
+        assert buf.nbytes == numel * t.element_size()
+        start = t.data_ptr()
+        assert start % page == 0
+        assert fake_cudart.registered[start] >= buf.nbytes and fake_cudart.registered[start] % page == 0
+        t.fill_(1)  # the whole range is usable memory
+    assert len(fake_cudart.registered) == 3  # no page shared: no registration refused
+
+
+def test_registration_ends_with_the_buffer_object(fake_cudart: _FakeCudart) -> None:
+    buf = HostBuffer(100, torch.float32, pin=True, name="stats")
+    ptr = buf.tensor.data_ptr()
+    keep = buf.tensor.view(-1, 2)  # what a user of the rows holds
+    assert ptr in fake_cudart.registered
+    del buf
+    gc.collect()
+    assert ptr not in fake_cudart.registered  # so the owner must be kept: the engine keeps it (next test)
+    assert keep.shape == (50, 2)
+
+
+def test_unpinned_buffer_is_plain_exact_memory() -> None:
+    buf = HostBuffer(7, torch.bfloat16, pin=False, name="x")
+    assert not buf.pinned and buf.tensor.shape == (7,) and buf.tensor.dtype == torch.bfloat16
+    assert HostBuffer(0, torch.float32, pin=True, name="empty").tensor.numel() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_engine_statistics_copy_does_not_block_the_host() -> None:
+    """A non-blocking D2H into the engine's statistics rows returns before the stream gets there."""
+    from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+    from hf_superoffload.testing import tiny_llama
+
+    model = tiny_llama().to("cuda", torch.bfloat16)
+    opt = SuperOffloadOptimizer(model, lr=1e-3, config=SuperOffloadConfig(gpu_resident_buckets=0))
+    try:
+        rows = opt.engine._grad_stats_host
+        assert rows.is_pinned()
+        src = torch.ones(2, device="cuda")
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the copy
+            rows[0].copy_(src, non_blocking=True)
+            done = stream.record_event()
+        assert not done.query(), "the copy waited for the stream: its destination is pageable"
+        done.synchronize()
+        assert rows[0].tolist() == [1.0, 1.0]
+    finally:
+        opt.close()
