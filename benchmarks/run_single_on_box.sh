@@ -3,7 +3,7 @@
 #
 #   PARTS="tests weightflow soak largest" bash benchmarks/run_single_on_box.sh
 #
-# Environment (optional): PARTS; WF_ACCUM (8), WF_BATCHES ("4,2"); SOAK_STEPS (500), SOAK_BATCH (1),
+# Environment (optional): PARTS; WF_ACCUM (8), WF_BATCHES ("4,2"), WF_PROFILE=1 (one profiled step); SOAK_STEPS (500), SOAK_BATCH (1),
 # SOAK_FRACTION (0.35); LARGEST_MODEL (14b), LARGEST_LAYERS (preset), LARGEST_BATCH (4), LARGEST_CLIP (1.0),
 # LARGEST_ARGS (more long_context.py options, e.g. "--grad-accum 4 --accumulate-on-host"). A part may repeat:
 # "largest:2" runs it again with LARGEST_ARGS2 as its extra options.
@@ -25,7 +25,7 @@ for part in ${PARTS:-tests weightflow soak largest}; do
       stamp tests $?; tail -3 "$OUT/tests.txt" ;;
     weightflow)
       timeout ${WF_TIMEOUT:-200} python3 benchmarks/weight_flow_24g.py --grad-accum ${WF_ACCUM:-8} \
-        --batch-sizes ${WF_BATCHES:-4,2} --steps ${WF_STEPS:-2} --warmup 1 --loss-chunk ${WF_CHUNK:-4096} --out "$OUT/weight_flow_24g.json" \
+        --batch-sizes ${WF_BATCHES:-4,2} --steps ${WF_STEPS:-2} --warmup 1 --loss-chunk ${WF_CHUNK:-4096} --out "$OUT/weight_flow_24g.json" ${WF_PROFILE:+--profile-dir "$OUT/wf_trace"} \
         > "$OUT/weight_flow.log" 2>&1
       stamp weightflow $?; tail -c 1500 "$OUT/weight_flow_24g.json" 2>/dev/null || tail -5 "$OUT/weight_flow.log" ;;
     soak)

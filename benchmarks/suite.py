@@ -18,6 +18,7 @@ Systems:
   ours_noclip      ours_host with max_grad_norm=None (speculation commits every step)
   ours_host_nodefer ours_host with defer_moments=False (ablation of deferred moment stores, on in ours_host by
                    the planner's auto choice when host RAM allows a second landing arena)
+  ours_host_lead4 / ours_host_lead8   ours_host with d2h_lead_buckets=4 / 8 ([Note: D2H lead] in docs/design.md)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -54,7 +55,8 @@ from typing import Any
 __all__ = ["ALL_SYSTEMS", "WORKLOADS", "Workload", "main"]
 
 SCHEMA = "hf_superoffload.suite/1"
-OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer")
+OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
+        "ours_host_lead4", "ours_host_lead8")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -66,6 +68,8 @@ LABELS = {
     "ours_noclip": "hf_superoffload, host, no clipping",
     "ours_flow": "hf_superoffload, weight flow",
     "ours_host_nodefer": "hf_superoffload, host, moments stored in the critical pass",
+    "ours_host_lead4": "hf_superoffload, host, D2H lead 4 buckets",
+    "ours_host_lead8": "hf_superoffload, host, D2H lead 8 buckets",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -287,10 +291,13 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
 
     kw = dict(extra)
     info: dict[str, Any] = {}
-    if system in ("ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_host_nodefer"):
+    if system in ("ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_host_nodefer", "ours_host_lead4",
+                  "ours_host_lead8"):
         kw["gpu_resident_buckets"] = 0
     if system == "ours_host_nodefer":
         kw["defer_moments"] = False
+    if system.startswith("ours_host_lead"):
+        kw["d2h_lead_buckets"] = int(system.removeprefix("ours_host_lead"))
     if system == "ours_nospec":
         kw["speculation"] = False
     if system == "ours_flow":

@@ -1,6 +1,6 @@
 """Where a profiled step's time goes: a per-step breakdown of a ``torch.profiler`` Chrome trace.
 
-    python benchmarks/trace_summary.py TRACE.json[.gz] [--json OUT.json] [--min-gap-us 20]
+    python benchmarks/trace_summary.py TRACE.json[.gz] [--json OUT.json] [--min-gap-us 20] [--bins 50]
 
 The suite's ``--profile`` writes such traces (one ``ProfilerStep#N`` range per step, every thread recorded) and
 stores this summary in its record. Per step it reports:
@@ -14,7 +14,12 @@ stores this summary in its record. Per step it reports:
 - ``gpu`` (CUDA traces): busy time per stream (kernels and copies), copy bytes and bandwidth per direction, and
   the compute stream's idle time split by what the training thread was doing when the stream went idle
   (the innermost ``superoffload::*`` range open at that moment, ``optimizer_step`` for the rest of
-  ``Optimizer.step``, or ``python`` when none was open).
+  ``Optimizer.step``, or ``python`` when none was open), and ``pageable_copies``: copies CUPTI saw to or from
+  pageable host memory (each one is synchronous for the thread that issued it; the engine should have none).
+
+``--bins MS`` also prints the last step as a timeline: per bin, the percentage of it during which the compute
+stream ran a kernel, each copy direction ran, and each ``superoffload::*`` range was open (training-thread ranges
+prefixed ``main.``, summed over threads: nested ranges or parallel threads can exceed 100).
 
 The compute stream is the stream with the most kernel time. Only the standard library is used.
 """
@@ -29,7 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_events", "main", "summarize"]
+__all__ = ["load_events", "main", "summarize", "timeline"]
 
 PREFIX = "superoffload::"
 _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -156,7 +161,10 @@ def _gpu_step(gpu: list[dict[str, Any]], compute: Any, lo: float, hi: float, min
             d = _direction(e)
             copy_bytes[d] += float((e.get("args") or {}).get("bytes", 0) or 0)
             copy_us[d] += e["dur"]
+    pageable = sum(1 for e in gpu if e["cat"] == "gpu_memcpy" and "Pageable" in e.get("name", "")
+                   and lo <= e["ts"] < hi)
     res: dict[str, Any] = {
+        "pageable_copies": pageable,
         "busy_ms_per_stream": {f"{k[0]}/{k[1]}": round(_union_ms(v), 2) for k, v in sorted(
             per_stream.items(), key=lambda kv: str(kv[0]))},
         "copies": {d: {"GB": round(copy_bytes[d] / 1e9, 3), "ms": round(copy_us[d] / 1e3, 2),
@@ -179,6 +187,54 @@ def _gpu_step(gpu: list[dict[str, Any]], compute: Any, lo: float, hi: float, min
     return res
 
 
+def timeline(events: list[dict[str, Any]], *, bin_ms: float = 50.0) -> dict[str, Any]:
+    """The last ``ProfilerStep#N`` (or the whole trace) in bins of ``bin_ms``: per column, the percentage of each
+    bin covered (kernels on the compute stream, copies per direction, ``superoffload::*`` ranges per name)."""
+    summary_steps = sorted((e for e in events if e.get("cat") == "user_annotation"
+                            and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    if summary_steps:
+        lo, hi, main_tid = summary_steps[-1]["ts"], summary_steps[-1]["ts"] + summary_steps[-1]["dur"], summary_steps[-1]["tid"]
+    else:
+        lo, hi, main_tid = min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events), None
+    width = bin_ms * 1e3
+    n = max(1, int((hi - lo) // width) + (1 if (hi - lo) % width else 0))
+    kernel_time: dict[Any, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") == "kernel":
+            kernel_time[(e.get("pid"), e.get("tid"))] += e["dur"]
+    compute = max(kernel_time, key=kernel_time.__getitem__) if kernel_time else None
+    cols: dict[str, list[float]] = {}
+
+    def add(col: str, s: float, en: float) -> None:
+        row = cols.setdefault(col, [0.0] * n)
+        s, en = max(s, lo), min(en, hi)
+        while s < en:
+            i = min(int((s - lo) // width), n - 1)
+            cut = min(en, lo + (i + 1) * width)
+            row[i] += cut - s
+            s = cut
+
+    for e in events:
+        cat, name = e.get("cat"), str(e.get("name", ""))
+        s, en = e["ts"], e["ts"] + e["dur"]
+        if en <= lo or s >= hi:
+            continue
+        if cat == "kernel" and (e.get("pid"), e.get("tid")) == compute:
+            add("gpu", s, en)
+        elif cat == "gpu_memcpy" and _direction(e) in ("DtoH", "HtoD"):
+            add(_direction(e).lower(), s, en)
+        elif cat == "user_annotation" and name.startswith(PREFIX):
+            add(("main." if e.get("tid") == main_tid else "") + name[len(PREFIX):], s, en)
+    order = [c for c in ("gpu", "dtoh", "htod") if c in cols] + sorted(c for c in cols if c not in ("gpu", "dtoh", "htod"))
+    return {"bin_ms": bin_ms, "columns": order,
+            "rows": [[round(i * bin_ms, 1)] + [round(100 * cols[c][i] / width) for c in order] for i in range(n)]}
+
+
+def format_timeline(tl: dict[str, Any]) -> str:
+    head = "  t_ms " + " ".join(f"{c[:12]:>12}" for c in tl["columns"])
+    return "\n".join([head] + [f"{r[0]:6.0f} " + " ".join(f"{v:12d}" for v in r[1:]) for r in tl["rows"]])
+
+
 def format_text(summary: dict[str, Any]) -> str:
     lines = []
     for st in summary["steps"]:
@@ -191,7 +247,8 @@ def format_text(summary: dict[str, Any]) -> str:
                 lines.append(f"  gpu    compute busy {g['compute_busy_ms']:.1f}, idle {g['compute_idle_total_ms']:.1f}: "
                              + ", ".join(f"{k} {v:.1f}" for k, v in g["compute_idle_ms"].items()))
             lines.append("  copies " + ", ".join(f"{d} {c['GB']} GB in {c['ms']} ms ({c['GB_per_s']} GB/s)"
-                                                 for d, c in g["copies"].items()))
+                                                 for d, c in g["copies"].items())
+                         + (f"; {g['pageable_copies']} to/from PAGEABLE memory" if g.get("pageable_copies") else ""))
     return "\n".join(lines)
 
 
@@ -200,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--min-gap-us", type=float, default=20.0, help="compute-stream gaps shorter than this are ignored")
+    ap.add_argument("--bins", type=float, default=None, metavar="MS", help="also print the last step as a timeline")
     args = ap.parse_args(argv)
-    summary = summarize(load_events(args.trace), min_gap_us=args.min_gap_us)
+    events = load_events(args.trace)
+    summary = summarize(events, min_gap_us=args.min_gap_us)
     print(format_text(summary))
+    if args.bins:
+        print(format_timeline(timeline(events, bin_ms=args.bins)))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0

@@ -71,6 +71,9 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rollback", default="inverse")
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--timeout-s", type=float, default=420.0, help="per child process")
+    p.add_argument("--profile-dir", default=None,
+                   help="after the timed steps, profile one more step (every thread) into this directory: a gzipped "
+                        "Chrome trace, top ops, and the trace_summary breakdown in the result's 'profile'")
     p.add_argument("--child-batch", type=int, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -156,6 +159,15 @@ def child(a: argparse.Namespace) -> dict:
         stats.append({"cpu_s": round(st.cpu_s, 3), "wait_s": round(st.wait_s, 3), "verdict": st.verdict,
                       "norm": round(st.grad_norm, 3), "h2d_GB": round(st.h2d_bytes / 1e9, 2),
                       "d2h_GB": round(st.d2h_bytes / 1e9, 2), "overlap": round(st.overlap, 3)})
+    profile = None
+    if a.profile_dir:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("suite", Path(__file__).with_name("suite.py"))
+        suite = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules["suite"] = suite  # its dataclasses look their module up
+        spec.loader.exec_module(suite)  # type: ignore[union-attr]
+        profile = suite._profile("weight_flow", step, sync, dev, 1, Path(a.profile_dir), f"weight_flow_b{bs}")
     opt.synchronize()
     sync()
     dt = sorted(times)[len(times) // 2]
@@ -176,7 +188,7 @@ def child(a: argparse.Namespace) -> dict:
         "flow": {"units": len(flow.units), "peak_units": flow.stats.peak_units,
                  "peak_weights_GiB": round(flow.stats.peak_bytes / GiB, 3),
                  "h2d_GB_per_step": round(flow.stats.h2d_bytes / 1e9 / max(1, a.warmup + a.steps), 2)},
-        "offload_stats": stats, "torch": torch.__version__,
+        "offload_stats": stats, "torch": torch.__version__, "profile": profile,
     }
     return out
 

@@ -77,6 +77,12 @@ class SuperOffloadConfig:
             would. Costs a second gradient landing arena (+2 B/param pinned). ``"auto"``: on for a single process
             with stationary weights and no host accumulation when host RAM allows it.
             [Note: deferred moments] in docs/design.md.
+        d2h_lead_buckets: How many host buckets' gradient copies may still be in flight when the backward hands
+            over the next one (a rate limiter, like FSDP's ``limit_all_gathers``). ``0``: each bucket's hook waits
+            for its own copy, so the worker always finds its gradients on the host, but the GPU queue drains at
+            every bucket (measured: GPU 78% busy in the 3.6B all-host backward). ``k > 0``: the backward runs
+            ahead by up to ``k`` copies (k flattened gradient buckets of device memory in flight) and the worker
+            takes its tasks in arrival order until the verdict. [Note: D2H lead] in docs/design.md.
     """
 
     bucket_size_mb: float = 32.0
@@ -96,6 +102,7 @@ class SuperOffloadConfig:
     accumulate_on_host: bool | Literal["auto"] = "auto"
     host_accumulation_dtype: AccumulationDtype = "auto"
     defer_moments: bool | Literal["auto"] = "auto"
+    d2h_lead_buckets: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, fix: str) -> ValueError:
@@ -131,6 +138,8 @@ class SuperOffloadConfig:
             raise bad("host_accumulation_dtype", self.host_accumulation_dtype, "use 'auto', 'fp32' or 'landing'")
         if not (isinstance(self.defer_moments, bool) or self.defer_moments == "auto"):
             raise bad("defer_moments", self.defer_moments, "use True, False or 'auto'")
+        if isinstance(self.d2h_lead_buckets, bool) or not isinstance(self.d2h_lead_buckets, int) or self.d2h_lead_buckets < 0:
+            raise bad("d2h_lead_buckets", self.d2h_lead_buckets, "use an integer >= 0 (0: no lead)")
 
     def replace(self, **changes: Any) -> SuperOffloadConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -176,6 +176,10 @@ class SuperOffloadArguments(TrainingArguments):
                        "speculation, clipping certain, a redo) writes p and the bf16 weights only and stores the Adam "
                        "moments later, off the critical path (+2 B/param pinned host RAM); 'auto': the planner "
                        "decides."))
+    superoffload_d2h_lead_buckets: int = field(
+        default=_D.d2h_lead_buckets,
+        metadata=_help("SuperOffload: how many host buckets' gradient copies the backward may run ahead of (0: each "
+                       "bucket's hook waits for its own copy); see [Note: D2H lead] in docs/design.md."))
     superoffload_max_seq_len: int | None = field(
         default=None,
         metadata=_help("SuperOffload: the longest sequence (tokens) a training batch holds. When given, the planner "

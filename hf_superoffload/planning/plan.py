@@ -107,6 +107,7 @@ class OffloadPlan:
         host_accumulation: where gradient accumulation sums the host buckets' gradients.
         defer_moments: a host bucket stepped with the verdict known stores its moments later, off the critical
             path; the landing arena is doubled ([Note: deferred moments] in docs/design.md).
+        d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -125,6 +126,7 @@ class OffloadPlan:
     cpu_affinity: tuple[int, ...] | None = None
     host_accumulation: HostAccumulation = HostAccumulation.OFF
     defer_moments: bool = False
+    d2h_lead_buckets: int = 0
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:

@@ -366,6 +366,7 @@ def make_plan(
         cpu_affinity=affinity,
         host_accumulation=accumulation,
         defer_moments=defer,
+        d2h_lead_buckets=config.d2h_lead_buckets,
     )
 
 

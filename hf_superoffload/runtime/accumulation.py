@@ -33,8 +33,8 @@ from .streams import Handoff
 
 __all__ = ["ADD_PRIORITY", "HostAccumulator"]
 
-ADD_PRIORITY = -1
-"""Worker priority of the adds: before any CPU Adam task (those use the forward-need order, >= 0)."""
+ADD_PRIORITY = -(2**61)
+"""Worker priority of the adds: before any other task (a bucket's CPU Adam task waits for its boundary add)."""
 
 
 @dataclass(eq=False, slots=True)

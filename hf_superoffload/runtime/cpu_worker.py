@@ -8,6 +8,7 @@ training thread at its next interaction; ``on_error`` wakes every waiter at once
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import os
 import queue
@@ -30,6 +31,7 @@ class _Task:
     seq: int
     what: str = field(compare=False)
     fn: Callable[[], None] | None = field(compare=False)
+    tag: object = field(compare=False, default=None)
 
 
 class CpuWorker:
@@ -50,13 +52,28 @@ class CpuWorker:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, priority: int, what: str, fn: Callable[[], None]) -> None:
+    def submit(self, priority: int, what: str, fn: Callable[[], None], *, tag: object = None) -> None:
+        """Queue ``fn``; ``tag`` (any object) lets :meth:`reprioritize` find the task while it waits."""
         self.raise_if_failed()
         if self._closed:
             raise WorkerError("the CPU worker is closed; build a new optimizer")
         with self._cond:
             self._outstanding += 1
-        self._queue.put(_Task(priority, next(self._seq), what, fn))
+        self._queue.put(_Task(priority, next(self._seq), what, fn, tag))
+
+    def reprioritize(self, new_priority: Callable[[object], int | None]) -> int:
+        """Give every waiting task whose tag maps to a priority (``new_priority(tag)`` not ``None``) that
+        priority; the order among equal priorities stays the submission order. Returns how many changed."""
+        changed = 0
+        q = self._queue
+        with q.mutex:
+            for task in q.queue:
+                if task.tag is not None and (p := new_priority(task.tag)) is not None and p != task.priority:
+                    task.priority = p
+                    changed += 1
+            if changed:
+                heapq.heapify(q.queue)
+        return changed
 
     def raise_if_failed(self) -> None:
         if self._error is not None:

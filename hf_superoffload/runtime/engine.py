@@ -24,6 +24,7 @@ Schedule of one optimizer step (see docs/design.md for the notes named here):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -319,6 +320,8 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 ordered = sorted(own, key=lambda b: b.index)
                 self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(ordered)))
         self._unwaited: set[int] = set()
+        self._d2h_in_flight: collections.deque[Handoff] = collections.deque()
+        """Host buckets' gradient copies issued by the backward and not waited for yet ([Note: D2H lead])."""
 
     def _make_grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -474,14 +477,16 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                     d2h = self._offload_grads(b, grads, None, dest)
                     self._accum.submit(b, d2h, slot, [g is not None for g in grads], final=True)
                     b.grad = self._accum.grad(b)
-                else:
+                else:  # (host accumulation: the ring's slots bound the copies in flight)
                     d2h = self._offload_grads(b, grads, stats_row, b.next_landing())
                     b.grad = b.landing
+                    self._limit_d2h_lead(d2h)
                 b.accumulated = bool(summed)
                 b.to_offloaded(runs, d2h)
                 self._unwaited.add(b.index)
                 self._acc.d2h_bytes += b.landing.numel() * b.landing.element_size()
-                self._worker.submit(self._need_order(b), f"CPU Adam of {b.describe()}", lambda: self._run_host(b, ctx))
+                self._worker.submit(self._task_order(b), f"CPU Adam of {b.describe()}", lambda: self._run_host(b, ctx),
+                                    tag=b)
         for p in b.params:
             p.grad = None
 
@@ -528,6 +533,24 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
     def _need_order(self, b: HostBucket | DeviceBucket) -> int:
         """Priority: the next forward needs the last-arriving bucket first."""
         return len(self.buckets) - 1 - b.index
+
+    def _task_order(self, b: HostBucket) -> int:
+        """Priority of a bucket's first CPU task, queued by the backward ([Note: D2H lead]). With no lead its
+        gradients are on the host when it is queued: the forward-need order. With a lead the newest bucket's copy
+        may still be in flight: arrival order (the oldest copy is the likeliest done), ahead of every finishing
+        task; ``step()`` puts the ones still waiting back in need order once the verdict is known."""
+        if self.plan.d2h_lead_buckets == 0:
+            return self._need_order(b)
+        return b.index - len(self.buckets)
+
+    def _limit_d2h_lead(self, d2h: Handoff) -> None:
+        """The rate limiter of [Note: D2H lead]: at most ``plan.d2h_lead_buckets`` copies stay in flight past the
+        backward; the hook waits for the oldest one beyond that (the GPU keeps the work queued behind it)."""
+        if d2h.event is None:
+            return
+        self._d2h_in_flight.append(d2h)
+        while len(self._d2h_in_flight) > self.plan.d2h_lead_buckets:
+            self._d2h_in_flight.popleft().wait_host()
 
     def _wake_all(self) -> None:
         if self._accum is not None:
@@ -623,6 +646,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             self._worker.raise_if_failed()
             raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
         pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
+        self._d2h_in_flight.clear()  # the backward is over: nothing left to hold back (the worker waits per copy)
+        if self.plan.d2h_lead_buckets:  # first tasks still waiting: the next forward's need order from now on
+            self._worker.reprioritize(lambda b: self._need_order(b) if isinstance(b, HostBucket) else None)
         try:
             for b in pending:
                 self._worker.submit(self._need_order(b), f"finishing {b.describe()}",
@@ -696,6 +722,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         """
         if self._ctx is None:
             return
+        self._d2h_in_flight.clear()
         if self._ctx.verdict is not None:
             # step() already published its verdict and queued the buckets with it: let them finish, undo nothing
             # (step() marked the engine inconsistent unless the verdict was SKIP)

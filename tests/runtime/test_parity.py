@@ -111,6 +111,17 @@ def test_parity_30_steps(rollback, speculation, tail):
     assert_parity(*res)
 
 
+@pytest.mark.parametrize("speculation", [True, False])
+def test_parity_with_d2h_lead(speculation):
+    """A D2H lead: the backward's tasks run in arrival order until the verdict, then in need order (the limiter
+    itself only acts on CUDA copies); clipping near the threshold mixes speculated, redone and deferred buckets."""
+    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=1, speculation=speculation, d2h_lead_buckets=3,
+                             max_redo_rate=1.0)
+    res = run_pair(config=cfg, max_grad_norm=1.2)
+    assert res[2].plan.d2h_lead_buckets == 3
+    assert_parity(*res)
+
+
 @pytest.mark.parametrize("cast_side", ["cpu", "gpu"])
 def test_cast_side_parity(cast_side, device):
     """bf16 over the link with the cast fused in the CPU Adam, or the fp32 master up with the GPU cast (gradients
@@ -218,8 +229,8 @@ def test_fp32_model_is_converted_with_exact_masters():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("delay", ["none", "compute_before_flush", "h2d_before_scatter", "slow_cpu"])
-@pytest.mark.parametrize("tail,cast_side", [(0, "cpu"), (2, "cpu"), (0, "gpu")])
-def test_cuda_parity_with_injected_delays(delay, tail, cast_side, monkeypatch):
+@pytest.mark.parametrize("tail,cast_side,lead", [(0, "cpu", 0), (2, "cpu", 0), (0, "gpu", 0), (0, "cpu", 3)])
+def test_cuda_parity_with_injected_delays(delay, tail, cast_side, lead, monkeypatch):
     """On CUDA, stalls injected before each stage must not change results: every wait is in place."""
     import time
 
@@ -251,7 +262,7 @@ def test_cuda_parity_with_injected_delays(delay, tail, cast_side, monkeypatch):
             return real_step(*a, **k)
 
         monkeypatch.setattr(ops, "cpu_adamw_step_", slow_step)
-    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=tail, cast_side=cast_side)
+    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=tail, cast_side=cast_side, d2h_lead_buckets=lead)
     res = run_pair(config=cfg, device="cuda", steps=12)
     assert_parity(*res)
     assert res[2].engine.plan.pin_memory

@@ -32,6 +32,8 @@ def profile(**kw):
         ("worker_timeout_s", 0, "positive"),
         ("redo_window", 0, ">= 1"),
         ("device_memory_fraction", 0.95, r"\[0, 0.9\]"),
+        ("d2h_lead_buckets", -1, "integer >= 0"),
+        ("d2h_lead_buckets", True, "integer >= 0"),
     ],
 )
 def test_config_rejects_bad_values_with_the_fix(field, value, match):

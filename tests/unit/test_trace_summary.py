@@ -140,3 +140,28 @@ def test_real_cpu_trace_records_the_worker_thread(ts, tmp_path):
         assert st["worker"]["cpu_adam"] > 0 and st["worker"]["upload"] > 0, st
         assert st["worker"]["busy_ms"] <= st["wall_ms"]
     assert json.loads(json.dumps(s)) == s
+
+
+def test_timeline_bins_and_pageable_copies(ts):
+    ev = [*_synthetic(), _x("Memcpy DtoH (Device -> Pageable)", 800, 1, 21, cat="gpu_memcpy", pid=0, bytes=8)]
+    s = ts.summarize(ev, min_gap_us=10)
+    assert s["steps"][0]["gpu"]["pageable_copies"] == 1
+    assert ts.summarize(_synthetic())["steps"][0]["gpu"]["pageable_copies"] == 0
+    tl = ts.timeline(ev, bin_ms=0.25)  # 4 bins of 250 us over the 1000-us step
+    cols, rows = tl["columns"], tl["rows"]
+    assert cols[:3] == ["gpu", "dtoh", "htod"] and "main.wait_cpu" in cols and "cpu_adam" in cols
+    assert len(rows) == 4
+    gpu = [r[1 + cols.index("gpu")] for r in rows]
+    assert gpu == [100, 36, 76, 84]  # kernels 0-300, 420-460, 540-640, 660-960 in bins of 250 us
+    wait = [r[1 + cols.index("main.wait_cpu")] for r in rows]
+    assert wait == [0, 0, 80, 0]  # wait_cpu 500-700
+    assert "t_ms" in ts.format_timeline(tl)
+    assert ts.main([str(_write(ev)), "--bins", "0.5"]) == 0
+
+
+def _write(ev):
+    import tempfile
+
+    f = Path(tempfile.mkdtemp()) / "t.json"
+    f.write_text(json.dumps({"traceEvents": ev}))
+    return f
