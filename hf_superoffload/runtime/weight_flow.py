@@ -138,7 +138,9 @@ class WeightStreamer:
     """Executes weight flow for the host-bucket parameters of one model (see the module docstring).
 
     Args:
-        root: the model (its forward marks the start and end of a pass, for the recorded order).
+        root: the model. Its forward, or its decoder's (``root.get_decoder()``, which a chunked LM-head loss calls
+            directly), marks the start and end of a pass, for the recorded order: the outermost one of them
+            running counts (a nesting depth).
         sources: ``id(param) -> (param, flat staging view, bucket)`` for every parameter to stream.
         staging_final: ``(bucket, block) -> bool``: whether the bucket's staging holds the final weights for
             the current step; with ``block`` it waits for them (and raises where they cannot become final).
@@ -168,6 +170,7 @@ class WeightStreamer:
         self._trace: list[int] = []
         self._order: list[int] | None = None
         self._callback_queued = False
+        self._root_depth = 0
         self._handles: list[Any] = []
         self._normalize_storages([p for p, _, _ in sources.values()])
         self.units, self._sites = self._build_units(root, sources)
@@ -245,8 +248,16 @@ class WeightStreamer:
 
     def _install_hooks(self, root: torch.nn.Module) -> None:
         h = self._handles
-        h.append(root.register_forward_pre_hook(self._root_pre_forward))
-        h.append(root.register_forward_hook(self._root_post_forward))
+        roots = [root]
+        get_decoder = getattr(root, "get_decoder", None)
+        with contextlib.suppress(Exception):  # not a transformers model, or one without a decoder
+            decoder = get_decoder() if callable(get_decoder) else None
+            if isinstance(decoder, torch.nn.Module) and decoder is not root:
+                roots.append(decoder)
+        for r in roots:
+            h.append(r.register_forward_pre_hook(self._root_pre_forward))
+            # always_call: an exception inside the pass must not leave the depth raised
+            h.append(r.register_forward_hook(self._root_post_forward, always_call=True))
         for site in self._sites:
             h.append(site.module.register_forward_pre_hook(lambda m, a, site=site: self._pre_forward(site)))
             h.append(site.module.register_forward_hook(lambda m, a, out, site=site: self._post_forward(site, out)))
@@ -347,13 +358,19 @@ class WeightStreamer:
     def _root_pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if _in_backward():
             return
+        self._root_depth += 1
+        if self._root_depth > 1:  # the decoder inside the model's forward: the pass started already
+            return
         for u in self.units:
             u.active = 0  # a forward that raised never ran its post-forward hooks
         self.release_all()  # left over by an interrupted pass: never carry weights across a step
         self._cursor, self._trace = 0, []
 
     def _root_post_forward(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        if not _in_backward() and self._trace and self._trace != self._order:
+        if _in_backward():
+            return
+        self._root_depth = max(0, self._root_depth - 1)
+        if self._root_depth == 0 and self._trace and self._trace != self._order:
             self._order = list(self._trace)
 
     def _matches(self, site: _Site, pos: int) -> bool:
