@@ -6,6 +6,9 @@ Implementations (one fp32 tensor of N params each; p/m/v are fp32):
 * ``ours_bf16_oop``    the same, out of place: reads p/m/v from one state buffer and writes the next step's
                        state to a second one (double buffering: the two swap every call); large calls stream
                        the destination, so it should move the same 28 B/param as in place;
+* ``ours_bf16_only``   the bf16-only pass (``store_moments=False, store_master=False``): reads p/m/v and the bf16
+                       grad, writes only the bf16 weights (16 B/param; p/m/v stay as they are, so the state does
+                       not advance: the engine commits with a later full step);
 * ``ours_fp32``        fp32 grad in, no bf16 copy;
 * ``torch_pipeline``   torch's equivalent of ours_bf16: bf16->fp32 grad upcast, ``torch._fused_adamw_``,
                        fp32->bf16 weight cast (three passes);
@@ -14,8 +17,8 @@ Implementations (one fp32 tensor of N params each; p/m/v are fp32):
 * ``inplace3``         STREAM-like read+write of three fp32 arrays (the p/m/v pattern): the host roofline.
 
 Effective GB/s counts 28 B/param for every Adam variant (12 B read + 12 B written for p/m/v, plus 2 B bf16
-grad in and 2 B bf16 weights out; the fp32 variants move 4 B of grad and no copy, also 28 B) and 24 B/element
-for ``inplace3``. ``roofline`` is an implementation's effective GB/s over ``inplace3``'s at the same thread
+grad in and 2 B bf16 weights out; the fp32 variants move 4 B of grad and no copy, also 28 B), 16 B/param for
+``ours_bf16_only`` (what it moves) and 24 B/element for ``inplace3``. ``roofline`` is an implementation's effective GB/s over ``inplace3``'s at the same thread
 count; ``vs in-place`` is the in-place twin's time over the out-of-place row's (``ours_bf16`` for
 ``ours_bf16_oop``; below 1.00x the out-of-place step is slower).
 
@@ -41,6 +44,7 @@ from hf_superoffload import ops
 
 BYTES_PER_PARAM = 28
 BYTES_INPLACE3 = 24
+BYTES_OTHER = {"inplace3": BYTES_INPLACE3, "ours_bf16_only": 16}
 HYPER = {"lr": 1e-6, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 IN_PLACE_TWIN = {"ours_bf16_oop": "ours_bf16"}
 
@@ -115,6 +119,10 @@ def _impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
                             source=src, num_threads=threads, **HYPER)
         (b.p, b.m, b.v), b.alt = b.alt, src
 
+    def ours_bf16_only() -> None:
+        ops.cpu_adamw_step_(b.p, b.g16, b.m, b.v, step=next_step(), param_bf16_out=b.out, num_threads=threads,
+                            store_moments=False, store_master=False, **HYPER)
+
     def ours_fp32() -> None:
         ops.cpu_adamw_step_(b.p, b.g32, b.m, b.v, step=next_step(), num_threads=threads, **HYPER)
 
@@ -136,6 +144,7 @@ def _impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
     impls: dict[str, Callable[[], None] | str] = {
         "ours_bf16": ours_bf16,
         "ours_bf16_oop": ours_bf16_oop,
+        "ours_bf16_only": ours_bf16_only,
         "ours_fp32": ours_fp32,
         "torch_pipeline": torch_pipeline,
         "torch_fused_fp32": lambda: torch_fused(b.g32),
@@ -188,7 +197,7 @@ def run(numel: int, thread_counts: list[int], repeats: int, warmup: int) -> list
             except Exception as exc:
                 results.append(Result(name, threads, numel, None, None, None, None, f"failed: {exc!r}"[:200]))
                 continue
-            per = BYTES_INPLACE3 if name == "inplace3" else BYTES_PER_PARAM
+            per = BYTES_OTHER.get(name, BYTES_PER_PARAM)
             results.append(Result(name, threads, numel, sec, best, numel / sec / 1e6, numel * per / sec / 1e9))
     return results
 

@@ -30,9 +30,13 @@ def register_fakes() -> None:
         step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale: float,
         param_bf16_out: torch.Tensor | None, src_param: torch.Tensor | None,
         src_exp_avg: torch.Tensor | None, src_exp_avg_sq: torch.Tensor | None, num_threads: int,
-        store_moments: bool = True,
+        store_moments: bool = True, store_master: bool = True,
     ) -> None:
         _check_state(param, grad, exp_avg, exp_avg_sq)
+        torch._check_value(store_master or not store_moments,
+                           lambda: "store_master=False requires store_moments=False")
+        torch._check_value(store_master or param_bf16_out is not None,
+                           lambda: "store_master=False requires param_bf16_out")
         sources = (src_param, src_exp_avg, src_exp_avg_sq)
         given = [t for t in sources if t is not None]
         torch._check(len(given) in (0, 3), lambda: "give all three source tensors or none")

@@ -33,27 +33,33 @@ def adamw_step_(
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     store_moments: bool = True,
+    store_master: bool = True,
 ) -> None:
     """Same contract as ``ops.cpu_adamw_step_``, in several torch passes.
 
-    ``store_moments=False`` steps on copies of the moments (an extra 8 B/param of temporaries: a fallback).
+    ``store_moments=False`` steps on copies of the moments (an extra 8 B/param of temporaries: a fallback);
+    ``store_master=False`` on a copy of the parameter too (4 B/param more), then writes only the bf16 copy.
     """
     fused = getattr(torch, "_fused_adamw_", None)
     if fused is None:
         reference.adamw_step_(
             param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, source=source,
-            store_moments=store_moments,
+            store_moments=store_moments, store_master=store_master,
         )
         return
     reference._check(param, grad, exp_avg, exp_avg_sq)
+    reference.check_store_flags(store_moments, store_master, param_bf16_out)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
     others = {"grad": grad, "param_bf16_out": param_bf16_out}
     for dst, src in reference.check_source((param, exp_avg, exp_avg_sq), source, others):
-        if store_moments or dst is param:
+        if store_moments or (dst is param and store_master):
             dst.view(-1).copy_(src.view(-1))  # the out-of-place step as a copy pass, then in place
-    p = param.view(-1)
+    if store_master:
+        p = param.view(-1)
+    else:  # scratch copy: only the bf16 copy below is written
+        p = (source[0] if source is not None else param).reshape(-1).clone()
     if store_moments:
         m, v = exp_avg.view(-1), exp_avg_sq.view(-1)
     else:

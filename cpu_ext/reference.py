@@ -13,7 +13,9 @@ pre-step state is read from ``source`` and the new state written to ``param``/``
 
 With ``store_moments=False`` the step updates ``param`` (and its bf16 copy) from the new moments without storing
 them; :func:`adamw_moments_` stores them later from the same pre-step moments and gradient, with the same
-operations ([Note: deferred moment stores] in ``csrc/kernels_common.h``).
+operations ([Note: deferred moment stores] in ``csrc/kernels_common.h``). With ``store_master=False`` as well (and a
+``param_bf16_out``) the step writes only the bf16 copy of the updated parameter; a later full step on the same
+pre-step state and gradient commits p, m and v.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import math
 
 import torch
 
-__all__ = ["adamw_moments_", "adamw_step_", "adamw_undo_", "check_source"]
+__all__ = ["adamw_moments_", "adamw_step_", "adamw_undo_", "check_source", "check_store_flags"]
 
 _STATE_NAMES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -83,6 +85,26 @@ def check_source(
     return pairs
 
 
+def check_store_flags(store_moments: bool, store_master: bool, param_bf16_out: torch.Tensor | None) -> None:
+    """``store_master=False`` writes the bf16 copy only: it needs ``store_moments=False`` and ``param_bf16_out``.
+
+    The messages are those of the compiled op (``ValueError`` there too).
+    """
+    if store_master:
+        return
+    if store_moments:
+        raise ValueError(
+            "store_master=False requires store_moments=False (a step that stores neither p nor m/v writes only "
+            "the bf16 copy; the state is committed by a later full step): pass store_moments=False or "
+            "store_master=True"
+        )
+    if param_bf16_out is None:
+        raise ValueError(
+            "store_master=False requires param_bf16_out (the bf16 copy is the only output of such a step): pass "
+            "param_bf16_out or store_master=True"
+        )
+
+
 def _others(grad: torch.Tensor, param_bf16_out: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
     return {"grad": grad, "param_bf16_out": param_bf16_out}
 
@@ -103,19 +125,26 @@ def adamw_step_(
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     store_moments: bool = True,
+    store_master: bool = True,
 ) -> None:
     """One AdamW step, in place or (``source`` = pre-step (param, exp_avg, exp_avg_sq)) out of place.
 
     ``store_moments=False``: ``exp_avg``/``exp_avg_sq`` are not written (see :func:`adamw_moments_`).
+    ``store_master=False`` (with ``store_moments=False`` and ``param_bf16_out``): ``param`` is not written either,
+    only the bf16 copy.
     """
     _check(param, grad, exp_avg, exp_avg_sq)
+    check_store_flags(store_moments, store_master, param_bf16_out)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
     for dst, src in check_source((param, exp_avg, exp_avg_sq), source, _others(grad, param_bf16_out)):
-        if store_moments or dst is param:
+        if store_moments or (dst is param and store_master):
             dst.view(-1).copy_(src.view(-1))
     g = _scaled(grad, grad_scale)
-    p = param.view(-1)
+    if store_master:
+        p = param.view(-1)
+    else:  # the new parameter in a temporary
+        p = (source[0] if source is not None else param).reshape(-1).clone()
     if store_moments:
         m, v = exp_avg.view(-1), exp_avg_sq.view(-1)
     else:  # the new moments in temporaries

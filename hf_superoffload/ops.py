@@ -71,6 +71,7 @@ def cpu_adamw_step_(
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     num_threads: int | None = None,
     store_moments: bool = True,
+    store_master: bool = True,
 ) -> None:
     """One ``torch.optim.AdamW`` step on contiguous fp32 ``param``/``exp_avg``/``exp_avg_sq``.
 
@@ -95,6 +96,13 @@ def cpu_adamw_step_(
             not stored: in place they keep the pre-step moments, out of place the destination moments are not
             written at all. :func:`cpu_adamw_moments_` stores them later, bit for bit as this step would have
             (20 instead of 28 B/param in this pass; [Note: deferred moments] in docs/design.md).
+        store_master: ``False`` (only with ``store_moments=False`` and ``param_bf16_out``, else ``ValueError``):
+            ``param`` is not stored either, so the pass writes only the bf16 copy of the updated parameter (16
+            B/param: reads p, m, v and the bf16 grad, writes the bf16 copy). In place ``param``/``exp_avg``/
+            ``exp_avg_sq`` keep the pre-step state; out of place the destinations are not written at all. A later
+            full step (``store_moments=True``, ``store_master=True``) on the same pre-step state, ``grad`` and
+            hyper-parameters commits p_t, m_t, v_t, bit for bit those of a single full step; the bf16 copy written
+            here is bit for bit that full step's copy ([Note: deferred moment stores] in cpu_ext/csrc/kernels_common.h).
     """
     if source is not None and len(source) != 3:
         raise ValueError(f"source must be three tensors (param, exp_avg, exp_avg_sq), got {len(source)}")
@@ -104,12 +112,13 @@ def cpu_adamw_step_(
         torch.ops.hf_superoffload.cpu_adamw_step(
             param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), float(grad_scale), param_bf16_out, src_p, src_m, src_v, threads, bool(store_moments),
+            bool(store_master),
         )
         return
     _fallback.adamw_step_(
         param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, source=source,
-        store_moments=store_moments,
+        store_moments=store_moments, store_master=store_master,
     )
 
 

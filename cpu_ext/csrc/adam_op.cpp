@@ -22,7 +22,7 @@ namespace {
 using at::Tensor;
 
 // NOTE: calls touching at least this many elements use non-temporal stores for the write-only outputs
-// (the bf16 copy; p/m/v of an out-of-place step), which skips the read-for-ownership of those lines.
+// (the bf16 copy; those of p/m/v an out-of-place step stores), which skips the read-for-ownership of those lines.
 // Measured on the 2-core dev VM, 16 Mi params, 1 thread: bf16 out 20.4-20.8 -> 18.9-19.1 ms per step; out
 // of place (AVX-512-BF16, bf16 out) 37-41 -> 23-25 ms, against 19-20 ms in place. The DRAM traffic is then
 // the same 28 B/param, but one core of this VM runs a STREAM-like 3-in/3-out streaming copy at ~0.76x the
@@ -124,7 +124,16 @@ void cpu_adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_a
                     int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
                     double grad_scale, const std::optional<Tensor>& param_bf16_out,
                     const std::optional<Tensor>& src_param, const std::optional<Tensor>& src_exp_avg,
-                    const std::optional<Tensor>& src_exp_avg_sq, int64_t num_threads, bool store_moments) {
+                    const std::optional<Tensor>& src_exp_avg_sq, int64_t num_threads, bool store_moments,
+                    bool store_master) {
+  // store_master=false writes the bf16 copy only ([Note: deferred moment stores]); checked before any work.
+  TORCH_CHECK_VALUE(store_master || !store_moments,
+                    "store_master=False requires store_moments=False (a step that stores neither p nor m/v writes "
+                    "only the bf16 copy; the state is committed by a later full step): pass store_moments=False "
+                    "or store_master=True");
+  TORCH_CHECK_VALUE(store_master || param_bf16_out.has_value(),
+                    "store_master=False requires param_bf16_out (the bf16 copy is the only output of such a "
+                    "step): pass param_bf16_out or store_master=True");
   std::vector<Named> ts;
   Call c = prepare(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
                    param_bf16_out, ts);
@@ -144,6 +153,7 @@ void cpu_adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_a
     c.buffers.out_of_place = distinct == 3;
   }
   c.buffers.store_moments = store_moments;  // false: exp_avg/exp_avg_sq are not written at all
+  c.buffers.store_master = store_master;    // false: param is not written at all
   check_disjoint(ts);
   const hfso::Isa isa = current_isa();
   hfso::parallel_ranges(c.numel, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
@@ -262,7 +272,7 @@ TORCH_LIBRARY_FRAGMENT(hf_superoffload, m) {
       "cpu_adamw_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, int step, "
       "float lr, float beta1, float beta2, float eps, float weight_decay, float grad_scale, "
       "Tensor(d!)? param_bf16_out, Tensor? src_param, Tensor? src_exp_avg, Tensor? src_exp_avg_sq, "
-      "int num_threads, bool store_moments=True) -> ()");
+      "int num_threads, bool store_moments=True, bool store_master=True) -> ()");
   m.def(
       "cpu_adamw_moments(Tensor grad, Tensor(a!) exp_avg, Tensor(b!) exp_avg_sq, float beta1, float beta2, "
       "float grad_scale, Tensor? src_exp_avg, Tensor? src_exp_avg_sq, int num_threads) -> ()");

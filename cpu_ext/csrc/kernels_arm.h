@@ -64,10 +64,10 @@ HFSO_INLINE void moments4(const Consts& c, float32x4_t g, float32x4_t& m, float3
   v = vfmaq_f32(vmulq_f32(v, c.beta2), c.omb2, vmulq_f32(g, g));
 }
 
-// Reads 4 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (m/v only when
-// `store_mv`), returns the new p.
+// Reads 4 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (p only when `store_p`,
+// m/v only when `store_mv`), returns the new p.
 template <bool kBf16Grad>
-HFSO_INLINE float32x4_t step4(const AdamBuffers& b, const Consts& c, int64_t i, bool store_mv) {
+HFSO_INLINE float32x4_t step4(const AdamBuffers& b, const Consts& c, int64_t i, bool store_p, bool store_mv) {
   float32x4_t p = vld1q_f32(b.sp + i);
   float32x4_t m = vld1q_f32(b.sm + i);
   float32x4_t v = vld1q_f32(b.sv + i);
@@ -77,7 +77,7 @@ HFSO_INLINE float32x4_t step4(const AdamBuffers& b, const Consts& c, int64_t i, 
   moments4(c, g, m, v);
   const float32x4_t den = vaddq_f32(vdivq_f32(vsqrtq_f32(v), c.bc2), c.eps);
   p = vfmaq_f32(p, c.neg_step, vdivq_f32(m, den));
-  vst1q_f32(b.p + i, p);
+  if (store_p) vst1q_f32(b.p + i, p);
   if (store_mv) {
     vst1q_f32(b.m + i, m);
     vst1q_f32(b.v + i, v);
@@ -92,15 +92,15 @@ template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const Consts c = make_consts(h);
-    const bool store_mv = b.store_moments;
+    const bool store_p = b.store_master, store_mv = b.store_moments;
     for (; i + 16 <= end; i += 16) {
       __builtin_prefetch(b.sp + i + 1024);
       __builtin_prefetch(b.sm + i + 1024);
       __builtin_prefetch(b.sv + i + 1024);
-      const float32x4_t p0 = step4<kBf16Grad>(b, c, i, store_mv);
-      const float32x4_t p1 = step4<kBf16Grad>(b, c, i + 4, store_mv);
-      const float32x4_t p2 = step4<kBf16Grad>(b, c, i + 8, store_mv);
-      const float32x4_t p3 = step4<kBf16Grad>(b, c, i + 12, store_mv);
+      const float32x4_t p0 = step4<kBf16Grad>(b, c, i, store_p, store_mv);
+      const float32x4_t p1 = step4<kBf16Grad>(b, c, i + 4, store_p, store_mv);
+      const float32x4_t p2 = step4<kBf16Grad>(b, c, i + 8, store_p, store_mv);
+      const float32x4_t p3 = step4<kBf16Grad>(b, c, i + 12, store_p, store_mv);
       if constexpr (kOut) {
         vst1q_u16(b.p_bf16 + i, vcombine_u16(cvt_bf16(p0), cvt_bf16(p1)));
         vst1q_u16(b.p_bf16 + i + 8, vcombine_u16(cvt_bf16(p2), cvt_bf16(p3)));
@@ -142,8 +142,6 @@ inline void moments_range(const MomentBuffers& b, const AdamHyper& h, int64_t be
 
 namespace sve {
 
-// Reads one vector of the pre-step state from sp/sm/sv and writes the new state to p/m/v, non-temporal
-// (STNT1) when `stream`: out of place only.
 // The scaled gradient of one vector (bf16 upcast in registers).
 template <bool kBf16Grad>
 HFSO_TARGET_SVE HFSO_INLINE svfloat32_t load_grad_vec(const void* grad, const AdamHyper& h, int64_t i,
@@ -173,9 +171,11 @@ HFSO_TARGET_SVE HFSO_INLINE void store_vec(svbool_t pg, float* dst, svfloat32_t 
   }
 }
 
+// Reads one vector of the pre-step state from sp/sm/sv and writes the new state to p/m/v, non-temporal
+// (STNT1) when `stream`: out of place only; p only when `store_p`, m/v only when `store_mv`.
 template <bool kBf16Grad, bool kOut>
 HFSO_TARGET_SVE HFSO_INLINE void step_vec(const AdamBuffers& b, const AdamHyper& h, int64_t i, svbool_t pg,
-                                          bool stream, bool store_mv) {
+                                          bool stream, bool store_p, bool store_mv) {
   svfloat32_t p = svld1_f32(pg, b.sp + i);
   svfloat32_t m = svld1_f32(pg, b.sm + i);
   svfloat32_t v = svld1_f32(pg, b.sv + i);
@@ -184,7 +184,7 @@ HFSO_TARGET_SVE HFSO_INLINE void step_vec(const AdamBuffers& b, const AdamHyper&
   moments_vec(h, pg, g, m, v);
   const svfloat32_t den = svadd_n_f32_x(pg, svdiv_n_f32_x(pg, svsqrt_f32_x(pg, v), h.bc2_sqrt), h.eps);
   p = svmla_n_f32_x(pg, p, svdiv_f32_x(pg, m, den), -h.step_size);
-  store_vec(pg, b.p + i, p, stream);
+  if (store_p) store_vec(pg, b.p + i, p, stream);
   if (store_mv) {
     store_vec(pg, b.m + i, m, stream);
     store_vec(pg, b.v + i, v, stream);
@@ -205,13 +205,13 @@ struct Step {
     const int64_t vl = static_cast<int64_t>(svcntw());
     // Out of place, p/m/v are write-only (see the AVX-512 body); STNT1 has no alignment requirement.
     const bool stream = kOutOfPlace && b.stream_stores;
-    const bool store_mv = b.store_moments;
+    const bool store_p = b.store_master, store_mv = b.store_moments;
     for (; i < end; i += 2 * vl) {
       svprfw(svptrue_b32(), b.sp + i + 1024, SV_PLDL1STRM);
       svprfw(svptrue_b32(), b.sm + i + 1024, SV_PLDL1STRM);
       svprfw(svptrue_b32(), b.sv + i + 1024, SV_PLDL1STRM);
-      step_vec<kBf16Grad, kOut>(b, h, i, svwhilelt_b32_s64(i, end), stream, store_mv);
-      step_vec<kBf16Grad, kOut>(b, h, i + vl, svwhilelt_b32_s64(i + vl, end), stream, store_mv);
+      step_vec<kBf16Grad, kOut>(b, h, i, svwhilelt_b32_s64(i, end), stream, store_p, store_mv);
+      step_vec<kBf16Grad, kOut>(b, h, i + vl, svwhilelt_b32_s64(i + vl, end), stream, store_p, store_mv);
     }
   }
 };

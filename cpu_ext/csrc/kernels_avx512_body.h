@@ -56,10 +56,11 @@ HFSO_K_TARGET HFSO_INLINE void moments16(const Consts& c, __m512 g, __m512& m, _
 }
 
 // Reads 16 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (streaming when
-// `stream`: out of place only, never on masked lanes; m/v only when `store_mv`) and returns the new p.
+// `stream`: out of place only, never on masked lanes; p only when `store_p`, m/v only when `store_mv`) and
+// returns the new p.
 template <bool kBf16Grad, bool kMasked>
 HFSO_K_TARGET HFSO_INLINE __m512 step16(const AdamBuffers& b, const Consts& c, int64_t i, __mmask16 k,
-                                        bool stream, bool store_mv) {
+                                        bool stream, bool store_p, bool store_mv) {
   __m512 p = load_f32<kMasked>(b.sp + i, k);
   __m512 m = load_f32<kMasked>(b.sm + i, k);
   __m512 v = load_f32<kMasked>(b.sv + i, k);
@@ -69,7 +70,7 @@ HFSO_K_TARGET HFSO_INLINE __m512 step16(const AdamBuffers& b, const Consts& c, i
   moments16(c, g, m, v);
   const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), c.bc2), c.eps);
   p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, den), p);
-  store_f32<kMasked>(b.p + i, p, k, stream);
+  if (store_p) store_f32<kMasked>(b.p + i, p, k, stream);
   if (store_mv) {
     store_f32<kMasked>(b.m + i, m, k, stream);
     store_f32<kMasked>(b.v + i, v, k, stream);
@@ -79,9 +80,9 @@ HFSO_K_TARGET HFSO_INLINE __m512 step16(const AdamBuffers& b, const Consts& c, i
 
 template <bool kBf16Grad, bool kOut>
 HFSO_K_TARGET HFSO_INLINE void step_masked(const AdamBuffers& b, const Consts& c, int64_t i, int64_t n,
-                                           bool store_mv) {
+                                           bool store_p, bool store_mv) {
   const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);  // 1 <= n <= 16
-  const __m512 p = step16<kBf16Grad, true>(b, c, i, k, false, store_mv);
+  const __m512 p = step16<kBf16Grad, true>(b, c, i, k, false, store_p, store_mv);
   if constexpr (kOut) _mm256_mask_storeu_epi16(b.p_bf16 + i, k, HFSO_K_CVT(p));
 }
 
@@ -89,19 +90,19 @@ template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 struct Step {
   HFSO_K_TARGET static void run(const AdamBuffers& b, const AdamHyper& h, int64_t i, int64_t end) {
     const Consts c = make_consts(h);
-    const bool store_mv = b.store_moments;
+    const bool store_p = b.store_master, store_mv = b.store_moments;
     int64_t head = head_elems<kOut, kOutOfPlace>(b, i, end);
     while (head > 0) {
       const int64_t n = head < 16 ? head : 16;
-      step_masked<kBf16Grad, kOut>(b, c, i, n, store_mv);
+      step_masked<kBf16Grad, kOut>(b, c, i, n, store_p, store_mv);
       i += n;
       head -= n;
     }
     const bool stream_out = kOut && b.stream_stores && line_aligned(b.p_bf16 + i);
     // Out of place, p/m/v are write-only: streaming them skips the read-for-ownership of the destination,
     // so the step moves the same 28 B/param as in place. In place the lines were just read: never stream.
-    const bool stream_state = kOutOfPlace && b.stream_stores && line_aligned(b.p + i) &&
-                              line_aligned(b.m + i) && line_aligned(b.v + i);
+    // Only the arrays the call stores stream (and count for the alignment): see stream_state_ok.
+    const bool stream_state = kOutOfPlace && stream_state_ok(b, i);
     // 32 elements per iteration: two fp32 lines per p/m/v stream and one full line of bf16 output.
     for (; i + 32 <= end; i += 32) {
       if constexpr (kPrefetchElems > 0) {
@@ -119,8 +120,8 @@ struct Step {
           _mm_prefetch(static_cast<const char*>(b.grad) + 4 * j + 64, _MM_HINT_T0);
         }
       }
-      const __m512 p0 = step16<kBf16Grad, false>(b, c, i, 0, stream_state, store_mv);
-      const __m512 p1 = step16<kBf16Grad, false>(b, c, i + 16, 0, stream_state, store_mv);
+      const __m512 p0 = step16<kBf16Grad, false>(b, c, i, 0, stream_state, store_p, store_mv);
+      const __m512 p1 = step16<kBf16Grad, false>(b, c, i + 16, 0, stream_state, store_p, store_mv);
       if constexpr (kOut) {
         const __m512i o = _mm512_inserti64x4(_mm512_castsi256_si512(HFSO_K_CVT(p0)), HFSO_K_CVT(p1), 1);
         if (stream_out) {
@@ -132,7 +133,7 @@ struct Step {
     }
     while (i < end) {
       const int64_t n = end - i < 16 ? end - i : 16;
-      step_masked<kBf16Grad, kOut>(b, c, i, n, store_mv);
+      step_masked<kBf16Grad, kOut>(b, c, i, n, store_p, store_mv);
       i += n;
     }
     if (stream_out || stream_state) _mm_sfence();  // order the weakly-ordered streaming stores

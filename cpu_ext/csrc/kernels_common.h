@@ -22,6 +22,15 @@
 // later from the same pre-step m, v and gradient. Both evaluate the g, m and v lines above with the same
 // operations in the same order (each path shares one helper between its step and its moment kernel), so the
 // stored moments are bit for bit those of a step with store_moments = true.
+//
+// A step may also leave p unstored (AdamBuffers::store_master = false, only with store_moments = false and a
+// bf16 copy): it then writes the bf16 copy of p_t and nothing else (reads p, m, v 12 B + bf16 grad 2 B, writes
+// 2 B: 16 B/param). In place p, m, v keep p_{t-1}, m_{t-1}, v_{t-1}; out of place the destinations are not
+// written at all. The state is committed later by an ordinary full step (store_moments = store_master = true)
+// on the same pre-step state and gradient: since every store is of a value computed by the one sequence above,
+// that step stores p_t, m_t, v_t bit for bit, and the early bf16 copy equals the bf16 copy of the full step.
+// No SIMD path issues a store (streaming or not) for p when it is not stored; the head that aligns the
+// streamed outputs then anchors on the bf16 copy (see head_elems).
 #pragma once
 
 #include <cmath>
@@ -89,6 +98,7 @@ struct AdamBuffers {
   bool out_of_place;     // sp/sm/sv are all disjoint from p/m/v (the p/m/v stores may then stream)
   bool stream_stores;    // write-only outputs may use non-temporal stores (large calls only)
   bool store_moments = true;  // false: m/v are neither written nor modified ([Note: deferred moment stores])
+  bool store_master = true;   // false: p is neither written nor modified, only the bf16 copy (same Note)
 };
 
 // Pointers of one moment-only call: m_t, v_t from the pre-step sm/sv and the gradient, stored to m/v (in place:
@@ -173,7 +183,7 @@ template <bool kBf16Grad, bool kOut, bool kOutOfPlace>
 HFSO_INLINE void adamw_step_one(const AdamBuffers& b, const AdamHyper& h, int64_t i) {
   float p = b.sp[i], m = b.sm[i], v = b.sv[i];
   adamw_elem(h, p, m, v, load_grad<kBf16Grad>(b.grad, i));
-  b.p[i] = p;
+  if (b.store_master) b.p[i] = p;
   if (b.store_moments) {
     b.m[i] = m;
     b.v[i] = v;
@@ -207,7 +217,8 @@ HFSO_INLINE bool line_aligned(const void* q) { return (reinterpret_cast<uintptr_
 // buffers share an alignment. In place the anchor is the bf16 copy when there is one (its streaming store
 // is a full line), else p. Out of place the p/m/v stores are the ones that stream (12 B/param against 2),
 // so the anchor is p, unless aligning the bf16 copy aligns p/m/v as well (same element offset in
-// line-aligned arenas, the usual layout). Clamped to end - i.
+// line-aligned arenas, the usual layout). When a step stores neither p nor m/v ([Note: deferred moment
+// stores]) the bf16 copy is its only output and the anchor. Clamped to end - i.
 template <bool kOut, bool kOutOfPlace>
 HFSO_INLINE int64_t head_elems(const AdamBuffers& b, int64_t i, int64_t end) {
   const auto to_line = [](const void* q, int64_t esize) {
@@ -216,12 +227,21 @@ HFSO_INLINE int64_t head_elems(const AdamBuffers& b, int64_t i, int64_t end) {
   int64_t head = to_line(b.p + i, 4);
   if constexpr (kOut) {
     const int64_t h_out = to_line(b.p_bf16 + i, 2);
-    if (!kOutOfPlace ||
+    const bool state_stored = b.store_master || b.store_moments;
+    if (!kOutOfPlace || !state_stored ||
         (line_aligned(b.p + i + h_out) && line_aligned(b.m + i + h_out) && line_aligned(b.v + i + h_out))) {
       head = h_out;
     }
   }
   return head < end - i ? head : end - i;
+}
+
+// Whether an out-of-place step's p/m/v stores may stream from element i on: every array it stores starts on a
+// cache line there (the main loops then write whole lines), and it stores at least one of them.
+HFSO_INLINE bool stream_state_ok(const AdamBuffers& b, int64_t i) {
+  const bool p_ok = !b.store_master || line_aligned(b.p + i);
+  const bool mv_ok = !b.store_moments || (line_aligned(b.m + i) && line_aligned(b.v + i));
+  return b.out_of_place && b.stream_stores && (b.store_master || b.store_moments) && p_ok && mv_ok;
 }
 
 // The undo loop is written once and compiled under each ISA's target attribute (the compiler vectorises

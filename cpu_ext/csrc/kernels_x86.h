@@ -115,10 +115,10 @@ HFSO_TARGET_AVX2 HFSO_INLINE void moments8(const Consts& c, __m256 g, __m256& m,
 }
 
 // Reads 8 lanes of the pre-step state from sp/sm/sv, writes the new state to p/m/v (streaming when
-// `stream`: out of place only; m/v only when `store_mv`) and returns the new p.
+// `stream`: out of place only; p only when `store_p`, m/v only when `store_mv`) and returns the new p.
 template <bool kBf16Grad>
 HFSO_TARGET_AVX2 HFSO_INLINE __m256 step8(const AdamBuffers& b, const Consts& c, int64_t i, bool stream,
-                                          bool store_mv) {
+                                          bool store_p, bool store_mv) {
   __m256 p = _mm256_loadu_ps(b.sp + i);
   __m256 m = _mm256_loadu_ps(b.sm + i);
   __m256 v = _mm256_loadu_ps(b.sv + i);
@@ -128,7 +128,7 @@ HFSO_TARGET_AVX2 HFSO_INLINE __m256 step8(const AdamBuffers& b, const Consts& c,
   moments8(c, g, m, v);
   const __m256 den = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v), c.bc2), c.eps);
   p = _mm256_fmadd_ps(c.neg_step, _mm256_div_ps(m, den), p);
-  store8(b.p + i, p, stream);
+  if (store_p) store8(b.p + i, p, stream);
   if (store_mv) {
     store8(b.m + i, m, stream);
     store8(b.v + i, v, stream);
@@ -148,9 +148,8 @@ struct Step {
     const bool stream_out = kOut && b.stream_stores && aligned32(b.p_bf16 + i);
     // Out of place, p/m/v are write-only: streaming skips the destination's read-for-ownership (see the
     // AVX-512 body). 16 elements per iteration = one full line per stream when line aligned.
-    const bool stream_state = kOutOfPlace && b.stream_stores && line_aligned(b.p + i) &&
-                              line_aligned(b.m + i) && line_aligned(b.v + i);
-    const bool store_mv = b.store_moments;
+    const bool stream_state = kOutOfPlace && stream_state_ok(b, i);
+    const bool store_p = b.store_master, store_mv = b.store_moments;
     for (; i + 16 <= end; i += 16) {
       if constexpr (kPrefetchElems > 0) {
         const int64_t j = i + kPrefetchElems;
@@ -159,8 +158,8 @@ struct Step {
         _mm_prefetch(reinterpret_cast<const char*>(b.sv + j), _MM_HINT_T0);
         _mm_prefetch(static_cast<const char*>(b.grad) + (kBf16Grad ? 2 : 4) * j, _MM_HINT_T0);
       }
-      const __m256 p0 = step8<kBf16Grad>(b, c, i, stream_state, store_mv);
-      const __m256 p1 = step8<kBf16Grad>(b, c, i + 8, stream_state, store_mv);
+      const __m256 p0 = step8<kBf16Grad>(b, c, i, stream_state, store_p, store_mv);
+      const __m256 p1 = step8<kBf16Grad>(b, c, i + 8, stream_state, store_p, store_mv);
       if constexpr (kOut) {
         const __m256i o = pack_bf16(p0, p1);
         if (stream_out) {

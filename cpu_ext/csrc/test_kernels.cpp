@@ -8,6 +8,8 @@
 // report says whether they did). bf16 output: exactly the round-to-nearest-even of the path's own fp32
 // result, including NaN, infinities, ties and denormals. Out of place (and mixed: one array in place, the
 // others not): bit for bit the same path's in-place result, source unchanged, over several ping-pong steps.
+// Deferred stores (store_moments=false, then also store_master=false): the skipped arrays are not written and
+// the later commit (moment kernel, or a full step) stores the full step's values bit for bit.
 // Exit status 0 when every check passed.
 #include <algorithm>
 #include <cinttypes>
@@ -276,6 +278,52 @@ void check_deferred(Isa isa, int64_t n, int64_t begin, int64_t end, int off, int
   }
 }
 
+// store_master=false (with store_moments=false): the step writes only the bf16 copy, equal to the full step's;
+// p/m/v are untouched (in place: the pre-step state; out of place and mixed: the destinations keep their
+// sentinel) and nothing outside [begin, end) is written. The commit, an ordinary full step without a bf16 copy
+// on the same pre-step state, then stores p/m/v bit for bit as the single full step. Same path throughout.
+void check_late_master(Isa isa, int64_t n, int64_t begin, int64_t end, int off, int off_out, int off_dst,
+                       bool bf16_grad, Mode mode, bool stream, double grad_scale) {
+  State a(n, off, off_out, off_dst), full(n, off, off_out, off_dst);
+  for (State* s : {&a, &full}) fill(*s, n, 777 + static_cast<uint32_t>(n));
+  const Cursor ca(a, mode), cf(full, mode);
+  const Options o{bf16_grad, true, mode, stream};
+  const AdamHyper h = hfso::make_hyper(7, 1e-2, 0.9, 0.999, 1e-8, 0.1, grad_scale);
+  std::vector<std::vector<float>> before;  // every fp32 array of `a`, sources and destinations
+  const std::vector<float*> arrays = {a.p.data, a.m.data, a.v.data, a.dp.data, a.dm.data, a.dv.data};
+  for (float* x : arrays) before.emplace_back(x, x + n);
+  AdamBuffers late = ca.buffers(a, o);
+  late.store_moments = false;
+  late.store_master = false;
+  hfso::step_range(isa, late, h, begin, end);
+  hfso::step_range(isa, cf.buffers(full, o), h, begin, end);
+  const char* name = hfso::isa_name(isa);
+  const int md = static_cast<int>(mode);
+  for (int64_t i = 0; i < n; ++i) {
+    for (size_t k = 0; k < arrays.size(); ++k) {
+      CHECK(bits(arrays[k][i]) == bits(before[k][static_cast<size_t>(i)]), "%s store_master=false wrote fp32 "
+            "array %zu at %" PRId64 " (n=%" PRId64 ", mode %d)", name, k, i, n, md);
+    }
+    const bool inside = i >= begin && i < end;
+    CHECK(a.out.data[i] == (inside ? full.out.data[i] : 0xdead), "%s store_master=false bf16 at %" PRId64
+          " is %04x, the full step wrote %04x (n=%" PRId64 ", mode %d)", name, i, a.out.data[i], full.out.data[i],
+          n, md);
+  }
+  // The commit: a full step without the bf16 copy, from the same (untouched) pre-step state.
+  hfso::step_range(isa, ca.buffers(a, {bf16_grad, false, mode, stream}), h, begin, end);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int k = 0; k < 3; ++k) {
+      CHECK(bits(ca.nxt[k][i]) == bits(cf.nxt[k][i]), "%s commit n=%" PRId64 " i=%" PRId64 " array %d: %.9g, the "
+            "full step stored %.9g (mode %d)", name, n, i, k, ca.nxt[k][i], cf.nxt[k][i], md);
+      if (ca.moves[k]) {
+        CHECK(bits(ca.cur[k][i]) == bits(cf.cur[k][i]), "%s commit modified source array %d at %" PRId64, name, k, i);
+      }
+    }
+    CHECK(a.out.data[i] == (i >= begin && i < end ? full.out.data[i] : 0xdead), "%s commit wrote bf16 at %" PRId64,
+          name, i);
+  }
+}
+
 void check_undo(Isa isa, int64_t n, bool bf16_grad, bool out) {
   State s(n, 1, 1, 1);
   fill(s, n, 99);
@@ -378,6 +426,14 @@ int main(int argc, char** argv) {
         const bool bf16 = (mask & 1) != 0, oop = (mask & 2) != 0, stream = (mask & 4) != 0;
         check_deferred(isa, n, 0, n, (n + mask) % 5, (n + 3 * mask) % 7, bf16, oop, stream, mask < 4 ? 1.0 : 0.37);
         if (n > 10) check_deferred(isa, n, 3, n - 5, 0, 0, bf16, oop, stream, 0.5);
+      }
+      for (int mask = 0; mask < 12; ++mask) {
+        const bool bf16 = (mask & 1) != 0, stream = (mask & 2) != 0;
+        const Mode mode = mask < 4 ? Mode::kInPlace : mask < 8 ? Mode::kOutOfPlace : Mode::kMixed;
+        check_late_master(isa, n, 0, n, (n + mask) % 5, (n + 3 * mask) % 3, (n + 5 * mask) % 7, bf16, mode, stream,
+                          mask & 4 ? 0.37 : 1.0);
+        check_late_master(isa, n, 0, n, 0, 0, 0, bf16, mode, stream, 1.0);  // aligned: the bf16 copy streams
+        if (n > 10) check_late_master(isa, n, 3, n - 5, 1, 2, 3, bf16, mode, stream, 0.5);
       }
       check_undo(isa, n, (n & 1) != 0, true);
       check_undo(isa, n, (n & 1) == 0, false);
