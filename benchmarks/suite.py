@@ -19,6 +19,7 @@ Systems:
   ours_host_nodefer ours_host with defer_moments=False (ablation of deferred moment stores, on in ours_host by
                    the planner's auto choice when host RAM allows a second landing arena)
   ours_host_lead4 / ours_host_lead8   ours_host with d2h_lead_buckets=4 / 8 ([Note: D2H lead] in docs/design.md)
+  ours_host_latep  ours_host with defer_master=True (the master stored by the commit too) and d2h_lead_buckets=4
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -56,7 +57,7 @@ __all__ = ["ALL_SYSTEMS", "WORKLOADS", "Workload", "main"]
 
 SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
-        "ours_host_lead4", "ours_host_lead8")
+        "ours_host_lead4", "ours_host_lead8", "ours_host_latep")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -70,6 +71,7 @@ LABELS = {
     "ours_host_nodefer": "hf_superoffload, host, moments stored in the critical pass",
     "ours_host_lead4": "hf_superoffload, host, D2H lead 4 buckets",
     "ours_host_lead8": "hf_superoffload, host, D2H lead 8 buckets",
+    "ours_host_latep": "hf_superoffload, host, D2H lead 4, master stored late",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -292,12 +294,14 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
     kw = dict(extra)
     info: dict[str, Any] = {}
     if system in ("ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_host_nodefer", "ours_host_lead4",
-                  "ours_host_lead8"):
+                  "ours_host_lead8", "ours_host_latep"):
         kw["gpu_resident_buckets"] = 0
     if system == "ours_host_nodefer":
         kw["defer_moments"] = False
     if system.startswith("ours_host_lead"):
         kw["d2h_lead_buckets"] = int(system.removeprefix("ours_host_lead"))
+    if system == "ours_host_latep":
+        kw.update(defer_master=True, defer_moments=True, cast_side="cpu", d2h_lead_buckets=4)
     if system == "ours_nospec":
         kw["speculation"] = False
     if system == "ours_flow":

@@ -77,6 +77,11 @@ class SuperOffloadConfig:
             would. Costs a second gradient landing arena (+2 B/param pinned). ``"auto"``: on for a single process
             with stationary weights and no host accumulation when host RAM allows it.
             [Note: deferred moments] in docs/design.md.
+        defer_master: With deferred moment stores and the CPU cast, also leave the fp32 master unstored in the
+            verdict-known pass: it writes only the bf16 weights (16 instead of 20 B/param on the critical path)
+            and the commit later runs the whole step again from the pre-step state (26 instead of 18 B/param,
+            off the critical path), bit for bit. Pays off when the commits fit in the backward; off by default
+            until measured ([Note: deferred moments]).
         d2h_lead_buckets: How many host buckets' gradient copies may still be in flight when the backward hands
             over the next one (a rate limiter, like FSDP's ``limit_all_gathers``). ``0``: each bucket's hook waits
             for its own copy, so the worker always finds its gradients on the host, but the GPU queue drains at
@@ -102,6 +107,7 @@ class SuperOffloadConfig:
     accumulate_on_host: bool | Literal["auto"] = "auto"
     host_accumulation_dtype: AccumulationDtype = "auto"
     defer_moments: bool | Literal["auto"] = "auto"
+    defer_master: bool = False
     d2h_lead_buckets: int = 0
 
     def __post_init__(self) -> None:
@@ -138,6 +144,8 @@ class SuperOffloadConfig:
             raise bad("host_accumulation_dtype", self.host_accumulation_dtype, "use 'auto', 'fp32' or 'landing'")
         if not (isinstance(self.defer_moments, bool) or self.defer_moments == "auto"):
             raise bad("defer_moments", self.defer_moments, "use True, False or 'auto'")
+        if not isinstance(self.defer_master, bool):
+            raise bad("defer_master", self.defer_master, "use True or False")
         if isinstance(self.d2h_lead_buckets, bool) or not isinstance(self.d2h_lead_buckets, int) or self.d2h_lead_buckets < 0:
             raise bad("d2h_lead_buckets", self.d2h_lead_buckets, "use an integer >= 0 (0: no lead)")
 

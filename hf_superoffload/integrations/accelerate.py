@@ -102,7 +102,7 @@ class SuperOffloadPlugin:
         config_file: YAML or JSON file with ``SuperOffloadConfig`` fields (default: ``$HF_SUPEROFFLOAD_CONFIG``).
         bucket_size_mb, gpu_resident_buckets, gpu_resident_fraction, device_memory_fraction, speculation,
         rollback, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
-        worker_timeout_s, check_finite, accumulate_on_host, host_accumulation_dtype, defer_moments,
+        worker_timeout_s, check_finite, accumulate_on_host, host_accumulation_dtype, defer_moments, defer_master,
         d2h_lead_buckets: see
         :class:`SuperOffloadConfig`. ``cpu_threads="auto"`` forces the
         automatic thread count even when the environment or file sets one; ``defer_moments="auto"`` the
@@ -126,6 +126,7 @@ class SuperOffloadPlugin:
     accumulate_on_host: bool | str | None = None
     host_accumulation_dtype: str | None = None
     defer_moments: bool | str | None = None
+    defer_master: bool | None = None
     d2h_lead_buckets: int | None = None
     config_file: str | None = None
 

@@ -176,6 +176,10 @@ class SuperOffloadArguments(TrainingArguments):
                        "speculation, clipping certain, a redo) writes p and the bf16 weights only and stores the Adam "
                        "moments later, off the critical path (+2 B/param pinned host RAM); 'auto': the planner "
                        "decides."))
+    superoffload_defer_master: bool = field(
+        default=_D.defer_master,
+        metadata=_help("SuperOffload: with deferred moment stores and the CPU cast, the verdict-known CPU pass writes "
+                       "the bf16 weights only and the fp32 master is stored later too (off by default)."))
     superoffload_d2h_lead_buckets: int = field(
         default=_D.d2h_lead_buckets,
         metadata=_help("SuperOffload: how many host buckets' gradient copies the backward may run ahead of (0: each "

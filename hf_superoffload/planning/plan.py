@@ -107,6 +107,8 @@ class OffloadPlan:
         host_accumulation: where gradient accumulation sums the host buckets' gradients.
         defer_moments: a host bucket stepped with the verdict known stores its moments later, off the critical
             path; the landing arena is doubled ([Note: deferred moments] in docs/design.md).
+        defer_master: with ``defer_moments`` (and the CPU cast) the commit stores the fp32 master too; the
+            verdict-known pass writes the bf16 weights only.
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
         notes: human-readable reasons for the choices (printed with the summary).
     """
@@ -126,6 +128,7 @@ class OffloadPlan:
     cpu_affinity: tuple[int, ...] | None = None
     host_accumulation: HostAccumulation = HostAccumulation.OFF
     defer_moments: bool = False
+    defer_master: bool = False
     d2h_lead_buckets: int = 0
 
     @property
@@ -172,7 +175,8 @@ class OffloadPlan:
             f"speculation: {'on' if self.speculation else 'off'}; cpu threads: {self.cpu_threads}; "
             f"pinned: {self.pin_memory}",
             f"  gradient accumulation: {_ACCUM_SUMMARY[self.host_accumulation]}",
-            f"  deferred moment stores: {'on (second landing arena)' if self.defer_moments else 'off'}",
+            f"  deferred moment stores: {'on (second landing arena)' if self.defer_moments else 'off'}"
+            f"{'; master weights too' if self.defer_master else ''}",
         ]
         if self.world_size > 1:
             cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"

@@ -349,6 +349,13 @@ def make_plan(
         base += 12 * host_numel
     defer, defer_note = _defer_moments(config, weight_mode, accumulation, world_size, host_numel, base, room)
     notes.append(defer_note)
+    if config.defer_master and not (defer and cast_side is CastSide.CPU):
+        raise PlanError("defer_master=True needs deferred moment stores (defer_moments on) and the CPU cast "
+                        f"(cast_side='cpu'); this plan has defer_moments={defer}, cast_side={cast_side.value!r}: set "
+                        "them, or defer_master=False")
+    if config.defer_master:
+        notes.append("deferred master stores: on (configured): the verdict-known pass writes the bf16 weights only "
+                     "(16 B/param), the commit stores p, m, v (26 B/param)")
 
     return OffloadPlan(
         buckets=tuple(buckets),
@@ -366,6 +373,7 @@ def make_plan(
         cpu_affinity=affinity,
         host_accumulation=accumulation,
         defer_moments=defer,
+        defer_master=config.defer_master,
         d2h_lead_buckets=config.d2h_lead_buckets,
     )
 

@@ -56,6 +56,9 @@ class MomentCommit:
     unstored; the commit computes them from copy ``src``'s pre-step moments (the same copy in place) and ``grad``
     (the landing buffer that step read, kept alive by the doubled landing arena) with ``betas`` (per run) and
     ``grad_scale``, exactly as the step did.
+
+    ``master`` (deferred master stores): the step wrote the bf16 weights only; the commit runs the whole step
+    again from copy ``src`` with each run's ``(lr, eps, weight_decay)`` and stores p, m and v into ``dst``.
     """
 
     runs: tuple[Run, ...]
@@ -64,6 +67,7 @@ class MomentCommit:
     src: int
     dst: int
     grad: torch.Tensor
+    master: tuple[tuple[float, float, float], ...] | None = None
 
 
 class _BucketBase:

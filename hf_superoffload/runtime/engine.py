@@ -178,8 +178,13 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         if plan.defer_moments and (comm is not None or plan.host_accumulation is not HostAccumulation.OFF):
             raise ValueError("deferred moment stores are single-process and without host accumulation (the planner "
                              "turns them off otherwise); build the plan with make_plan")
+        if plan.defer_master and not (plan.defer_moments and plan.cast_side is CastSide.CPU):
+            raise ValueError("deferred master stores need deferred moment stores and the CPU cast (the GPU cast "
+                             "uploads the master itself); build the plan with make_plan")
         self._defer = plan.defer_moments
         """[Note: deferred moments]: a verdict-known CPU pass leaves m/v unstored; they are stored later."""
+        self._defer_master = plan.defer_master
+        """... and the fp32 master too (the pass writes the bf16 weights only; the commit re-runs the step)."""
         self.commit_when_idle = True
         """[Note: deferred moments]: after a step's pass the worker stores the moments whenever it has nothing more
         urgent (lowest priority, in the next backward's arrival order). ``False``: only at the bucket's next CPU

@@ -125,11 +125,17 @@ class HostStepMixin:
         if not (speculated and b.applied == (verdict.hyper, verdict.grad_scale)):
             if speculated:
                 self._undo(b, ctx)
-            # the verdict is known: with deferred moments this pass stores p and the bf16 weights only
-            self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments=not self._defer)
+            # the verdict is known: with deferred moments this pass stores p and the bf16 weights only (with
+            # deferred master stores the bf16 weights only)
+            self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments=not self._defer,
+                           store_master=not self._defer_master)
             if self._defer and b.runs:
+                master = None
+                if self._defer_master:
+                    master = tuple((verdict.hyper[r.group][0], *verdict.hyper[r.group][3:5]) for r in b.runs)
                 record = MomentCommit(runs=b.runs, betas=tuple(verdict.hyper[r.group][1:3] for r in b.runs),
-                                      grad_scale=verdict.grad_scale, src=ctx.src, dst=ctx.dst, grad=b.grad)
+                                      grad_scale=verdict.grad_scale, src=ctx.src, dst=ctx.dst, grad=b.grad,
+                                      master=master)
                 with b.commit_lock:
                     assert b.pending is None, "a moment commit was still pending when its bucket stepped again"
                     b.pending = record
@@ -145,10 +151,11 @@ class HostStepMixin:
         self._finish(b, ctx, verdict, speculated=speculated)
 
     def _cpu_step(self, b: HostBucket, ctx: _StepContext, hyper: Hyper, scale: float, *,
-                  store_moments: bool = True) -> None:
+                  store_moments: bool = True, store_master: bool = True) -> None:
         """AdamW on ``b``'s stepped slices: read state copy ``ctx.src``, write ``ctx.dst`` (the same in place).
 
-        ``store_moments=False``: p and staging only; the caller records the :class:`MomentCommit` that stores m/v.
+        ``store_moments=False``: p and staging only; the caller records the :class:`MomentCommit` that stores m/v
+        (``store_master=False`` as well: staging only, the commit stores p too).
         """
         t0 = time.perf_counter()
         (p_src, m_src, v_src), (p, m, v) = b.pmv[ctx.src], b.pmv[ctx.dst]
@@ -161,7 +168,7 @@ class HostStepMixin:
                     step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
                     param_bf16_out=b.staging[sl] if b.staging is not None else None,
                     source=(p_src[sl], m_src[sl], v_src[sl]) if ctx.dst != ctx.src else None,
-                    num_threads=self.plan.cpu_threads, store_moments=store_moments,
+                    num_threads=self.plan.cpu_threads, store_moments=store_moments, store_master=store_master,
                 )
         b.applied = (hyper, scale)
         with self._lock:
@@ -180,11 +187,20 @@ class HostStepMixin:
             if c is None:
                 return
             t0 = time.perf_counter()
-            (_, m_src, v_src), (_, m, v) = b.pmv[c.src], b.pmv[c.dst]
+            (p_src, m_src, v_src), (p, m, v) = b.pmv[c.src], b.pmv[c.dst]
             try:
                 with torch.profiler.record_function("superoffload::moment_commit"):
-                    for r, (beta1, beta2) in zip(c.runs, c.betas, strict=True):
+                    for k, (r, (beta1, beta2)) in enumerate(zip(c.runs, c.betas, strict=True)):
                         sl = slice(r.start, r.end)
+                        if c.master is not None:  # the whole step again, bit for bit, without the bf16 copy
+                            lr, eps, wd = c.master[k]
+                            ops.cpu_adamw_step_(
+                                p[sl], c.grad[sl], m[sl], v[sl], step=r.step, lr=lr, beta1=beta1, beta2=beta2,
+                                eps=eps, weight_decay=wd, grad_scale=c.grad_scale,
+                                source=(p_src[sl], m_src[sl], v_src[sl]) if c.dst != c.src else None,
+                                num_threads=self.plan.cpu_threads,
+                            )
+                            continue
                         ops.cpu_adamw_moments_(
                             c.grad[sl], m[sl], v[sl], beta1=beta1, beta2=beta2, grad_scale=c.grad_scale,
                             source=(m_src[sl], v_src[sl]) if c.dst != c.src else None,

@@ -131,16 +131,20 @@ def always(norm: float | None) -> Callable[[int], float | None]:
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 @pytest.mark.parametrize("schedule", ["speculation_off", "clip_every_step"])
 @pytest.mark.parametrize("commit", ["when_idle", "next_task"])
-def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str, schedule: str, commit: str) -> None:
-    """Two param groups, a frozen parameter and one without gradient every third step."""
+@pytest.mark.parametrize("master", [False, True], ids=["moments", "moments_and_master"])
+def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str, schedule: str, commit: str,
+                                                                   master: bool) -> None:
+    """Two param groups, a frozen parameter and one without gradient every third step. ``master``: the pass writes
+    the bf16 weights only and the commit stores p too (deferred master stores)."""
     spec = schedule != "speculation_off"
     clip = always(1e-3 if schedule == "clip_every_step" else 1.0)
     data = batches(30)
-    lazy = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=True), clip=clip,
-               commit_when_idle=commit == "when_idle")
+    lazy = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=True, defer_master=master,
+                   cast_side="cpu"), clip=clip, commit_when_idle=commit == "when_idle")
     eager = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=False), clip=clip)
     ref = Run(None, clip=clip)
     assert lazy.opt.plan.defer_moments and not eager.opt.plan.defer_moments
+    assert lazy.opt.plan.defer_master is master
     assert len(lazy.opt.engine._arenas["landing1"].tensor) == lazy.opt.plan.host_numel
     pending_seen, commit_s = 0, 0.0
     for ids in data:
@@ -163,7 +167,8 @@ def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str
 
 
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
-def test_speculative_commits_redos_and_deferred_steps_mixed(rollback: str) -> None:
+@pytest.mark.parametrize("master", [False, True], ids=["moments", "moments_and_master"])
+def test_speculative_commits_redos_and_deferred_steps_mixed(rollback: str, master: bool) -> None:
     """Clipping fires on some steps only (certain early, or decided late after speculation: a redo after an undo
     steps with deferred moments) and never on others (speculation commits, moments stored in the pass). Double
     buffer: bitwise the run without deferred moments."""
@@ -171,7 +176,8 @@ def test_speculative_commits_redos_and_deferred_steps_mixed(rollback: str) -> No
         return (1e-3, 1.2, 1e6, None)[step % 4]
 
     data = batches(24)
-    lazy = Run(cfg(rollback=rollback, max_redo_rate=1.0, defer_moments=True), clip=clip)
+    lazy = Run(cfg(rollback=rollback, max_redo_rate=1.0, defer_moments=True, defer_master=master, cast_side="cpu"),
+               clip=clip)
     eager = Run(cfg(rollback=rollback, max_redo_rate=1.0, defer_moments=False), clip=clip)
     ref = Run(None, clip=clip)
     verdicts, wasted = [], 0
@@ -341,4 +347,41 @@ def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(rollback: 
         lazy.train(data[2:3])
     lazy.opt.zero_grad()
     restore()
+    assert_kept_after_a_failed_commit(lazy, eager, rollback)
+
+
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+def test_a_failed_master_commit_is_retried_or_marks_the_state_inconsistent(rollback: str, monkeypatch) -> None:
+    """Deferred master stores: the commit is a whole step (no bf16 output); one that fails half way is run again
+    from the intact source copy (double buffer) or leaves p/m/v half written (in place: inconsistent)."""
+    data = batches(3)
+    config = cfg(rollback=rollback, speculation=False, defer_moments=True, defer_master=True, cast_side="cpu",
+                 worker_timeout_s=30)
+    lazy = Run(config, clip=always(1.0), extras=False, commit_when_idle=False)
+    eager = Run(config.replace(defer_moments=False, defer_master=False), clip=always(1.0), extras=False)
+    lazy.train(data[:2])
+    eager.train(data[:2])
+    lazy.opt.synchronize()
+    assert lazy.opt.engine.pending_moment_commits > 0
+    real = ops_module.cpu_adamw_step_
+    calls = {"n": 0}
+
+    def flaky(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        if kwargs.get("param_bf16_out") is None:  # a commit (the passes write the bf16 staging)
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected moment commit failure")
+
+    monkeypatch.setattr(ops_module, "cpu_adamw_step_", flaky)
+    t0 = time.perf_counter()
+    ids = data[2]
+    with pytest.raises(WorkerError, match="injected moment commit failure"):
+        lazy.model(input_ids=ids, labels=ids).loss.backward()  # bucket 0's task commits, fails
+        while not lazy.opt.engine._worker.failed and time.perf_counter() - t0 < 20:
+            time.sleep(0.005)
+        lazy.opt.step()
+    lazy.opt.zero_grad()
+    monkeypatch.setattr(ops_module, "cpu_adamw_step_", real)
+    assert calls["n"] >= 1
     assert_kept_after_a_failed_commit(lazy, eager, rollback)

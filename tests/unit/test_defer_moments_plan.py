@@ -103,3 +103,16 @@ def test_plugin_and_trainer_arguments_parse_it(monkeypatch):
     args.superoffload_defer_moments = "sometimes"
     with pytest.raises(ValueError, match="superoffload_defer_moments"):
         superoffload_config_from_args(args)
+
+
+def test_defer_master_needs_deferred_moments_and_the_cpu_cast():
+    on = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="cpu"))
+    assert on.defer_moments and on.defer_master and "master weights too" in on.summary()
+    assert on.host_bytes() == plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="cpu")).host_bytes()
+    assert not plan().defer_master  # off unless asked for
+    with pytest.raises(PlanError, match="defer_master=True needs deferred moment stores"):
+        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, defer_moments=False))
+    with pytest.raises(PlanError, match="cast_side='cpu'"):
+        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="gpu"))
+    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*True or False"):
+        SuperOffloadConfig(defer_master="yes")
