@@ -194,7 +194,8 @@ class HostBucket(_BucketBase):
         """The landing buffer this step's gradient goes to (training thread, at the flush): with two, the one a
         pending moment commit does not read (the buffers alternate from step to step)."""
         if len(self.landings) > 1:
-            busy = self.pending.grad if self.pending is not None else self.landing
+            pending = self.pending  # read once: the worker may commit (and clear) it meanwhile
+            busy = pending.grad if pending is not None else self.landing
             self.landing = self.landings[1] if busy is self.landings[0] else self.landings[0]
         return self.landing
 
