@@ -11,13 +11,16 @@ Conventions shared by every kernel:
   numpy-backed ``x.to(tl.bfloat16)`` does not round like torch.
 * "kind" constexprs name a storage format: ``F32 = 0``, ``BF16 = 1`` (int16 bits), ``F16 = 2``.
 * Offsets are int64 (buckets of more than 2**31 elements are fine).
-* Multi-tensor ops (flatten, scatter) launch one 1-D grid per dtype group over a device *work table* of
-  rows ``[offset from the group's base tensor, offset in the bucket, flags, n]`` (see :mod:`._tables`).
-  Element offsets from a base pointer argument, rather than raw addresses cast with ``tl.pointer_type``,
-  keep the base's 16-byte alignment (from Triton's argument specialisation) visible to the compiler; the
-  per-row flags say which side is 16-byte aligned, and the kernel picks the matching unmasked tile loop
-  (16-byte vector loads / stores on the aligned sides), then a masked tail. The plan is cached per exact
-  set of addresses, so a repeated call uploads nothing.
+* Multi-tensor ops (flatten, scatter) share one kernel, :func:`_rows_kernel`, launched once per dtype group
+  over a device *work table* of rows ``[source offset, destination offset, flags, n]`` (see :mod:`._tables`).
+  How the bucket is cut into rows, the tile width, the warps, the grid (persistent or one program per row)
+  and how the statistics are reduced are a :class:`._configs.RowsConfig`, chosen from the bucket's size by
+  a fixed table (:func:`._configs.choose`): no autotuning at run time. Element offsets from a base pointer
+  argument, rather than raw addresses cast with ``tl.pointer_type``, keep the base's 16-byte alignment
+  (from Triton's argument specialisation) visible to the compiler; the per-row flags say which side is
+  16-byte aligned, and the kernel picks the matching unmasked tile loop (16-byte vector loads / stores on
+  the aligned sides), then a masked tail. The plan (tables, grids, statistics scratch) is cached per exact
+  set of addresses, so a repeated call uploads and allocates nothing.
 * Non-contiguous inputs never reach a launcher: the public functions make gradients contiguous (a
   temporary copy) and scatter into a contiguous temporary before ``copy_`` for non-contiguous params.
 * NaN -> bf16 keeps sign and the top payload bits and sets the quiet bit: ``(bits >> 16) | 0x40``. torch
@@ -31,13 +34,19 @@ decorated when ``triton`` itself was imported. :func:`mode` reports which one th
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from typing import Any
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from . import _tables
+from . import _configs
+from ._configs import RowsConfig
 from ._tables import PlanCache, aligned16, chunk_rows
+from .reference import sr_keys
 
 # torch dtype -> (storage kind constexpr, element size in bytes)
 _KIND: dict[torch.dtype, tuple[int, int]] = {
@@ -162,107 +171,195 @@ def _aligned_off(off, V: tl.constexpr):
 
 
 @triton.jit
-def _convert(x, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr):
-    """Loaded ``SRC_KIND`` storage -> (``DST_KIND`` storage to store, its exact fp32 value for stats)."""
+def _fmix32(h):
+    """murmur3's 32-bit finaliser: a bijection on uint32 with full avalanche."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _noise16(g, k0, k1):
+    """16 uniform random bits (uint32 < 2**16) per element from its int64 counter ``g`` and 31-bit keys.
+
+    Two rounds of :func:`_fmix32` over (low word ^ k0) and then (high word ^ k1): ~12 integer ops per
+    element instead of a 10-round Philox (which made the stochastic-rounding scatter ALU-bound at ~40% of
+    the copy ceiling). For a fixed key and high word the map is a bijection of the low word, so the noise of
+    any 2**32 consecutive counters is exactly uniform. :func:`.reference.noise16` is the bit-exact twin.
+    """
+    lo = g.to(tl.uint32)
+    hi = (g >> 32).to(tl.uint32)
+    x = _fmix32(lo ^ k0.to(tl.uint32))
+    x = _fmix32(x ^ hi ^ k1.to(tl.uint32))
+    return x >> 16
+
+
+@triton.jit
+def _convert(x, ctr, k0, k1, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Loaded ``SRC_KIND`` storage -> ``DST_KIND`` storage. Same kind: the bits unchanged. To bf16: RNE, or
+    stochastic rounding keyed by the element's counter ``ctr`` when STOCHASTIC."""
     if SRC_KIND == DST_KIND:
-        return x, _to_f32(x, SRC_KIND)
+        return x
     else:
-        y = _from_f32(_to_f32(x, SRC_KIND), 0, DST_KIND, False)
-        return y, _to_f32(y, DST_KIND)
+        xf = _to_f32(x, SRC_KIND)
+        if STOCHASTIC and DST_KIND == 1:
+            return _f32_to_bf16_bits(xf, _noise16(ctr, k0, k1), True)
+        else:
+            return _from_f32(xf, 0, DST_KIND, False)
 
 
-# ------------------------------------------------------------------------------------------ flatten
+# --------------------------------------------------------------------------- rows: flatten and scatter
 
-# Row flag bits shared by the flatten and scatter tables.
-_HAS_SRC = 1  # flatten: the entry has a gradient (else the kernel writes zeros)
+# Row flag bits of the work tables.
+_HAS_SRC = 1  # the row has a source (flatten: a None gradient has not; the kernel writes zeros)
 _SRC_AL = 2  # the row's source address is 16-byte aligned
 _DST_AL = 4  # the row's destination address is 16-byte aligned
 
 
 @triton.jit
-def _flatten_tiles(src, dst, stop, lane, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK: tl.constexpr):
+def _copy_tiles(
+    src, dst, stop, lane, ctr_base, k0, k1, acc_sq, acc_bad,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK: tl.constexpr,
+):  # fmt: skip
     """Whole tiles ``[0, stop)`` without masks; returns the updated stats accumulators."""
     for start in range(0, stop, BLOCK):
         offs = start + lane
-        y, v = _convert(tl.load(src + offs), SRC_KIND, DST_KIND)
+        y = _convert(tl.load(src + offs), ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
         tl.store(dst + offs, y)
         if STATS:
+            v = _to_f32(y, DST_KIND)
             acc_sq += v * v
             acc_bad += _nonfinite(v)
     return acc_sq, acc_bad
 
 
-@triton.jit
-def _flatten_kernel(
+@triton.jit(do_not_specialize=["k0", "k1", "rng_offset"])
+def _rows_kernel(
     table_ptr,
+    n_rows,
     src_base_ptr,
-    out_ptr,
+    dst_base_ptr,
     part_sq_ptr,
     part_bad_ptr,
     part_base,
+    counter_ptr,
+    stats_ptr,
+    k0,
+    k1,
+    rng_offset,
     SRC_KIND: tl.constexpr,
     DST_KIND: tl.constexpr,
     STATS: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per table row ``[src_off, dst_off, flags, n]``: copy + cast into ``out``, and write
-    this program's [sum of squares, non-finite count] of the *stored* values to the partial buffers.
+    """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
-    ``src_off`` is in elements from ``src_base_ptr`` (the lowest-addressed gradient of this dtype group):
-    unlike an int -> pointer cast, ``base + offset`` keeps the base's 16-byte alignment visible to the
-    compiler. Whole tiles run unmasked (a mask against a runtime count blocks vector accesses), with
-    16-byte vector loads / stores on the sides the row's flags say are aligned; then the masked tail.
-    Rows without a source (None grads) go entirely through the masked loop, loading zeros.
+    Program ``pid`` of ``G`` handles rows ``pid, pid + G, ...`` (a persistent grid when ``G`` is smaller
+    than the row count, one row per program when it is not); the next row's descriptor is loaded before
+    the current row is copied, so its latency overlaps the copy. Offsets are in elements from the base
+    pointers: unlike an int -> pointer cast, ``base + offset`` keeps the base's 16-byte alignment visible
+    to the compiler. Whole tiles run unmasked, with 16-byte vector loads / stores on the sides the row's
+    flags say are aligned; then a masked tail. Rows without a source (flatten's None gradients) go entirely
+    through the masked loop, loading zeros.
+
+    STATS: each program sums the squares and counts the non-finite values it *stored* (fp32, in registers)
+    and writes one partial. ONE_PASS: the program that finishes last (a ticket from an acq_rel atomic on
+    ``counter_ptr``) adds all partials, in program order, to ``stats`` and resets the counter: one launch,
+    deterministic. Else ``_stats_finalize_kernel`` does that as a second launch.
+
+    STOCHASTIC (fp32 -> bf16 scatter): the counter of element ``i`` of a row is ``src_off + i + rng_offset``,
+    i.e. ``offset`` + its index in the flat buffer, independent of the launch layout.
     """
     pid = tl.program_id(0)
-    row = table_ptr + pid.to(tl.int64) * 4
+    n_prog = tl.num_programs(0)
+    lane = tl.arange(0, BLOCK)
+    acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
+    VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
+    VD: tl.constexpr = 4 if DST_KIND == 0 else 8
+    row = table_ptr + pid.to(tl.int64) * 4  # pid < n_rows: the launcher never starts more programs than rows
     src_off = tl.load(row)
     dst_off = tl.load(row + 1)
     flags = tl.load(row + 2)
     n = tl.load(row + 3)
-    has_src = (flags & 1) != 0
-    lane = tl.arange(0, BLOCK)
-    acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
-    acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
-    n_src = tl.where(has_src, n, 0)  # elements to read; None rows read none and store zeros
-    n_full = n_src - n_src % BLOCK
-    src_al = (flags & 2) != 0
-    dst_al = (flags & 4) != 0
-    VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
-    VD: tl.constexpr = 4 if DST_KIND == 0 else 8
-    if src_al & dst_al:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + _aligned_off(src_off, VS), out_ptr + _aligned_off(dst_off, VD), n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    elif src_al:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + _aligned_off(src_off, VS), out_ptr + dst_off, n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    elif dst_al:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + src_off, out_ptr + _aligned_off(dst_off, VD), n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    else:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + src_off, out_ptr + dst_off, n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    src = src_base_ptr + src_off
-    dst = out_ptr + dst_off
-    for start in range(n_full, n, BLOCK):
-        offs = start + lane
-        mask = offs < n
-        y, v = _convert(tl.load(src + offs, mask=offs < n_src, other=0), SRC_KIND, DST_KIND)
-        tl.store(dst + offs, y, mask=mask)
-        if STATS:
-            acc_sq += v * v  # masked lanes loaded 0 -> contribute 0
-            acc_bad += _nonfinite(v)
+    for r in range(pid, n_rows, n_prog):
+        nxt = table_ptr + (r + n_prog).to(tl.int64) * 4
+        more = r + n_prog < n_rows
+        nxt_src_off = tl.load(nxt, mask=more, other=0)
+        nxt_dst_off = tl.load(nxt + 1, mask=more, other=0)
+        nxt_flags = tl.load(nxt + 2, mask=more, other=0)
+        nxt_n = tl.load(nxt + 3, mask=more, other=0)
+
+        n_src = tl.where((flags & 1) != 0, n, 0)  # elements to read; None rows read none and store zeros
+        n_full = n_src - n_src % BLOCK
+        src_al = (flags & 2) != 0
+        dst_al = (flags & 4) != 0
+        ctr_base = src_off + rng_offset
+        if src_al & dst_al:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + _aligned_off(src_off, VS), dst_base_ptr + _aligned_off(dst_off, VD), n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        elif src_al:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + _aligned_off(src_off, VS), dst_base_ptr + dst_off, n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        elif dst_al:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + src_off, dst_base_ptr + _aligned_off(dst_off, VD), n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        else:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + src_off, dst_base_ptr + dst_off, n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        src = src_base_ptr + src_off
+        dst = dst_base_ptr + dst_off
+        for start in range(n_full, n, BLOCK):  # the tail (and None rows)
+            offs = start + lane
+            x = tl.load(src + offs, mask=offs < n_src, other=0)
+            y = _convert(x, ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+            tl.store(dst + offs, y, mask=offs < n)
+            if STATS:
+                v = _to_f32(y, DST_KIND)  # masked lanes loaded 0 -> contribute 0
+                acc_sq += v * v
+                acc_bad += _nonfinite(v)
+        src_off = nxt_src_off
+        dst_off = nxt_dst_off
+        flags = nxt_flags
+        n = nxt_n
     if STATS:
-        tl.store(part_sq_ptr + part_base + pid, tl.sum(acc_sq, axis=0))
-        tl.store(part_bad_ptr + part_base + pid, tl.sum(acc_bad, axis=0))
+        s = tl.sum(acc_sq, axis=0)
+        c = tl.sum(acc_bad, axis=0)
+        if ONE_PASS:
+            tl.store(part_sq_ptr + pid, s)
+            tl.store(part_bad_ptr + pid, c)
+            # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
+            # draws the last ticket, and that one sees every other program's.
+            ticket = tl.atomic_add(counter_ptr, 1)
+            if ticket == n_prog - 1:
+                tot_sq = tl.zeros([BLOCK], dtype=tl.float32)
+                tot_bad = tl.zeros([BLOCK], dtype=tl.int64)
+                for start in range(0, n_prog, BLOCK):
+                    offs = start + lane
+                    m = offs < n_prog
+                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                    tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(
+                        tl.int64
+                    )
+                tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
+                tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
+                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+        else:
+            tl.store(part_sq_ptr + part_base + pid, s)
+            tl.store(part_bad_ptr + part_base + pid, c)
 
 
 @triton.jit
@@ -282,17 +379,11 @@ def _stats_finalize_kernel(part_sq_ptr, part_bad_ptr, n_parts, stats_ptr, BLOCK:
     tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + c.to(tl.float32))
 
 
-_flatten_plans = PlanCache()
-
-# NOTE: 1024-element tiles with 4 warps = 8 elements per thread per iteration (one 16-byte vector for bf16,
-# two for fp32, on aligned rows). Measured on one H200 (bench_triton.py --sweep: BLOCK 1024/2048/4096 x
-# warps 4/8 x CHUNK 16/64 Ki, 256 MB bf16 bucket, device time through CUDA-graph replay, one run each):
-# 1024 x 4 x 16 Ki was the best flatten+stats config, 81% of the 4.2 TB/s device-copy ceiling with
-# 8-aligned sizes and 77% with odd sizes; 4096-element tiles lost 10-15 points.
-_FLATTEN_BLOCK = 1024
-_FLATTEN_WARPS = 4
-# NOTE: the finalize pass reads 8 bytes per program of the main pass (a few KiB); one program suffices.
+# NOTE: the two-pass finalize reads 8 bytes per program of the main pass (a few KiB); one program suffices.
 _FINALIZE_BLOCK = 1024
+# NOTE: under the interpreter there are no SMs; this many stand in, so a persistent grid of a few programs
+# per "SM" still gives each program several rows on CI-sized inputs (the stride loop gets exercised).
+_INTERP_SMS = 2
 
 
 def _stream_key(device: torch.device) -> int:
@@ -323,64 +414,182 @@ def _upload(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+def _config(family: str, numel: int) -> RowsConfig:
+    """The launch config: the table's (or a forced one); under the interpreter the table's tiles are
+    widened (see :func:`_tile`) while forced configs run exactly as given, so tests can cover each one."""
+    cfg = _configs.choose(family, numel)
+    if mode() == "interpreter" and not _configs.is_forced(family):
+        block = _tile(cfg.block)
+        cfg = dataclasses.replace(cfg, block=block, chunk=max(cfg.chunk, 4 * block))
+    return cfg
+
+
+_resident: dict[tuple[Any, ...], int] = {}
+_resident_lock = threading.Lock()
+
+
+def _programs(
+    cfg: RowsConfig, rows: int, device: torch.device, args: tuple[Any, ...], meta: dict[str, Any]
+) -> int:
+    """Grid size of a row launch: ``rows`` (one program per row), or a persistent grid of
+    ``programs_per_sm`` per SM clamped to the compiled kernel's occupancy limit, never more than ``rows``."""
+    pps = cfg.programs_per_sm
+    if pps == 0 or rows == 0:
+        return rows
+    if device.type != "cuda":
+        return min(rows, _INTERP_SMS * pps)
+    key = (device.index, cfg.warps, tuple(sorted(meta.items())))
+    fit = _resident.get(key)
+    if fit is None:
+        fit = pps  # trusted as given if the occupancy cannot be computed
+        try:
+            compiled = _rows_kernel.warmup(*args, grid=(1,), num_warps=cfg.warps, **meta)
+            compiled._init_handles()
+            props = torch.cuda.get_device_properties(device)
+            fit = _configs.max_resident_programs(
+                warps=cfg.warps,
+                regs_per_thread=int(compiled.n_regs),
+                shared_bytes=int(compiled.metadata.shared),
+                max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
+                regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
+                shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)),
+            )
+        except Exception:  # an older Triton without warmup / n_regs: trust the config
+            pass
+        with _resident_lock:
+            _resident[key] = fit
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return min(rows, sms * min(pps, fit))
+
+
+def _launch_rows(
+    cfg: RowsConfig,
+    table: torch.Tensor,
+    rows: int,
+    grid: int | None,
+    src_base: torch.Tensor,
+    dst_base: torch.Tensor,
+    parts: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None,
+    keys: tuple[int, int, int],
+    src_kind: int,
+    dst_kind: int,
+    stochastic: bool,
+) -> int:
+    """One row-kernel launch; ``grid`` None: computed (:func:`_programs`). Returns the grid used.
+
+    ``parts``: ``(part_sq, part_bad, part_base, counter, stats)`` when the launch computes statistics."""
+    if parts is None:
+        part_sq = part_bad = counter = stats = table  # unused (STATS=False)
+        part_base = 0
+    else:
+        part_sq, part_bad, part_base, counter, stats = parts
+    args = (table, rows, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys)
+    meta = dict(
+        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=parts is not None, ONE_PASS=cfg.one_pass,
+        STOCHASTIC=stochastic, BLOCK=cfg.block,
+    )  # fmt: skip
+    if grid is None:
+        grid = _programs(cfg, rows, table.device, args, meta)
+    _rows_kernel[(grid,)](*args, num_warps=cfg.warps, **meta)
+    return grid
+
+
+# ------------------------------------------------------------------------------------------ flatten
+
+
+@dataclasses.dataclass
+class _FlattenPlan:
+    """Cached per exact call layout: per-group tables and grids, and the statistics scratch (partials sized
+    for the largest grid the config can give, and the ONE_PASS ticket counter, zero between launches)."""
+
+    cfg: RowsConfig
+    groups: list[list[Any]]  # [table, base index in grads or -1, rows, src kind, grid or None until launched]
+    part_sq: torch.Tensor | None
+    part_bad: torch.Tensor | None
+    counter: torch.Tensor | None
+
+
+_flatten_plans = PlanCache()
+
+
+def _sm_count(device: torch.device) -> int:
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else _INTERP_SMS
+    )
+
+
 def launch_flatten(
     grads: list[torch.Tensor | None],
     sizes: list[int],
     out: torch.Tensor,
     stats: torch.Tensor | None,
 ) -> None:
-    """Copy ``grads`` into ``out`` and accumulate stats: one launch per distinct source dtype + one finalize.
+    """Copy ``grads`` into ``out`` and accumulate stats: one launch per distinct source dtype (+ one
+    finalize launch when the config reduces in two passes).
 
     ``grads`` entries must already be contiguous, on ``out``'s device, of a supported dtype, element-aligned
     and of the right size (the public function checks). ``None`` entries are zero-filled by the kernel.
-    The launch plan (work tables, grouping) is cached by the exact addresses, dtypes and sizes, so a
-    repeated call costs one pass over the list plus the launches.
+    The launch plan (config, work tables, grids, statistics scratch) is cached by the exact addresses,
+    dtypes and sizes, so a repeated call costs one pass over the list plus the launches.
     """
     device = out.device
-    chunk = _tables.CHUNK
+    cfg = _config("flatten", out.numel())
+    want_stats = stats is not None
     key = (
         device,
         _stream_key(device),
-        chunk,
+        cfg,
+        want_stats,
         out.data_ptr(),
         out.storage_offset(),
         out.dtype,
         tuple(sizes),
         tuple((g.data_ptr(), g.dtype) if g is not None else None for g in grads),
     )
-    plan = _flatten_plans.get(key)
+    plan: _FlattenPlan | None = _flatten_plans.get(key)
     if plan is None:
-        plan = _flatten_plan(grads, sizes, out, chunk)
+        groups = _flatten_groups(grads, sizes, out, cfg.chunk)
+        part_sq = part_bad = counter = None
+        if want_stats and groups:
+            pps, sms = cfg.programs_per_sm, _sm_count(device)
+            bounds = [g[2] if pps == 0 else min(g[2], sms * pps) for g in groups]  # >= each launch's grid
+            n_parts = max(bounds) if cfg.one_pass else sum(bounds)
+            part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
+            part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+        plan = _FlattenPlan(cfg, groups, part_sq, part_bad, counter)
         _flatten_plans.put(key, plan)
-    groups, total_rows = plan
-    if total_rows == 0:
+    if not plan.groups:
         return
     out_s = _as_storage(out)
     out_base = _storage_start(out_s)
-    want_stats = stats is not None
-    if want_stats:
-        part_sq = torch.empty(total_rows, dtype=torch.float32, device=device)
-        part_bad = torch.empty(total_rows, dtype=torch.int32, device=device)
-    else:
-        part_sq = part_bad = out_s  # unused (STATS=False)
-    block = _tile(_FLATTEN_BLOCK)
     dst_kind = _KIND[out.dtype][0]
-    for table, base_idx, rows, part_base, skind in groups:
+    part_base = 0
+    for entry in plan.groups:
+        table, base_idx, rows, skind, grid = entry
         base = out_s if base_idx < 0 else _as_storage(grads[base_idx])  # type: ignore[arg-type]
-        _flatten_kernel[(rows,)](
-            table, base, out_base, part_sq, part_bad, part_base,
-            SRC_KIND=skind, DST_KIND=dst_kind, STATS=want_stats, BLOCK=block, num_warps=_FLATTEN_WARPS,
-        )  # fmt: skip
-    if want_stats:
-        _stats_finalize_kernel[(1,)](part_sq, part_bad, total_rows, stats, BLOCK=_FINALIZE_BLOCK, num_warps=4)
+        parts = None
+        if stats is not None:
+            assert plan.part_sq is not None and plan.part_bad is not None and plan.counter is not None
+            parts = (plan.part_sq, plan.part_bad, 0 if cfg.one_pass else part_base, plan.counter, stats)
+        entry[4] = _launch_rows(
+            cfg, table, rows, grid, base, out_base, parts, (0, 0, 0), skind, dst_kind, False
+        )
+        part_base += entry[4]
+    if stats is not None and not cfg.one_pass:
+        _stats_finalize_kernel[(1,)](
+            plan.part_sq, plan.part_bad, part_base, stats, BLOCK=_FINALIZE_BLOCK, num_warps=4
+        )
 
 
-def _flatten_plan(
+def _flatten_groups(
     grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, chunk: int
-) -> tuple[list[tuple[torch.Tensor, int, int, int, int]], int]:
+) -> list[list[Any]]:
     """Group by source dtype and build each group's device work table.
 
-    Returns ``([(table, base index in grads or -1 for out, rows, first partial slot, src kind)], rows)``.
+    Returns ``[[table, base index in grads or -1 for out, rows, src kind, None (the grid, set at launch)]]``.
     """
     device = out.device
     dst_es = _KIND[out.dtype][1]
@@ -401,7 +610,6 @@ def _flatten_plan(
     out_base_al = (out_addr - out.storage_offset() * dst_es) % 16 == 0
     dst_off = out.storage_offset() + flat_off  # from the storage start (the kernel's out pointer)
     groups = []
-    total_rows = 0
     for sdt, idx in by_dtype.items():
         skind, ses = _KIND[sdt]
         idx_np = np.asarray(idx, dtype=np.int64)
@@ -421,109 +629,13 @@ def _flatten_plan(
         rows_np = chunk_rows(src_off, dst_off[idx_np], sizes_np[idx_np], flags, chunk)
         if len(rows_np) == 0:
             continue
-        groups.append((_upload(rows_np, device), base_idx, len(rows_np), total_rows, skind))
-        total_rows += len(rows_np)
-    return groups, total_rows
+        groups.append([_upload(rows_np, device), base_idx, len(rows_np), skind, None])
+    return groups
 
 
 # ------------------------------------------------------------------------------------------ scatter
 
-
-@triton.jit
-def _scatter_convert(
-    x, counter, seed, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr, STOCHASTIC: tl.constexpr
-):
-    """Flat storage -> parameter storage; stochastic rounding (Philox at ``counter``) only for fp32 -> bf16."""
-    if SRC_KIND == DST_KIND:
-        return x  # same format: a plain bit copy
-    else:
-        xf = _to_f32(x, SRC_KIND)
-        if STOCHASTIC and DST_KIND == 1:
-            # Keyed by (seed, flat index + rng_offset): independent of the launch layout.
-            return _from_f32(xf, tl.randint(seed, counter), DST_KIND, True)
-        else:
-            return _from_f32(xf, 0, DST_KIND, False)
-
-
-@triton.jit
-def _scatter_tiles(
-    src, dst, stop, src_off, rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK: tl.constexpr
-):
-    """Whole tiles ``[0, stop)`` without masks."""
-    for start in range(0, stop, BLOCK):
-        offs = start + lane
-        y = _scatter_convert(
-            tl.load(src + offs), src_off + offs + rng_offset, seed, SRC_KIND, DST_KIND, STOCHASTIC
-        )
-        tl.store(dst + offs, y)
-
-
-@triton.jit(do_not_specialize=["seed", "rng_offset"])
-def _scatter_kernel(
-    table_ptr,
-    dst_base_ptr,
-    flat_ptr,
-    seed,
-    rng_offset,
-    SRC_KIND: tl.constexpr,
-    DST_KIND: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One program per table row ``[dst_off, src_off, flags, n]``: ``dst[i] = cast(flat[src_off + i])``.
-
-    ``dst_off`` is in elements from ``dst_base_ptr`` (the lowest-addressed parameter of this dtype group);
-    tiles, flags and tail as in :func:`_flatten_kernel`.
-    """
-    pid = tl.program_id(0)
-    row = table_ptr + pid.to(tl.int64) * 4
-    dst_off = tl.load(row)
-    src_off = tl.load(row + 1)
-    flags = tl.load(row + 2)
-    n = tl.load(row + 3)
-    lane = tl.arange(0, BLOCK)
-    n_full = n - n % BLOCK
-    src_al = (flags & 2) != 0
-    dst_al = (flags & 4) != 0
-    VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
-    VD: tl.constexpr = 4 if DST_KIND == 0 else 8
-    if src_al & dst_al:
-        _scatter_tiles(
-            flat_ptr + _aligned_off(src_off, VS), dst_base_ptr + _aligned_off(dst_off, VD), n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    elif src_al:
-        _scatter_tiles(
-            flat_ptr + _aligned_off(src_off, VS), dst_base_ptr + dst_off, n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    elif dst_al:
-        _scatter_tiles(
-            flat_ptr + src_off, dst_base_ptr + _aligned_off(dst_off, VD), n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    else:
-        _scatter_tiles(
-            flat_ptr + src_off, dst_base_ptr + dst_off, n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    src = flat_ptr + src_off
-    dst = dst_base_ptr + dst_off
-    for start in range(n_full, n, BLOCK):  # the tail
-        offs = start + lane
-        mask = offs < n
-        x = tl.load(src + offs, mask=mask, other=0)
-        y = _scatter_convert(x, src_off + offs + rng_offset, seed, SRC_KIND, DST_KIND, STOCHASTIC)
-        tl.store(dst + offs, y, mask=mask)
-
-
 _scatter_plans = PlanCache()
-
-# NOTE: same sweep as flatten: 1024 x 4 x 16 Ki gave 96% (aligned) / 94% (odd sizes) of the copy ceiling
-# for fp32 -> bf16; 2048 x 8 measured 98.7% / 97.5%, a gap within what one run per config can resolve, so
-# both ops keep one setting. Stochastic rounding is Philox-bound: ~44% of the ceiling (1.9 TB/s).
-_SCATTER_BLOCK = 1024
-_SCATTER_WARPS = 4
 
 
 def launch_scatter(
@@ -540,36 +652,38 @@ def launch_scatter(
     public function arranges this). The launch plan is cached like :func:`launch_flatten`'s.
     """
     device = flat.device
-    chunk = _tables.CHUNK
+    src_kind = _KIND[flat.dtype][0]
+    # as the twin: only an fp32 flat buffer is rounded stochastically (fp16 -> bf16 stays RNE)
+    stochastic = (
+        bool(stochastic_rounding) and src_kind == 0 and any(p.dtype == torch.bfloat16 for p in params)
+    )
+    cfg = _config("scatter_sr" if stochastic else "scatter", flat.numel())
     key = (
         device,
         _stream_key(device),
-        chunk,
+        cfg,
         flat.data_ptr(),
         flat.storage_offset(),
         flat.dtype,
         tuple((p.data_ptr(), p.dtype, p.numel()) for p in params),
     )
-    plan = _scatter_plans.get(key)
+    plan: list[list[Any]] | None = _scatter_plans.get(key)
     if plan is None:
-        plan = _scatter_plan(flat, params, chunk)
+        plan = _scatter_plan(flat, params, cfg.chunk)
         _scatter_plans.put(key, plan)
     flat_base = _storage_start(_as_storage(flat))
+    k0, k1 = sr_keys(seed) if stochastic else (0, 0)
     rng_offset = int(offset) - flat.storage_offset()  # table offsets count from the storage start
-    src_kind = _KIND[flat.dtype][0]
-    block = _tile(_SCATTER_BLOCK)
-    for table, base_idx, rows, dkind in plan:
-        _scatter_kernel[(rows,)](
-            table, _as_storage(params[base_idx]), flat_base, int(seed), rng_offset,
-            SRC_KIND=src_kind, DST_KIND=dkind, STOCHASTIC=bool(stochastic_rounding),
-            BLOCK=block, num_warps=_SCATTER_WARPS,
+    for entry in plan:
+        table, base_idx, rows, dkind, grid = entry
+        entry[4] = _launch_rows(
+            cfg, table, rows, grid, flat_base, _as_storage(params[base_idx]), None, (k0, k1, rng_offset),
+            src_kind, dkind, stochastic and dkind == 1,
         )  # fmt: skip
 
 
-def _scatter_plan(
-    flat: torch.Tensor, params: list[torch.Tensor], chunk: int
-) -> list[tuple[torch.Tensor, int, int, int]]:
-    """Group by parameter dtype; ``[(table, base index in params, rows, dst kind)]``."""
+def _scatter_plan(flat: torch.Tensor, params: list[torch.Tensor], chunk: int) -> list[list[Any]]:
+    """Group by parameter dtype; ``[[table, base index in params, rows, dst kind, grid or None]]``."""
     src_es = _KIND[flat.dtype][1]
     sizes_np = np.asarray([p.numel() for p in params], dtype=np.int64)
     flat_off = np.cumsum(sizes_np) - sizes_np
@@ -580,7 +694,7 @@ def _scatter_plan(
     flat_addr = flat.data_ptr()
     flat_base_al = (flat_addr - flat.storage_offset() * src_es) % 16 == 0
     src_off = flat.storage_offset() + flat_off  # from the storage start (the kernel's flat pointer)
-    plan = []
+    plan: list[list[Any]] = []
     for pdt, idx in by_dtype.items():
         dkind, des = _KIND[pdt]
         idx_np = np.asarray(idx, dtype=np.int64)
@@ -589,9 +703,9 @@ def _scatter_plan(
         dst_off = (addrs - addrs[b]) // des  # exact (addresses are whole elements); may be < 0
         src_al = aligned16(flat_addr + flat_off[idx_np] * src_es) & flat_base_al
         dst_al = aligned16(addrs) & (addrs[b] % 16 == 0)
-        flags = src_al * _SRC_AL + dst_al * _DST_AL
-        rows_np = chunk_rows(dst_off, src_off[idx_np], sizes_np[idx_np], flags, chunk)
-        plan.append((_upload(rows_np, flat.device), int(idx_np[b]), len(rows_np), dkind))
+        flags = _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
+        rows_np = chunk_rows(src_off[idx_np], dst_off, sizes_np[idx_np], flags, chunk)
+        plan.append([_upload(rows_np, flat.device), int(idx_np[b]), len(rows_np), dkind, None])
     return plan
 
 

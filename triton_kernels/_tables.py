@@ -1,16 +1,16 @@
 """Host-side work tables for the multi-tensor kernels (pure torch + numpy, no Triton).
 
 The multi-tensor kernels (flatten, scatter) take one small int64 *work table* per launch: one row per
-program, each naming an element offset from the launch's base tensor (the lowest-addressed tensor of a
-dtype group), an offset in the flat bucket and an element count. Building it is a
+chunk of work, each naming a source and a destination element offset (one side from the launch's base
+tensor, the lowest-addressed tensor of a dtype group; the other in the flat bucket) and an element count. Building it is a
 vectorised numpy computation over the tensor list; the plan (tables on the device, grouping) is cached by
 the exact contents that determine it (addresses, sizes, dtypes), so a step that sees the same gradient /
 parameter storage again (the usual case with PyTorch's caching allocator) launches without rebuilding
 anything and without a host-to-device copy.
 
-Rows are *chunks* of at most :data:`CHUNK` elements so that one huge tensor is spread over many programs
-and many tiny tensors each get their own program: the grouped-launch scheme of torch's
-``multi_tensor_apply`` / Liger, flattened into a single 1-D grid.
+Rows are *chunks* of at most ``chunk`` elements (the launch config's) so that one huge tensor is spread
+over many programs and many tiny tensors each get their own row: the grouped-launch scheme of torch's
+``multi_tensor_apply`` / Liger, flattened into a single 1-D list that a persistent grid strides over.
 """
 
 from __future__ import annotations
@@ -24,14 +24,8 @@ import numpy as np
 
 __all__ = ["CHUNK", "PlanCache", "aligned16", "chunk_rows"]
 
-# NOTE: 16 Ki elements per program. A 16 MB bf16 bucket is then 512 programs (about 4 per SM on a
-# 132-SM H200) and a 256 MB one 8192, while the table stays at 32 B per 16 Ki elements (256 KiB for
-# 256 MB). Measured on one H200 (bench_triton.py --sweep, 256 MB, one run per config): with the chosen
-# 1024-element x 4-warp tiles 16 Ki beats 64 Ki for both ops and layouts (scatter fp32 -> bf16 96% vs 87%
-# of the device-copy ceiling aligned, 95% vs 73% with odd sizes; flatten 81% vs 79%); 64 Ki only wins
-# with 4096-element tiles, which are slower overall. Under the CPU interpreter it also bounds one
-# program's Python work. Must stay a multiple of 8 (rows keep their
-# entry's 16-byte alignment).
+# NOTE: the default row length only; the launchers take theirs from the launch config (see _configs.py,
+# where the sizes were measured). Must stay a multiple of 8 (rows keep their entry's 16-byte alignment).
 CHUNK = 1 << 14
 
 
@@ -44,9 +38,12 @@ def chunk_rows(
 ) -> np.ndarray:
     """Split entries into chunk rows ``[entry_offset, flat_offset, flags, n]`` (int64, offsets in elements).
 
+    The kernels read the first column as the source and the second as the destination; scatter passes
+    the flat offsets first.
+
     Args:
-        entry_off: element offset of each entry's first element from its group's base tensor.
-        flat_off: element offset of each entry in the flat bucket.
+        entry_off: element offset of each entry's first element (from its group's base tensor, or flat).
+        flat_off: element offset of each entry in the flat bucket (or from the group's base tensor).
         numel: element count of each entry.
         flags: per-entry bit field copied to every row of the entry (the kernels define the bits; a chunk
             of ``chunk`` elements starts at the same 16-byte alignment as its entry when ``chunk`` is a

@@ -1,0 +1,189 @@
+"""Launch configurations of the multi-tensor copy kernels (flatten, scatter): data, chosen from the sizes.
+
+Pure Python (no Triton, no torch): the policy is a table, the launchers in :mod:`._kernels` execute it.
+
+A :class:`RowsConfig` says how a launch cuts the flat bucket into work-table rows (``chunk`` elements each),
+how wide one tile is (``block`` elements, ``warps`` warps), how many programs run (``programs_per_sm``: a
+persistent grid of that many programs per SM, clamped to what fits on an SM at once; ``0``: one program
+per row) and how the statistics are reduced (``one_pass``: the last program to finish adds the per-program
+partials into ``stats`` in the same launch; else a second, single-program launch does).
+
+:func:`choose` picks a config from a table keyed by the bucket's element count (the first row whose bound
+is at least the count): deterministic, no run-time autotuning, so nothing is compiled or timed inside a
+CUDA-graph capture or under ``TRITON_INTERPRET=1``. :func:`forced` overrides the choice for one op family
+(the benchmark sweep and the tests use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "FAMILIES",
+    "HEURISTIC",
+    "LEGACY",
+    "RowsConfig",
+    "choose",
+    "forced",
+    "is_forced",
+    "max_resident_programs",
+    "sweep_candidates",
+]
+
+# Op families with their own table: flatten (with or without statistics), the plain scatter (RNE cast or
+# bit copy) and the stochastic-rounding scatter (ALU-heavier: a hash per element).
+FAMILIES = ("flatten", "scatter", "scatter_sr")
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """One launch configuration of the row kernel (see the module docstring)."""
+
+    chunk: int
+    block: int
+    warps: int
+    programs_per_sm: int
+    one_pass: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: object, fix: str) -> ValueError:
+            return ValueError(f"RowsConfig.{field}={value!r} is invalid: {fix}")
+
+        if self.block < 16 or self.block & (self.block - 1):
+            raise bad("block", self.block, "use a power of two >= 16 (e.g. 1024)")
+        if self.chunk < self.block or self.chunk % self.block:
+            raise bad("chunk", self.chunk, f"use a multiple of block={self.block} (e.g. {4 * self.block})")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise bad("warps", self.warps, "use 1, 2, 4, 8 or 16")
+        if self.programs_per_sm < 0:
+            raise bad(
+                "programs_per_sm", self.programs_per_sm, "use 0 (one program per row) or a positive count"
+            )
+
+    @property
+    def tag(self) -> str:
+        """A short readable name, e.g. ``c4096/b1024/w4/p8/1p``."""
+        grid = f"p{self.programs_per_sm}" if self.programs_per_sm else "rows"
+        return f"c{self.chunk}/b{self.block}/w{self.warps}/{grid}/{'1p' if self.one_pass else '2p'}"
+
+
+# The kernels as they were before this table existed: 16 Ki-element rows, one program each, 1024-element
+# tiles on 4 warps, statistics reduced by a second launch. Kept as a sweep baseline.
+LEGACY = RowsConfig(chunk=1 << 14, block=1024, warps=4, programs_per_sm=0, one_pass=False)
+
+# NOTE: (max elements, config) per family, first match wins; the last bound must be None (no limit).
+# Why these shapes, before any sweep on them (docs/triton_kernels.md has the reasoning):
+# * a 16 MB bf16 bucket is 8 Mi elements: with the legacy 16 Ki rows that is only 512 programs of 4 warps,
+#   ~16 warps per SM on a 132-SM H200, too few bytes in flight for HBM; 4-8 Ki rows on a persistent grid of
+#   8 programs per SM keep every SM at its occupancy limit and leave no half-empty last wave;
+# * 2048-element tiles on 4 warps = 16 elements per thread: two 16-byte loads per thread for bf16 sources;
+# * a persistent grid bounds the number of statistics partials (~1 K), so the last program reduces them in
+#   one tile, in the same launch (no second kernel on the critical path).
+# REPLACE with the winners of `bench_triton.py --sweep` (it prints this table filled in).
+HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
+    "flatten": (
+        (1 << 24, RowsConfig(chunk=8192, block=2048, warps=4, programs_per_sm=8)),
+        (None, RowsConfig(chunk=1 << 14, block=2048, warps=4, programs_per_sm=8)),
+    ),
+    "scatter": (
+        (1 << 24, RowsConfig(chunk=8192, block=2048, warps=4, programs_per_sm=8)),
+        (None, RowsConfig(chunk=1 << 14, block=2048, warps=4, programs_per_sm=8)),
+    ),
+    "scatter_sr": ((None, RowsConfig(chunk=8192, block=1024, warps=4, programs_per_sm=8)),),
+}
+
+_force_lock = threading.Lock()
+_forced: dict[str, RowsConfig] = {}
+
+
+def choose(family: str, numel: int) -> RowsConfig:
+    """The config for ``numel`` elements of op ``family`` (a forced one if :func:`forced` is active)."""
+    cfg = _forced.get(family)
+    if cfg is not None:
+        return cfg
+    for bound, c in HEURISTIC[family]:
+        if bound is None or numel <= bound:
+            return c
+    raise AssertionError(f"HEURISTIC[{family!r}] has no unbounded last row")
+
+
+def is_forced(family: str) -> bool:
+    """Whether :func:`forced` currently overrides ``family``'s table."""
+    return family in _forced
+
+
+@contextlib.contextmanager
+def forced(**by_family: RowsConfig | None) -> Iterator[None]:
+    """Within the block, launches of the given families use the given configs (``None``: the table's).
+
+    Process-wide (not per thread): meant for benchmarks and tests. Example:
+    ``with forced(flatten=RowsConfig(4096, 1024, 4, 8)): ...``.
+    """
+    for fam in by_family:
+        if fam not in FAMILIES:
+            raise ValueError(f"forced({fam}=...): unknown op family, use one of {FAMILIES}")
+    with _force_lock:
+        saved = dict(_forced)
+        for fam, cfg in by_family.items():
+            if cfg is None:
+                _forced.pop(fam, None)
+            else:
+                _forced[fam] = cfg
+    try:
+        yield
+    finally:
+        with _force_lock:
+            _forced.clear()
+            _forced.update(saved)
+
+
+def max_resident_programs(
+    *,
+    warps: int,
+    regs_per_thread: int,
+    shared_bytes: int,
+    max_threads_per_sm: int = 2048,
+    regs_per_sm: int = 65536,
+    shared_per_sm: int = 228 * 1024,
+    max_blocks_per_sm: int = 32,
+) -> int:
+    """How many programs (CTAs) of this kernel fit on one SM at once (CUDA occupancy rules, NVIDIA).
+
+    Registers are allocated per warp in units of 256; a persistent grid larger than this would run its
+    surplus programs as a second wave after the first ones finished, doubling the kernel's time.
+    """
+    threads = warps * 32
+    by_threads = max_threads_per_sm // threads
+    per_warp = -(-max(regs_per_thread, 1) * 32 // 256) * 256
+    by_regs = (regs_per_sm // per_warp) // warps
+    by_shared = shared_per_sm // shared_bytes if shared_bytes > 0 else max_blocks_per_sm
+    return max(1, min(by_threads, by_regs, by_shared, max_blocks_per_sm))
+
+
+def sweep_candidates(family: str) -> list[RowsConfig]:
+    """The configurations ``bench_triton.py --sweep`` times for ``family`` (LEGACY first), bounded so that
+    a sweep over three sizes and two layouts stays within a few minutes of one H200."""
+    cands = [
+        LEGACY,
+        RowsConfig(4096, 1024, 4, 0, one_pass=False),  # old kernel shape, 4x more programs
+        RowsConfig(4096, 1024, 4, 8),
+        RowsConfig(4096, 1024, 4, 16),
+        RowsConfig(4096, 2048, 8, 4),
+        RowsConfig(8192, 2048, 4, 8),
+        RowsConfig(8192, 2048, 8, 4),
+        RowsConfig(8192, 4096, 8, 4),
+        RowsConfig(16384, 1024, 4, 8),
+        RowsConfig(16384, 2048, 4, 8),
+        RowsConfig(16384, 2048, 8, 8),
+    ]
+    if family == "flatten":  # what the single-launch reduction buys
+        cands += [RowsConfig(8192, 2048, 4, 8, one_pass=False), RowsConfig(4096, 1024, 4, 8, one_pass=False)]
+    if family == "scatter_sr":
+        cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048][:6]]
+    for _, c in HEURISTIC[family]:
+        if c not in cands:
+            cands.append(c)
+    return cands
