@@ -24,6 +24,7 @@ if _INTERPRETER:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import triton  # noqa: E402,F401  -- imported here on purpose: after TRITON_INTERPRET is set
+from hf_superoffload.triton_kernels import _configs  # noqa: E402
 from hf_superoffload.triton_kernels import reference as ref  # noqa: E402
 
 from hf_superoffload import triton_kernels as tk  # noqa: E402
@@ -35,6 +36,13 @@ else:
     os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
 
 BIG = 2**20 + 3  # the large odd size; keep the interpreter time sane (~1 s per kernel call)
+
+# Every launch config the size table or the benchmark sweep can pick, each forced in turn below.
+ALL_CONFIGS = sorted(
+    {c for fam in _configs.FAMILIES for c in _configs.sweep_candidates(fam)}
+    | {c for fam in _configs.FAMILIES for _, c in _configs.HEURISTIC[fam]},
+    key=lambda c: c.tag,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +111,16 @@ def assert_stats(stats: torch.Tensor, expected: torch.Tensor) -> None:
     s, e = stats.cpu(), expected.cpu()
     torch.testing.assert_close(s[0], e[0], rtol=1e-5, atol=0.0, equal_nan=True)
     assert s[1].item() == e[1].item(), (s, e)
+
+
+def _slice_of(flat: torch.Tensor, params: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    """The slice of ``flat`` that ``scatter_flat_`` copies into ``p`` (one of ``params``)."""
+    off = 0
+    for q in params:
+        if q is p:
+            return flat[off : off + q.numel()]
+        off += q.numel()
+    raise AssertionError("p is not in params")
 
 
 def random_shapes(n: int, gen: torch.Generator) -> list[tuple[int, ...]]:
@@ -269,6 +287,75 @@ class _KernelChecks:
             else:  # stochastic: one of the two neighbours
                 assert ((p.double() - want.double()).abs() <= (want.abs().double() * 2**-7)).all()
             off += p.numel()
+
+    # ---- every launch config, forced
+
+    def _mixed_layout(self, cfg: _configs.RowsConfig, seed: int) -> list[int]:
+        """Sizes that give rows of every kind under ``cfg``: a 1 and a 127 (tail-only rows), many small
+        tensors (more rows than a persistent grid has programs), entries of several whole chunks plus a tail
+        at odd bucket offsets (unaligned rows), a whole-tile multiple."""
+        gen = self.gen(seed)
+        small = [int(x) for x in torch.randint(1, 300, (40,), generator=gen)]
+        return [1, 127, *small, 2 * cfg.chunk + 5, cfg.block * 3, cfg.chunk + cfg.block // 2 + 1, 8]
+
+    @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.tag)
+    def test_flatten_forced_config(self, cfg: _configs.RowsConfig) -> None:
+        sizes = self._mixed_layout(cfg, 21)
+        gen = self.gen(22)
+        dtypes = [torch.bfloat16, torch.float32, torch.float16]
+        grads: list[torch.Tensor | None] = []
+        for i, n in enumerate(sizes):
+            g = torch.randn(n, generator=gen).to(dtypes[i % 3])
+            if i == 7:
+                g[0] = float("inf")
+            grads.append(None if i % 11 == 5 else self.t(g))
+        out = self.t(torch.full((sum(sizes),), 7.0, dtype=torch.bfloat16))
+        exp_out = torch.empty_like(out)
+        exp_stats = self.t(torch.tensor([0.5, 1.0]))
+        ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+        with _configs.forced(flatten=cfg):
+            stats = self.t(torch.tensor([0.5, 1.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+            assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+            assert torch.equal(out.view(torch.int16), exp_out.view(torch.int16))
+            assert_stats(stats, exp_stats)
+            assert stats[1].item() == 2.0
+            # again: the single-launch reduction's ticket counter was reset, the result is deterministic
+            again = self.t(torch.tensor([0.5, 1.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, again)
+            assert torch.equal(again, stats)
+            # without statistics, into fp32
+            out32 = self.t(torch.empty(sum(sizes)))
+            tk.flatten_grads_with_stats_(grads, sizes, out32, None)
+            exp32 = torch.empty_like(out32)
+            ref.flatten_grads_with_stats_(grads, sizes, exp32, None)
+            assert torch.equal(out32, exp32)
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy fp16 casts (interpreter)
+    @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.tag)
+    def test_scatter_forced_config(self, cfg: _configs.RowsConfig) -> None:
+        sizes = self._mixed_layout(cfg, 23)
+        gen = self.gen(24)
+        dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float16]
+        params = [self.t(torch.empty(n, dtype=dtypes[i % 4])) for i, n in enumerate(sizes)]
+        flat = self.t(special_f32(sum(sizes) + 3, gen))[3:]  # an odd view: unaligned flat rows
+        with _configs.forced(scatter=cfg, scatter_sr=cfg):
+            tk.scatter_flat_(flat, params)
+            assert tk.last_backend("scatter_flat_") == "triton"
+            exp = [torch.empty_like(p) for p in params]
+            ref.scatter_flat_(flat, exp)
+            for p, e in zip(params, exp):
+                if p.dtype == torch.bfloat16:
+                    assert_bf16_bitwise(p, _slice_of(flat, params, p), e)
+                else:  # NaN payloads may differ (fp16): NaN-ness, and every other value exactly
+                    nan = e.isnan()
+                    assert torch.equal(p.isnan(), nan) and torch.equal(p[~nan], e[~nan])
+            # stochastic rounding: the twin's bits exactly (same hash, same counters)
+            tk.scatter_flat_(flat, params, stochastic_rounding=True, seed=77, offset=1000)
+            ref.scatter_flat_(flat, exp, stochastic_rounding=True, seed=77, offset=1000)
+            for p, e in zip(params, exp):
+                if p.dtype == torch.bfloat16:
+                    assert_bf16_bitwise(p, _slice_of(flat, params, p), e)
 
     # ---- scatter
 
