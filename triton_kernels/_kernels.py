@@ -236,7 +236,9 @@ def _copy_tiles(
     return acc_sq, acc_bad
 
 
-@triton.jit(do_not_specialize=["k0", "k1", "rng_offset"])
+# NOTE: only the pointers are specialised (16-byte alignment): the integers are loop bounds, keys and
+# offsets, where a divisibility specialisation buys nothing and would compile a variant per row count.
+@triton.jit(do_not_specialize=["n_rows", "part_base", "k0", "k1", "rng_offset"])
 def _rows_kernel(
     table_ptr,
     n_rows,
@@ -426,6 +428,8 @@ def _config(family: str, numel: int) -> RowsConfig:
 
 _resident: dict[tuple[Any, ...], int] = {}
 _resident_lock = threading.Lock()
+# Registers, spills, shared memory and programs per SM of each compiled row-kernel variant (for benchmarks).
+occupancy: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
 def _programs(
@@ -454,6 +458,10 @@ def _programs(
                 regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
                 shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)),
             )
+            occupancy[key] = {
+                "warps": cfg.warps, **meta, "regs": int(compiled.n_regs), "spills": int(compiled.n_spills),
+                "shared": int(compiled.metadata.shared), "fit_per_sm": fit,
+            }  # fmt: skip
         except Exception:  # an older Triton without warmup / n_regs: trust the config
             pass
         with _resident_lock:
@@ -485,7 +493,7 @@ def _launch_rows(
         part_sq, part_bad, part_base, counter, stats = parts
     args = (table, rows, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys)
     meta = dict(
-        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=parts is not None, ONE_PASS=cfg.one_pass,
+        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=parts is not None, ONE_PASS=cfg.one_pass and parts is not None,
         STOCHASTIC=stochastic, BLOCK=cfg.block,
     )  # fmt: skip
     if grid is None:
