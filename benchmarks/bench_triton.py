@@ -386,7 +386,9 @@ def sweep(
                         except Exception as e:  # a config that does not compile or launch
                             err, g_ms = f"{type(e).__name__}: {e}", None
                     gg = op.nbytes / g_ms / 1e6 if g_ms else None
-                    rec.update(error=err, graph_ms=g_ms, graph_gbps=gg, frac_of_copy=gg / ceiling if gg else None)
+                    rec.update(
+                        error=err, graph_ms=g_ms, graph_gbps=gg, frac_of_copy=gg / ceiling if gg else None
+                    )
                     out.append(rec)
                     status = f"{gg:6.0f} GB/s ({gg / ceiling:5.1%})" if gg else f"FAILED: {err}"
                     print(f"  {op.name:22s} {mb:4d} MB {layout:7s} {cfg.tag:24s} {status}", flush=True)
@@ -407,7 +409,9 @@ def summarize(records: list[dict[str, Any]], ceiling: float) -> tuple[list[dict[
     for r in records:
         if r["graph_gbps"] and (r["op"], r["bucket_mb"], r["config"]) not in failed:
             by.setdefault((r["op"], r["bucket_mb"], r["config"]), []).append(r["graph_gbps"])
-            cfg_of[r["config"]] = RowsConfig(r["chunk"], r["block"], r["warps"], r["programs_per_sm"], r["one_pass"])
+            cfg_of[r["config"]] = RowsConfig(
+                r["chunk"], r["block"], r["warps"], r["programs_per_sm"], r["one_pass"]
+            )
     best: list[dict[str, Any]] = []
     for op, mb in sorted({(k[0], k[1]) for k in by}, key=lambda x: (x[0], x[1])):
         cands = {k[2]: statistics.mean(v) for k, v in by.items() if k[0] == op and k[1] == mb}
@@ -459,7 +463,10 @@ def apply_table(table: dict[str, Any]) -> None:
 
     for fam, entries in table.items():
         _configs.HEURISTIC[fam] = tuple(
-            (e["max_elements"], RowsConfig(e["chunk"], e["block"], e["warps"], e["programs_per_sm"], e["one_pass"]))
+            (
+                e["max_elements"],
+                RowsConfig(e["chunk"], e["block"], e["warps"], e["programs_per_sm"], e["one_pass"]),
+            )
             for e in entries
         )
 
@@ -469,7 +476,9 @@ def print_table(rows: list[Row]) -> None:
           f"{'graph GB/s':>10s} {'%copy':>6s} {'legacy':>6s} {'torch ms':>9s} {'GB/s':>6s} {'speedup':>7s}  config")  # fmt: skip
     ceiling = rows[0].triton_gbps / rows[0].frac_of_copy if rows else 1.0
     for r in rows:
-        gg = f"{r.graph_gbps:10.0f} {r.graph_gbps / ceiling:6.1%}" if r.graph_gbps else f"{'n/a':>10s} {'':6s}"
+        gg = (
+            f"{r.graph_gbps:10.0f} {r.graph_gbps / ceiling:6.1%}" if r.graph_gbps else f"{'n/a':>10s} {'':6s}"
+        )
         lg = f"{r.legacy_graph_gbps / ceiling:6.1%}" if r.legacy_graph_gbps else f"{'':6s}"
         print(f"{r.op:22s} {r.bucket_mb:4d} {r.layout:7s} {r.n_tensors:7d} {r.triton_ms:9.3f} {r.triton_gbps:6.0f} "
               f"{r.frac_of_copy:6.1%} {gg} {lg} {r.torch_ms:9.3f} {r.torch_gbps:6.0f} {r.speedup:7.2f}  "
@@ -494,7 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     global MB, _CPU
     if args.cpu_rehearsal:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            print("--cpu-rehearsal: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr)
+            print(
+                "--cpu-rehearsal: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr
+            )
             return 2
         os.environ["TRITON_INTERPRET"] = "1"
         MB, _CPU = 1 << 10, True
@@ -537,7 +548,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=2))
 
     if args.sweep:
-        records, complete = sweep(device, ceiling, args.sweep_reps, l2, args.sizes_mb, args.layouts, args.budget_s)
+        records, complete = sweep(
+            device, ceiling, args.sweep_reps, l2, args.sizes_mb, args.layouts, args.budget_s
+        )
         best, table = summarize(records, ceiling)
         result.update(sweep=records, sweep_complete=complete, best=best, suggested_heuristic=table)
         write()

@@ -2,11 +2,17 @@
 
 Pure Python (no Triton, no torch): the policy is a table, the launchers in :mod:`._kernels` execute it.
 
-A :class:`RowsConfig` says how a launch cuts the flat bucket into work-table rows (``chunk`` elements each),
-how wide one tile is (``block`` elements, ``warps`` warps), how many programs run (``programs_per_sm``: a
-persistent grid of that many programs per SM, clamped to what fits on an SM at once; ``0``: one program
-per row) and how the statistics are reduced (``one_pass``: the last program to finish adds the per-program
-partials into ``stats`` in the same launch; else a second, single-program launch does).
+A :class:`RowsConfig` says how wide one tile is (``block`` elements on ``warps`` warps), how many programs
+run and how the bucket is cut into work-table rows:
+
+* ``programs_per_sm > 0``: a persistent grid of that many programs per SM (clamped to what fits on an SM
+  at once, and to one tile's worth of elements per program), and each program gets one *equal contiguous
+  share* of the group's elements (``_tables.balanced_rows``): no program has a row more than another, so
+  there is no half-empty last wave whatever the bucket size; ``chunk`` must be 0.
+* ``programs_per_sm == 0``: rows of ``chunk`` elements, one program per row (the original scheme).
+
+``one_pass``: the last program to finish adds the per-program statistics partials into ``stats`` in the
+same launch; else a second, single-program launch does.
 
 :func:`choose` picks a config from a table keyed by the bucket's element count (the first row whose bound
 is at least the count): deterministic, no run-time autotuning, so nothing is compiled or timed inside a
@@ -54,20 +60,24 @@ class RowsConfig:
 
         if self.block < 16 or self.block & (self.block - 1):
             raise bad("block", self.block, "use a power of two >= 16 (e.g. 1024)")
-        if self.chunk < self.block or self.chunk % self.block:
-            raise bad("chunk", self.chunk, f"use a multiple of block={self.block} (e.g. {4 * self.block})")
         if self.warps not in (1, 2, 4, 8, 16):
             raise bad("warps", self.warps, "use 1, 2, 4, 8 or 16")
         if self.programs_per_sm < 0:
             raise bad(
                 "programs_per_sm", self.programs_per_sm, "use 0 (one program per row) or a positive count"
             )
+        if self.programs_per_sm and self.chunk:
+            raise bad(
+                "chunk", self.chunk, "use 0 with a persistent grid (programs_per_sm > 0): rows are balanced"
+            )
+        if not self.programs_per_sm and (self.chunk < self.block or self.chunk % self.block):
+            raise bad("chunk", self.chunk, f"use a multiple of block={self.block} (e.g. {4 * self.block})")
 
     @property
     def tag(self) -> str:
-        """A short readable name, e.g. ``c4096/b1024/w4/p8/1p``."""
-        grid = f"p{self.programs_per_sm}" if self.programs_per_sm else "rows"
-        return f"c{self.chunk}/b{self.block}/w{self.warps}/{grid}/{'1p' if self.one_pass else '2p'}"
+        """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows)."""
+        grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
+        return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}"
 
 
 # The kernels as they were before this table existed: 16 Ki-element rows, one program each, 1024-element
@@ -77,22 +87,17 @@ LEGACY = RowsConfig(chunk=1 << 14, block=1024, warps=4, programs_per_sm=0, one_p
 # NOTE: (max elements, config) per family, first match wins; the last bound must be None (no limit).
 # Why these shapes, before any sweep on them (docs/triton_kernels.md has the reasoning):
 # * a 16 MB bf16 bucket is 8 Mi elements: with the legacy 16 Ki rows that is only 512 programs of 4 warps,
-#   ~16 warps per SM on a 132-SM H200, too few bytes in flight for HBM; 4-8 Ki rows on a persistent grid of
-#   8 programs per SM keep every SM at its occupancy limit and leave no half-empty last wave;
+#   ~16 warps per SM on a 132-SM H200, too few bytes in flight for HBM, and at 64 MB 2048 equal rows are
+#   ~2.6 waves of resident programs (the last one partly empty); a persistent grid at the occupancy limit
+#   with one equal share per program keeps every SM busy to the end;
 # * 2048-element tiles on 4 warps = 16 elements per thread: two 16-byte loads per thread for bf16 sources;
 # * a persistent grid bounds the number of statistics partials (~1 K), so the last program reduces them in
-#   one tile, in the same launch (no second kernel on the critical path).
+#   one or two tiles, in the same launch (no second kernel on the critical path).
 # REPLACE with the winners of `bench_triton.py --sweep` (it prints this table filled in).
 HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
-    "flatten": (
-        (1 << 24, RowsConfig(chunk=8192, block=2048, warps=4, programs_per_sm=8)),
-        (None, RowsConfig(chunk=1 << 14, block=2048, warps=4, programs_per_sm=8)),
-    ),
-    "scatter": (
-        (1 << 24, RowsConfig(chunk=8192, block=2048, warps=4, programs_per_sm=8)),
-        (None, RowsConfig(chunk=1 << 14, block=2048, warps=4, programs_per_sm=8)),
-    ),
-    "scatter_sr": ((None, RowsConfig(chunk=8192, block=1024, warps=4, programs_per_sm=8)),),
+    "flatten": ((None, RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=8)),),
+    "scatter": ((None, RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=8)),),
+    "scatter_sr": ((None, RowsConfig(chunk=0, block=1024, warps=4, programs_per_sm=8)),),
 }
 
 _force_lock = threading.Lock()
@@ -168,21 +173,19 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
     a sweep over three sizes and two layouts stays within a few minutes of one H200."""
     cands = [
         LEGACY,
-        RowsConfig(4096, 1024, 4, 0, one_pass=False),  # old kernel shape, 4x more programs
-        RowsConfig(4096, 1024, 4, 8),
-        RowsConfig(4096, 1024, 4, 16),
-        RowsConfig(4096, 2048, 8, 4),
-        RowsConfig(8192, 2048, 4, 8),
-        RowsConfig(8192, 2048, 8, 4),
-        RowsConfig(8192, 4096, 8, 4),
-        RowsConfig(16384, 1024, 4, 8),
-        RowsConfig(16384, 2048, 4, 8),
-        RowsConfig(16384, 2048, 8, 8),
+        RowsConfig(4096, 1024, 4, 0, one_pass=False),  # the legacy kernel shape with 4x more programs
+        RowsConfig(0, 1024, 4, 8),
+        RowsConfig(0, 1024, 4, 16),
+        RowsConfig(0, 2048, 4, 8),
+        RowsConfig(0, 2048, 4, 16),
+        RowsConfig(0, 2048, 8, 4),
+        RowsConfig(0, 2048, 8, 8),
+        RowsConfig(0, 4096, 8, 4),
     ]
     if family == "flatten":  # what the single-launch reduction buys
-        cands += [RowsConfig(8192, 2048, 4, 8, one_pass=False), RowsConfig(4096, 1024, 4, 8, one_pass=False)]
+        cands += [RowsConfig(0, 2048, 4, 8, one_pass=False), RowsConfig(0, 1024, 4, 8, one_pass=False)]
     if family == "scatter_sr":
-        cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048][:6]]
+        cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048 and c.programs_per_sm != 16]]
     for _, c in HEURISTIC[family]:
         if c not in cands:
             cands.append(c)

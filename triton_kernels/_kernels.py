@@ -45,7 +45,7 @@ import triton.language as tl
 
 from . import _configs
 from ._configs import RowsConfig
-from ._tables import PlanCache, aligned16, chunk_rows
+from ._tables import PlanCache, aligned16, balanced_rows, chunk_rows
 from .reference import sr_keys
 
 # torch dtype -> (storage kind constexpr, element size in bytes)
@@ -236,12 +236,12 @@ def _copy_tiles(
     return acc_sq, acc_bad
 
 
-# NOTE: only the pointers are specialised (16-byte alignment): the integers are loop bounds, keys and
-# offsets, where a divisibility specialisation buys nothing and would compile a variant per row count.
-@triton.jit(do_not_specialize=["n_rows", "part_base", "k0", "k1", "rng_offset"])
+# NOTE: only the pointers are specialised (16-byte alignment): the integers are keys and offsets, where a
+# divisibility specialisation buys nothing and would compile more variants.
+@triton.jit(do_not_specialize=["part_base", "k0", "k1", "rng_offset"])
 def _rows_kernel(
     table_ptr,
-    n_rows,
+    starts_ptr,
     src_base_ptr,
     dst_base_ptr,
     part_sq_ptr,
@@ -261,18 +261,20 @@ def _rows_kernel(
 ):
     """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
-    Program ``pid`` of ``G`` handles rows ``pid, pid + G, ...`` (a persistent grid when ``G`` is smaller
-    than the row count, one row per program when it is not); the next row's descriptor is loaded before
-    the current row is copied, so its latency overlaps the copy. Offsets are in elements from the base
-    pointers: unlike an int -> pointer cast, ``base + offset`` keeps the base's 16-byte alignment visible
-    to the compiler. Whole tiles run unmasked, with 16-byte vector loads / stores on the sides the row's
-    flags say are aligned; then a masked tail. Rows without a source (flatten's None gradients) go entirely
-    through the masked loop, loading zeros.
+    Program ``pid`` handles rows ``starts[pid]`` to ``starts[pid + 1]`` (exclusive): one row each in the
+    one-program-per-row scheme, an equal share of the elements each on a persistent grid (see
+    :mod:`._configs`). The next row's descriptor is loaded before the current row is copied, so its latency
+    overlaps the copy. Offsets are in elements from the base pointers: unlike an int -> pointer cast,
+    ``base + offset`` keeps the base's 16-byte alignment visible to the compiler. Whole tiles run
+    unmasked, with 16-byte vector loads / stores on the sides the row's flags say are aligned; then a
+    masked tail. Rows without a source (flatten's None gradients) go entirely through the masked loop,
+    loading zeros.
 
     STATS: each program sums the squares and counts the non-finite values it *stored* (fp32, in registers)
     and writes one partial. ONE_PASS: the program that finishes last (a ticket from an acq_rel atomic on
     ``counter_ptr``) adds all partials, in program order, to ``stats`` and resets the counter: one launch,
-    deterministic. Else ``_stats_finalize_kernel`` does that as a second launch.
+    deterministic (the row -> program assignment is fixed). Else ``_stats_finalize_kernel`` does that as a
+    second launch.
 
     STOCHASTIC (fp32 -> bf16 scatter): the counter of element ``i`` of a row is ``src_off + i + rng_offset``,
     i.e. ``offset`` + its index in the flat buffer, independent of the launch layout.
@@ -284,14 +286,16 @@ def _rows_kernel(
     acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
     VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
     VD: tl.constexpr = 4 if DST_KIND == 0 else 8
-    row = table_ptr + pid.to(tl.int64) * 4  # pid < n_rows: the launcher never starts more programs than rows
-    src_off = tl.load(row)
-    dst_off = tl.load(row + 1)
-    flags = tl.load(row + 2)
-    n = tl.load(row + 3)
-    for r in range(pid, n_rows, n_prog):
-        nxt = table_ptr + (r + n_prog).to(tl.int64) * 4
-        more = r + n_prog < n_rows
+    lo = tl.load(starts_ptr + pid)
+    hi = tl.load(starts_ptr + pid + 1)
+    row = table_ptr + lo.to(tl.int64) * 4
+    src_off = tl.load(row, mask=lo < hi, other=0)
+    dst_off = tl.load(row + 1, mask=lo < hi, other=0)
+    flags = tl.load(row + 2, mask=lo < hi, other=0)
+    n = tl.load(row + 3, mask=lo < hi, other=0)
+    for r in range(lo, hi):
+        nxt = table_ptr + (r + 1) * 4  # int32 is plenty: a table has far fewer than 2**29 rows
+        more = r + 1 < hi
         nxt_src_off = tl.load(nxt, mask=more, other=0)
         nxt_dst_off = tl.load(nxt + 1, mask=more, other=0)
         nxt_flags = tl.load(nxt + 2, mask=more, other=0)
@@ -422,7 +426,8 @@ def _config(family: str, numel: int) -> RowsConfig:
     cfg = _configs.choose(family, numel)
     if mode() == "interpreter" and not _configs.is_forced(family):
         block = _tile(cfg.block)
-        cfg = dataclasses.replace(cfg, block=block, chunk=max(cfg.chunk, 4 * block))
+        chunk = max(cfg.chunk, 4 * block) if cfg.chunk else 0
+        cfg = dataclasses.replace(cfg, block=block, chunk=chunk)
     return cfg
 
 
@@ -430,76 +435,120 @@ _resident: dict[tuple[Any, ...], int] = {}
 _resident_lock = threading.Lock()
 # Registers, spills, shared memory and programs per SM of each compiled row-kernel variant (for benchmarks).
 occupancy: dict[tuple[Any, ...], dict[str, Any]] = {}
+_dummies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _programs(
-    cfg: RowsConfig, rows: int, device: torch.device, args: tuple[Any, ...], meta: dict[str, Any]
-) -> int:
-    """Grid size of a row launch: ``rows`` (one program per row), or a persistent grid of
-    ``programs_per_sm`` per SM clamped to the compiled kernel's occupancy limit, never more than ``rows``."""
-    pps = cfg.programs_per_sm
-    if pps == 0 or rows == 0:
-        return rows
-    if device.type != "cuda":
-        return min(rows, _INTERP_SMS * pps)
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small allocation of ``dtype`` (16-byte aligned like every real one) for compile-only calls."""
+    t = _dummies.get((device, dtype))
+    if t is None:
+        t = _dummies[(device, dtype)] = torch.zeros(8, dtype=dtype, device=device)
+    return t
+
+
+def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic: bool) -> dict[str, Any]:
+    return dict(
+        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=cfg.one_pass and stats,
+        STOCHASTIC=stochastic, BLOCK=cfg.block,
+    )  # fmt: skip
+
+
+_STORAGE = {0: torch.float32, 1: torch.int16, 2: torch.float16}
+
+
+def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> int:
+    """Programs of this row-kernel variant that fit on one SM at once (compiles it, once per variant):
+    from its registers and shared memory, by the CUDA occupancy rules. ``programs_per_sm`` itself when that
+    cannot be worked out (an older Triton without ``warmup`` / ``n_regs``)."""
     key = (device.index, cfg.warps, tuple(sorted(meta.items())))
     fit = _resident.get(key)
-    if fit is None:
-        fit = pps  # trusted as given if the occupancy cannot be computed
-        try:
-            compiled = _rows_kernel.warmup(*args, grid=(1,), num_warps=cfg.warps, **meta)
-            compiled._init_handles()
-            props = torch.cuda.get_device_properties(device)
-            fit = _configs.max_resident_programs(
-                warps=cfg.warps,
-                regs_per_thread=int(compiled.n_regs),
-                shared_bytes=int(compiled.metadata.shared),
-                max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
-                regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
-                shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)),
-            )
-            occupancy[key] = {
-                "warps": cfg.warps, **meta, "regs": int(compiled.n_regs), "spills": int(compiled.n_spills),
-                "shared": int(compiled.metadata.shared), "fit_per_sm": fit,
-            }  # fmt: skip
-        except Exception:  # an older Triton without warmup / n_regs: trust the config
-            pass
-        with _resident_lock:
-            _resident[key] = fit
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(rows, sms * min(pps, fit))
+    if fit is not None:
+        return fit
+    fit = cfg.programs_per_sm
+    try:
+        i64, i32, f32 = (_dummy(device, d) for d in (torch.int64, torch.int32, torch.float32))
+        src = _dummy(device, _STORAGE[meta["SRC_KIND"]])
+        dst = _dummy(device, _STORAGE[meta["DST_KIND"]])
+        compiled = _rows_kernel.warmup(
+            i64, i32, src, dst, f32, i32, 0, i32, f32, 0, 0, 0, grid=(1,), num_warps=cfg.warps, **meta
+        )
+        compiled._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        fit = _configs.max_resident_programs(
+            warps=cfg.warps,
+            regs_per_thread=int(compiled.n_regs),
+            shared_bytes=int(compiled.metadata.shared),
+            max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
+            regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
+            shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)),
+        )
+        occupancy[key] = {
+            "warps": cfg.warps, **meta, "regs": int(compiled.n_regs), "spills": int(compiled.n_spills),
+            "shared": int(compiled.metadata.shared), "fit_per_sm": fit,
+        }  # fmt: skip
+    except Exception:  # trust the config
+        pass
+    with _resident_lock:
+        _resident[key] = fit
+    return fit
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERP_SMS
+
+
+def _work(
+    cfg: RowsConfig,
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    numel: np.ndarray,
+    flags: np.ndarray,
+    device: torch.device,
+    meta: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """One launch's work on the device: ``(row table, per-program row starts, grid)``; None if no rows.
+
+    One program per ``chunk``-element row, or a persistent grid of ``programs_per_sm`` per SM (clamped to
+    the variant's occupancy, and to one tile per program) with an equal share each.
+    """
+    if cfg.programs_per_sm == 0:
+        rows = chunk_rows(src_off, dst_off, numel, flags, cfg.chunk)
+        starts = np.arange(len(rows) + 1, dtype=np.int32)
+    else:
+        pps = cfg.programs_per_sm
+        if device.type == "cuda":
+            pps = min(pps, _fit_per_sm(cfg, device, meta))
+        total = int(np.asarray(numel, dtype=np.int64).sum())
+        grid = max(1, min(_sm_count(device) * pps, -(-total // cfg.block)))
+        rows, starts = balanced_rows(src_off, dst_off, numel, flags, grid)
+    if len(rows) == 0:
+        return None
+    return _upload(rows, device), _upload(starts, device), len(starts) - 1
 
 
 def _launch_rows(
     cfg: RowsConfig,
-    table: torch.Tensor,
-    rows: int,
-    grid: int | None,
+    work: tuple[torch.Tensor, torch.Tensor, int],
     src_base: torch.Tensor,
     dst_base: torch.Tensor,
     parts: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None,
     keys: tuple[int, int, int],
-    src_kind: int,
-    dst_kind: int,
-    stochastic: bool,
-) -> int:
-    """One row-kernel launch; ``grid`` None: computed (:func:`_programs`). Returns the grid used.
-
-    ``parts``: ``(part_sq, part_bad, part_base, counter, stats)`` when the launch computes statistics."""
+    meta: dict[str, Any],
+) -> None:
+    """One row-kernel launch. ``parts``: ``(part_sq, part_bad, part_base, counter, stats)`` when the launch
+    computes statistics."""
+    table, starts, grid = work
     if parts is None:
         part_sq = part_bad = counter = stats = table  # unused (STATS=False)
         part_base = 0
     else:
         part_sq, part_bad, part_base, counter, stats = parts
-    args = (table, rows, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys)
-    meta = dict(
-        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=parts is not None, ONE_PASS=cfg.one_pass and parts is not None,
-        STOCHASTIC=stochastic, BLOCK=cfg.block,
+    _rows_kernel[(grid,)](
+        table, starts, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys,
+        num_warps=cfg.warps, **meta,
     )  # fmt: skip
-    if grid is None:
-        grid = _programs(cfg, rows, table.device, args, meta)
-    _rows_kernel[(grid,)](*args, num_warps=cfg.warps, **meta)
-    return grid
 
 
 # ------------------------------------------------------------------------------------------ flatten
@@ -507,25 +556,18 @@ def _launch_rows(
 
 @dataclasses.dataclass
 class _FlattenPlan:
-    """Cached per exact call layout: per-group tables and grids, and the statistics scratch (partials sized
-    for the largest grid the config can give, and the ONE_PASS ticket counter, zero between launches)."""
+    """Cached per exact call layout: each dtype group's work and base tensor, and the statistics scratch
+    (one partial per program and, for ONE_PASS, the ticket counter, zero between launches)."""
 
-    cfg: RowsConfig
-    groups: list[list[Any]]  # [table, base index in grads or -1, rows, src kind, grid or None until launched]
+    groups: list[
+        tuple[tuple[torch.Tensor, torch.Tensor, int], int, int]
+    ]  # (work, base index or -1, src kind)
     part_sq: torch.Tensor | None
     part_bad: torch.Tensor | None
     counter: torch.Tensor | None
 
 
 _flatten_plans = PlanCache()
-
-
-def _sm_count(device: torch.device) -> int:
-    return (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else _INTERP_SMS
-    )
 
 
 def launch_flatten(
@@ -539,8 +581,8 @@ def launch_flatten(
 
     ``grads`` entries must already be contiguous, on ``out``'s device, of a supported dtype, element-aligned
     and of the right size (the public function checks). ``None`` entries are zero-filled by the kernel.
-    The launch plan (config, work tables, grids, statistics scratch) is cached by the exact addresses,
-    dtypes and sizes, so a repeated call costs one pass over the list plus the launches.
+    The launch plan (config, work tables, statistics scratch) is cached by the exact addresses, dtypes and
+    sizes, so a repeated call costs one pass over the list plus the launches.
     """
     device = out.device
     cfg = _config("flatten", out.numel())
@@ -556,51 +598,38 @@ def launch_flatten(
         tuple(sizes),
         tuple((g.data_ptr(), g.dtype) if g is not None else None for g in grads),
     )
+    dst_kind = _KIND[out.dtype][0]
     plan: _FlattenPlan | None = _flatten_plans.get(key)
     if plan is None:
-        groups = _flatten_groups(grads, sizes, out, cfg.chunk)
-        part_sq = part_bad = counter = None
-        if want_stats and groups:
-            pps, sms = cfg.programs_per_sm, _sm_count(device)
-            bounds = [g[2] if pps == 0 else min(g[2], sms * pps) for g in groups]  # >= each launch's grid
-            n_parts = max(bounds) if cfg.one_pass else sum(bounds)
-            part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
-            part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
-            counter = torch.zeros(1, dtype=torch.int32, device=device)
-        plan = _FlattenPlan(cfg, groups, part_sq, part_bad, counter)
+        plan = _flatten_plan(cfg, grads, sizes, out, want_stats)
         _flatten_plans.put(key, plan)
     if not plan.groups:
         return
     out_s = _as_storage(out)
     out_base = _storage_start(out_s)
-    dst_kind = _KIND[out.dtype][0]
     part_base = 0
-    for entry in plan.groups:
-        table, base_idx, rows, skind, grid = entry
+    for work, base_idx, skind in plan.groups:
         base = out_s if base_idx < 0 else _as_storage(grads[base_idx])  # type: ignore[arg-type]
         parts = None
         if stats is not None:
             assert plan.part_sq is not None and plan.part_bad is not None and plan.counter is not None
             parts = (plan.part_sq, plan.part_bad, 0 if cfg.one_pass else part_base, plan.counter, stats)
-        entry[4] = _launch_rows(
-            cfg, table, rows, grid, base, out_base, parts, (0, 0, 0), skind, dst_kind, False
+        _launch_rows(
+            cfg, work, base, out_base, parts, (0, 0, 0), _meta(cfg, skind, dst_kind, want_stats, False)
         )
-        part_base += entry[4]
+        part_base += work[2]
     if stats is not None and not cfg.one_pass:
         _stats_finalize_kernel[(1,)](
             plan.part_sq, plan.part_bad, part_base, stats, BLOCK=_FINALIZE_BLOCK, num_warps=4
         )
 
 
-def _flatten_groups(
-    grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, chunk: int
-) -> list[list[Any]]:
-    """Group by source dtype and build each group's device work table.
-
-    Returns ``[[table, base index in grads or -1 for out, rows, src kind, None (the grid, set at launch)]]``.
-    """
+def _flatten_plan(
+    cfg: RowsConfig, grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, want_stats: bool
+) -> _FlattenPlan:
+    """Group by source dtype, build each group's device work, and the statistics scratch."""
     device = out.device
-    dst_es = _KIND[out.dtype][1]
+    dst_kind, dst_es = _KIND[out.dtype]
     sizes_np = np.asarray(sizes, dtype=np.int64)
     flat_off = np.cumsum(sizes_np) - sizes_np
     # Group entries by source dtype; None entries ride along in the out-dtype group (or the first group).
@@ -620,11 +649,11 @@ def _flatten_groups(
     groups = []
     for sdt, idx in by_dtype.items():
         skind, ses = _KIND[sdt]
-        idx_np = np.asarray(idx, dtype=np.int64)
-        has = np.asarray([grads[i] is not None for i in idx], dtype=bool)
+        idx_np = np.asarray(sorted(idx), dtype=np.int64)  # bucket order: contiguous shares per program
+        has = np.asarray([grads[i] is not None for i in idx_np], dtype=bool)
         real_idx = idx_np[has]
-        src_off = np.zeros(len(idx), dtype=np.int64)
-        src_al = np.zeros(len(idx), dtype=bool)
+        src_off = np.zeros(len(idx_np), dtype=np.int64)
+        src_al = np.zeros(len(idx_np), dtype=bool)
         base_idx = -1
         if len(real_idx):
             addrs = np.asarray([grads[i].data_ptr() for i in real_idx], dtype=np.int64)  # type: ignore[union-attr]
@@ -634,11 +663,18 @@ def _flatten_groups(
             src_al[has] = aligned16(addrs) & (addrs[b] % 16 == 0)
         dst_al = aligned16(out_addr + flat_off[idx_np] * dst_es) & out_base_al
         flags = has * _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
-        rows_np = chunk_rows(src_off, dst_off[idx_np], sizes_np[idx_np], flags, chunk)
-        if len(rows_np) == 0:
-            continue
-        groups.append([_upload(rows_np, device), base_idx, len(rows_np), skind, None])
-    return groups
+        meta = _meta(cfg, skind, dst_kind, want_stats, False)
+        work = _work(cfg, src_off, dst_off[idx_np], sizes_np[idx_np], flags, device, meta)
+        if work is not None:
+            groups.append((work, base_idx, skind))
+    part_sq = part_bad = counter = None
+    if want_stats and groups:
+        grids = [w[2] for w, _, _ in groups]
+        n_parts = max(grids) if cfg.one_pass else sum(grids)
+        part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
+        part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+    return _FlattenPlan(groups, part_sq, part_bad, counter)
 
 
 # ------------------------------------------------------------------------------------------ scatter
@@ -670,29 +706,30 @@ def launch_scatter(
         device,
         _stream_key(device),
         cfg,
+        stochastic,
         flat.data_ptr(),
         flat.storage_offset(),
         flat.dtype,
         tuple((p.data_ptr(), p.dtype, p.numel()) for p in params),
     )
-    plan: list[list[Any]] | None = _scatter_plans.get(key)
+    plan: list[tuple[tuple[torch.Tensor, torch.Tensor, int], int, dict[str, Any]]] | None = (
+        _scatter_plans.get(key)
+    )
     if plan is None:
-        plan = _scatter_plan(flat, params, cfg.chunk)
+        plan = _scatter_plan(cfg, flat, params, stochastic)
         _scatter_plans.put(key, plan)
     flat_base = _storage_start(_as_storage(flat))
     k0, k1 = sr_keys(seed) if stochastic else (0, 0)
     rng_offset = int(offset) - flat.storage_offset()  # table offsets count from the storage start
-    for entry in plan:
-        table, base_idx, rows, dkind, grid = entry
-        entry[4] = _launch_rows(
-            cfg, table, rows, grid, flat_base, _as_storage(params[base_idx]), None, (k0, k1, rng_offset),
-            src_kind, dkind, stochastic and dkind == 1,
-        )  # fmt: skip
+    for work, base_idx, meta in plan:
+        _launch_rows(cfg, work, flat_base, _as_storage(params[base_idx]), None, (k0, k1, rng_offset), meta)
 
 
-def _scatter_plan(flat: torch.Tensor, params: list[torch.Tensor], chunk: int) -> list[list[Any]]:
-    """Group by parameter dtype; ``[[table, base index in params, rows, dst kind, grid or None]]``."""
-    src_es = _KIND[flat.dtype][1]
+def _scatter_plan(
+    cfg: RowsConfig, flat: torch.Tensor, params: list[torch.Tensor], stochastic: bool
+) -> list[tuple[tuple[torch.Tensor, torch.Tensor, int], int, dict[str, Any]]]:
+    """Group by parameter dtype; ``[(work, base index in params, kernel constexprs)]``."""
+    src_kind, src_es = _KIND[flat.dtype]
     sizes_np = np.asarray([p.numel() for p in params], dtype=np.int64)
     flat_off = np.cumsum(sizes_np) - sizes_np
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -702,7 +739,7 @@ def _scatter_plan(flat: torch.Tensor, params: list[torch.Tensor], chunk: int) ->
     flat_addr = flat.data_ptr()
     flat_base_al = (flat_addr - flat.storage_offset() * src_es) % 16 == 0
     src_off = flat.storage_offset() + flat_off  # from the storage start (the kernel's flat pointer)
-    plan: list[list[Any]] = []
+    plan = []
     for pdt, idx in by_dtype.items():
         dkind, des = _KIND[pdt]
         idx_np = np.asarray(idx, dtype=np.int64)
@@ -712,8 +749,10 @@ def _scatter_plan(flat: torch.Tensor, params: list[torch.Tensor], chunk: int) ->
         src_al = aligned16(flat_addr + flat_off[idx_np] * src_es) & flat_base_al
         dst_al = aligned16(addrs) & (addrs[b] % 16 == 0)
         flags = _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
-        rows_np = chunk_rows(src_off[idx_np], dst_off, sizes_np[idx_np], flags, chunk)
-        plan.append([_upload(rows_np, flat.device), int(idx_np[b]), len(rows_np), dkind, None])
+        meta = _meta(cfg, src_kind, dkind, False, stochastic and dkind == 1)
+        work = _work(cfg, src_off[idx_np], dst_off, sizes_np[idx_np], flags, flat.device, meta)
+        if work is not None:
+            plan.append((work, int(idx_np[b]), meta))
     return plan
 
 

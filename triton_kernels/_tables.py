@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK", "PlanCache", "aligned16", "chunk_rows"]
+__all__ = ["CHUNK", "PlanCache", "aligned16", "balanced_rows", "chunk_rows"]
 
 # NOTE: the default row length only; the launchers take theirs from the launch config (see _configs.py,
 # where the sizes were measured). Must stay a multiple of 8 (rows keep their entry's 16-byte alignment).
@@ -118,3 +118,68 @@ class PlanCache:
         """Drop every cached plan."""
         with self._lock:
             self._d.clear()
+
+
+def balanced_rows(
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    numel: np.ndarray,
+    flags: np.ndarray,
+    parts: int,
+    align: int = 8,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[src_offset, dst_offset, flags, n]`` that give each of ``parts`` programs an equal share.
+
+    The group's entries, back to back, are cut at multiples of ``share = ceil(total / parts)`` (rounded up
+    to ``align``); a cut inside an entry moves up to the next multiple of ``align`` *from the entry's
+    start*, so every row keeps its entry's 16-byte alignment on both sides, and a program gets at most
+    ``align - 1`` elements more or fewer than its share. Program ``p`` owns rows ``starts[p]`` to
+    ``starts[p + 1]`` (exclusive), contiguous; a program can own none (tiny groups).
+
+    Returns:
+        ``(rows [R, 4] int64, starts [parts + 1] int32)``.
+    """
+    numel = np.asarray(numel, dtype=np.int64)
+    keep = numel > 0
+    src_off, dst_off, numel, flags = (
+        np.asarray(a, dtype=np.int64)[keep] for a in (src_off, dst_off, numel, flags)
+    )
+    total = int(numel.sum())
+    if total == 0:
+        return np.empty((0, 4), dtype=np.int64), np.zeros(parts + 1, dtype=np.int32)
+    share = -(-total // parts)
+    share = -(-share // align) * align
+    entry_start = np.cumsum(numel) - numel
+    entry_end = entry_start + numel
+    cuts = np.arange(1, -(-total // share), dtype=np.int64) * share  # cut points strictly inside the group
+    # cuts falling inside each entry: (entry_start, entry_end)
+    lo = np.searchsorted(cuts, entry_start, side="right")
+    hi = np.searchsorted(cuts, entry_end, side="left")
+    n_in = hi - lo
+    ent = np.repeat(np.arange(len(numel)), n_in)
+    rel = cuts[
+        np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if len(ent) else np.empty(0, np.int64)
+    ]
+    rel = rel - entry_start[ent]
+    rel = -(-rel // align) * align  # entry-relative cut, aligned
+    ok = rel < numel[ent]
+    ent, rel = ent[ok], rel[ok]
+    # row starts (entry-relative): 0 for each entry, plus the cuts; deduplicated and ordered
+    r_ent = np.concatenate([np.arange(len(numel)), ent])
+    r_rel = np.concatenate([np.zeros(len(numel), dtype=np.int64), rel])
+    order = np.lexsort((r_rel, r_ent))
+    r_ent, r_rel = r_ent[order], r_rel[order]
+    dup = np.zeros(len(r_ent), dtype=bool)
+    dup[1:] = (r_ent[1:] == r_ent[:-1]) & (r_rel[1:] == r_rel[:-1])
+    r_ent, r_rel = r_ent[~dup], r_rel[~dup]
+    nxt_same = np.zeros(len(r_ent), dtype=bool)
+    nxt_same[:-1] = r_ent[1:] == r_ent[:-1]
+    r_end = np.where(nxt_same, np.roll(r_rel, -1), numel[r_ent])
+    rows = np.empty((len(r_ent), 4), dtype=np.int64)
+    rows[:, 0] = src_off[r_ent] + r_rel
+    rows[:, 1] = dst_off[r_ent] + r_rel
+    rows[:, 2] = flags[r_ent]
+    rows[:, 3] = r_end - r_rel
+    owner = (entry_start[r_ent] + r_rel) // share  # nondecreasing
+    starts = np.searchsorted(owner, np.arange(parts + 1), side="left").astype(np.int32)
+    return rows, starts

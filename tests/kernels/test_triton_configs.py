@@ -12,12 +12,13 @@ from hf_superoffload.triton_kernels._configs import HEURISTIC, LEGACY, RowsConfi
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        (dict(chunk=4096, block=1000, warps=4, programs_per_sm=8), "block"),
-        (dict(chunk=4096, block=8, warps=4, programs_per_sm=8), "block"),
-        (dict(chunk=3000, block=1024, warps=4, programs_per_sm=8), "chunk"),
-        (dict(chunk=512, block=1024, warps=4, programs_per_sm=8), "chunk"),
-        (dict(chunk=4096, block=1024, warps=3, programs_per_sm=8), "warps"),
-        (dict(chunk=4096, block=1024, warps=4, programs_per_sm=-1), "programs_per_sm"),
+        (dict(chunk=0, block=1000, warps=4, programs_per_sm=8), "block"),
+        (dict(chunk=4096, block=8, warps=4, programs_per_sm=0), "block"),
+        (dict(chunk=3000, block=1024, warps=4, programs_per_sm=0), "chunk"),
+        (dict(chunk=512, block=1024, warps=4, programs_per_sm=0), "chunk"),
+        (dict(chunk=4096, block=1024, warps=4, programs_per_sm=8), "chunk"),
+        (dict(chunk=0, block=1024, warps=3, programs_per_sm=8), "warps"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=-1), "programs_per_sm"),
     ],
 )
 def test_rows_config_rejects(kwargs: dict[str, int], field: str) -> None:
@@ -33,18 +34,17 @@ def test_heuristic_tables_are_well_formed() -> None:
         assert bounds == sorted(bounds) and all(isinstance(b, int) and b > 0 for b in bounds)
 
 
-def test_choose_follows_the_bounds() -> None:
-    rows = HEURISTIC["flatten"]
-    first_bound, first = rows[0]
-    assert first_bound is not None
-    assert _configs.choose("flatten", 1) == first
-    assert _configs.choose("flatten", first_bound) == first
-    assert _configs.choose("flatten", first_bound + 1) == rows[1][1]
-    assert _configs.choose("flatten", 1 << 40) == rows[-1][1]
+def test_choose_follows_the_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = RowsConfig(0, 1024, 4, 8), RowsConfig(16384, 2048, 4, 0)
+    monkeypatch.setitem(HEURISTIC, "flatten", ((1000, a), (None, b)))
+    assert _configs.choose("flatten", 1) == a
+    assert _configs.choose("flatten", 1000) == a
+    assert _configs.choose("flatten", 1001) == b
+    assert _configs.choose("flatten", 1 << 40) == b
 
 
 def test_forced_overrides_and_restores() -> None:
-    a = RowsConfig(4096, 1024, 4, 3)
+    a = RowsConfig(0, 1024, 4, 3)
     b = RowsConfig(8192, 2048, 8, 0, one_pass=False)
     table = _configs.choose("scatter", 10)
     with _configs.forced(scatter=a):
@@ -114,3 +114,38 @@ def test_noise16_is_uniform_and_seeded() -> None:
     assert ((hist - hist.mean()).abs() / hist.mean()).max() < 0.03
     assert (ref.noise16(c, 6) != a).float().mean() > 0.99
     assert torch.equal(ref.noise16(c + 7, 5)[:-7], a[7:])  # keyed by the counter alone
+
+
+# ----------------------------------------------------------------------------- balanced rows
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_balanced_rows_cover_align_and_balance(trial: int) -> None:
+    import numpy as np
+    from hf_superoffload.triton_kernels._tables import balanced_rows
+
+    rng = np.random.default_rng(trial)
+    for _ in range(50):
+        k = int(rng.integers(1, 12))
+        numel = rng.integers(0, 5000, k)
+        if rng.random() < 0.4:
+            numel[int(rng.integers(0, k))] = int(rng.integers(0, 200_000))
+        parts = int(rng.integers(1, 40))
+        src = rng.integers(0, 10**6, k) * 8 + rng.integers(0, 8, k)
+        dst = np.cumsum(numel) - numel + 3
+        flags = rng.integers(0, 8, k)
+        rows, starts = balanced_rows(src, dst, numel, flags, parts)
+        assert len(starts) == parts + 1 and starts[0] == 0 and starts[-1] == len(rows)
+        assert (np.diff(starts) >= 0).all() and (rows[:, 3] > 0).all()
+        for e in range(k):  # each entry covered exactly once, in order, cut at entry-relative multiples of 8
+            if numel[e] == 0:
+                continue
+            r = rows[rows[:, 1] - rows[:, 0] == dst[e] - src[e]]
+            r = r[(r[:, 0] >= src[e]) & (r[:, 0] < src[e] + numel[e])]
+            assert r[0, 0] == src[e] and r[-1, 0] + r[-1, 3] == src[e] + numel[e]
+            assert (r[1:, 0] == r[:-1, 0] + r[:-1, 3]).all() and ((r[:, 0] - src[e]) % 8 == 0).all()
+            assert (r[:, 2] == flags[e]).all()
+        share = -(-int(numel.sum()) // parts)
+        share = -(-share // 8) * 8
+        per = [int(rows[starts[p] : starts[p + 1], 3].sum()) for p in range(parts)]
+        assert sum(per) == numel.sum() and max(per) <= share + 7, (per, share)

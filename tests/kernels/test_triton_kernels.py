@@ -292,11 +292,13 @@ class _KernelChecks:
 
     def _mixed_layout(self, cfg: _configs.RowsConfig, seed: int) -> list[int]:
         """Sizes that give rows of every kind under ``cfg``: a 1 and a 127 (tail-only rows), many small
-        tensors (more rows than a persistent grid has programs), entries of several whole chunks plus a tail
-        at odd bucket offsets (unaligned rows), a whole-tile multiple."""
+        tensors (more rows than a persistent grid has programs), entries of several whole chunks (or program
+        shares) plus a tail at odd bucket offsets (unaligned rows, shares cut inside them), a whole-tile
+        multiple."""
         gen = self.gen(seed)
         small = [int(x) for x in torch.randint(1, 300, (40,), generator=gen)]
-        return [1, 127, *small, 2 * cfg.chunk + 5, cfg.block * 3, cfg.chunk + cfg.block // 2 + 1, 8]
+        chunk = cfg.chunk or 4 * cfg.block
+        return [1, 127, *small, 2 * chunk + 5, cfg.block * 3, chunk + cfg.block // 2 + 1, 8]
 
     @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.tag)
     def test_flatten_forced_config(self, cfg: _configs.RowsConfig) -> None:
