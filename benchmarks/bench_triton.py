@@ -560,6 +560,9 @@ def main(argv: list[str] | None = None) -> int:
             lg = f"{b['legacy_gbps'] / ceiling:7.1%}" if b["legacy_gbps"] else ""
             print(f"{b['op']:22s} {b['bucket_mb']:4d} {b['config']:24s} {b['graph_gbps']:6.0f} "
                   f"{b['frac_of_copy']:6.1%} {lg}")  # fmt: skip
+        print("\nrow-kernel variants: registers, spills, programs per SM that fit")
+        for occ in _kernels.occupancy.values():
+            print("  " + " ".join(f"{k}={v}" for k, v in occ.items()))
         print("\nsuggested size table for triton_kernels/_configs.py"
               + ("" if complete else " (INCOMPLETE sweep: sizes not reached keep the last row)") + ":")  # fmt: skip
         print(heuristic_source(table), flush=True)

@@ -486,8 +486,8 @@ def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> 
             "warps": cfg.warps, **meta, "regs": int(compiled.n_regs), "spills": int(compiled.n_spills),
             "shared": int(compiled.metadata.shared), "fit_per_sm": fit,
         }  # fmt: skip
-    except Exception:  # trust the config
-        pass
+    except Exception as e:  # trust the config
+        occupancy[key] = {"warps": cfg.warps, **meta, "error": f"{type(e).__name__}: {e}"}
     with _resident_lock:
         _resident[key] = fit
     return fit
@@ -540,8 +540,10 @@ def _launch_rows(
     """One row-kernel launch. ``parts``: ``(part_sq, part_bad, part_base, counter, stats)`` when the launch
     computes statistics."""
     table, starts, grid = work
-    if parts is None:
-        part_sq = part_bad = counter = stats = table  # unused (STATS=False)
+    if parts is None:  # unused (STATS=False); typed like real ones: the same compiled variant either way
+        device = table.device
+        part_sq, stats = _dummy(device, torch.float32), _dummy(device, torch.float32)
+        part_bad = counter = _dummy(device, torch.int32)
         part_base = 0
     else:
         part_sq, part_bad, part_base, counter, stats = parts
