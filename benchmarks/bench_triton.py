@@ -277,6 +277,27 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
         sq, bad = runs[0].tolist()
         if bad != 0 or abs(sq - want_sq) > 1e-4 * want_sq:
             return f"statistics {runs[0].tolist()}, want [{want_sq}, 0]"
+        return check_nonfinite(gs)
+
+    def check_nonfinite(gs: list[torch.Tensor]) -> str | None:
+        """+Inf at the bucket's first element, -Inf at a tile boundary inside the middle entry, NaN at the
+        last element, the largest finite bf16 next to the -Inf: exactly 3 counted, the sum NaN."""
+        mid = gs[len(gs) // 2].view(-1)
+        at = [(gs[0].view(-1), 0, float("inf")), (gs[-1].view(-1), gs[-1].numel() - 1, float("nan")),
+              (mid, min(mid.numel() - 1, 4096), float("-inf")), (mid, min(mid.numel() - 1, 4096) - 1, 3.3895e38)]  # fmt: skip
+        saved = [(t, i, t[i].clone()) for t, i, _ in at]
+        try:
+            for t, i, v in at:
+                t[i] = v
+            want_bad = sum(int((~torch.isfinite(g.to(torch.bfloat16))).sum()) for g in gs)
+            st = torch.zeros(2, device=device)
+            tk.flatten_grads_with_stats_(gs, sizes, bucket, st)
+            sq, bad = st.tolist()
+        finally:
+            for t, i, v in reversed(saved):
+                t[i] = v
+        if bad != want_bad or not math.isnan(sq):
+            return f"non-finite check: statistics [{sq}, {bad}], want [nan, {want_bad}]"
         return None
 
     ops.append(Op("flatten_stats_bf16", 4 * n,
@@ -409,9 +430,7 @@ def summarize(records: list[dict[str, Any]], ceiling: float) -> tuple[list[dict[
     for r in records:
         if r["graph_gbps"] and (r["op"], r["bucket_mb"], r["config"]) not in failed:
             by.setdefault((r["op"], r["bucket_mb"], r["config"]), []).append(r["graph_gbps"])
-            cfg_of[r["config"]] = RowsConfig(
-                r["chunk"], r["block"], r["warps"], r["programs_per_sm"], r["one_pass"]
-            )
+            cfg_of[r["config"]] = config_of(r)
     best: list[dict[str, Any]] = []
     for op, mb in sorted({(k[0], k[1]) for k in by}, key=lambda x: (x[0], x[1])):
         cands = {k[2]: statistics.mean(v) for k, v in by.items() if k[0] == op and k[1] == mb}
@@ -441,6 +460,15 @@ def summarize(records: list[dict[str, Any]], ceiling: float) -> tuple[list[dict[
     return best, table
 
 
+def config_of(rec: dict[str, Any]) -> Any:
+    """The ``RowsConfig`` whose fields a sweep record or table entry carries (``asdict`` of it)."""
+    from dataclasses import fields
+
+    from hf_superoffload.triton_kernels._configs import RowsConfig
+
+    return RowsConfig(**{f.name: rec[f.name] for f in fields(RowsConfig) if f.name in rec})
+
+
 def heuristic_source(table: dict[str, Any]) -> str:
     """The suggested table as Python source for ``HEURISTIC`` in triton_kernels/_configs.py."""
     lines = ["HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {"]
@@ -448,8 +476,9 @@ def heuristic_source(table: dict[str, Any]) -> str:
         lines.append(f'    "{fam}": (')
         for e in entries:
             b = "None" if e["max_elements"] is None else str(e["max_elements"])
+            k2 = f", kernel={e['kernel']}, packed={e['packed']}" if e.get("kernel", 1) != 1 else ""
             lines.append(f"        ({b}, RowsConfig(chunk={e['chunk']}, block={e['block']}, warps={e['warps']}, "
-                         f"programs_per_sm={e['programs_per_sm']}, one_pass={e['one_pass']})),"
+                         f"programs_per_sm={e['programs_per_sm']}, one_pass={e['one_pass']}{k2})),"
                          f"  # {e['mean_frac']:.1%}")  # fmt: skip
         lines.append("    ),")
     lines.append("}")
@@ -459,16 +488,9 @@ def heuristic_source(table: dict[str, Any]) -> str:
 def apply_table(table: dict[str, Any]) -> None:
     """Use ``table`` (from :func:`summarize`) as this process's size table."""
     from hf_superoffload.triton_kernels import _configs
-    from hf_superoffload.triton_kernels._configs import RowsConfig
 
     for fam, entries in table.items():
-        _configs.HEURISTIC[fam] = tuple(
-            (
-                e["max_elements"],
-                RowsConfig(e["chunk"], e["block"], e["warps"], e["programs_per_sm"], e["one_pass"]),
-            )
-            for e in entries
-        )
+        _configs.HEURISTIC[fam] = tuple((e["max_elements"], config_of(e)) for e in entries)
 
 
 def print_table(rows: list[Row]) -> None:

@@ -14,6 +14,12 @@ run and how the bucket is cut into work-table rows:
 ``one_pass``: the last program to finish adds the per-program statistics partials into ``stats`` in the
 same launch; else a second, single-program launch does.
 
+``kernel``: 1 is ``_rows_kernel`` (1-D tiles, one accumulator slot per tile element); 2 is ``_rows2_kernel``
+(2-D tiles of whole 16-byte vectors, statistics folded within the thread into one slot per vector, so a
+wide tile keeps more bytes in flight without costing registers; vector-granular tails; one layout on
+misaligned rows), and ``packed`` makes kernel 2 move bf16 -> bf16 aligned rows as int32 words with the
+statistics on the packed bits. docs/triton_kernels.md has the reasoning.
+
 :func:`choose` picks a config from a table keyed by the bucket's element count (the first row whose bound
 is at least the count): deterministic, no run-time autotuning, so nothing is compiled or timed inside a
 CUDA-graph capture or under ``TRITON_INTERPRET=1``. :func:`forced` overrides the choice for one op family
@@ -53,6 +59,8 @@ class RowsConfig:
     warps: int
     programs_per_sm: int
     one_pass: bool = True
+    kernel: int = 1
+    packed: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, fix: str) -> ValueError:
@@ -72,12 +80,18 @@ class RowsConfig:
             )
         if not self.programs_per_sm and (self.chunk < self.block or self.chunk % self.block):
             raise bad("chunk", self.chunk, f"use a multiple of block={self.block} (e.g. {4 * self.block})")
+        if self.kernel not in (1, 2):
+            raise bad("kernel", self.kernel, "use 1 (_rows_kernel) or 2 (_rows2_kernel)")
+        if self.packed and self.kernel != 2:
+            raise bad("packed", self.packed, "use packed=True only with kernel=2")
 
     @property
     def tag(self) -> str:
-        """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows)."""
+        """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
+        kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``."""
         grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
-        return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}"
+        k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
+        return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}{k}"
 
 
 # The kernels as they were before this table existed: 16 Ki-element rows, one program each, 1024-element
@@ -184,6 +198,25 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
     ]
     if family == "flatten":  # what the single-launch reduction buys
         cands += [RowsConfig(0, 2048, 4, 8, one_pass=False), RowsConfig(0, 1024, 4, 8, one_pass=False)]
+    if family == "flatten":
+        # NOTE: kernel 2, not yet measured (issue #4: bf16 statistics at 56-76% of the copy ceiling with the
+        # configs above). Registers per thread (compiled offline for sm_90 with Triton 3.6's ptxas; kernel 1's
+        # as the H200 run reported them), bf16 -> bf16 with statistics: kernel 1 b1024/w4 64, b2048/w4 95;
+        # kernel 2 b2048/w4 47, b4096/w4 45, packed 40 at either; fp32 -> bf16: kernel 1 b2048/w4 96, kernel 2
+        # b4096/w4 58. 16-byte loads in flight per thread and iteration on aligned rows: block / 1024 on 4
+        # warps (kernel 1 at b1024/w4: one). p4 / p8 / p12 (all that fit at 40 registers): fewer programs with
+        # longer shares vs more warps in flight.
+        cands += [
+            RowsConfig(0, 2048, 4, 8, kernel=2),
+            RowsConfig(0, 4096, 4, 8, kernel=2),
+            RowsConfig(0, 2048, 4, 8, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 4, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 8, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 12, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True),
+        ]
+    if family == "scatter":  # the same tiles for the plain copies (bf16 -> bf16 at 74-86%)
+        cands += [RowsConfig(0, 2048, 4, 8, kernel=2), RowsConfig(0, 4096, 4, 8, kernel=2, packed=True)]
     if family == "scatter_sr":
         cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048 and c.programs_per_sm != 16]]
     for _, c in HEURISTIC[family]:

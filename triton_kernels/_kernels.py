@@ -11,8 +11,9 @@ Conventions shared by every kernel:
   numpy-backed ``x.to(tl.bfloat16)`` does not round like torch.
 * "kind" constexprs name a storage format: ``F32 = 0``, ``BF16 = 1`` (int16 bits), ``F16 = 2``.
 * Offsets are int64 (buckets of more than 2**31 elements are fine).
-* Multi-tensor ops (flatten, scatter) share one kernel, :func:`_rows_kernel`, launched once per dtype group
-  over a device *work table* of rows ``[source offset, destination offset, flags, n]`` (see :mod:`._tables`).
+* Multi-tensor ops (flatten, scatter) share one kernel, :func:`_rows_kernel` (or its 2-D-tile variant
+  :func:`_rows2_kernel`, ``RowsConfig.kernel == 2``), launched once per dtype group over a device *work
+  table* of rows ``[source offset, destination offset, flags, n]`` (see :mod:`._tables`).
   How the bucket is cut into rows, the tile width, the warps, the grid (persistent or one program per row)
   and how the statistics are reduced are a :class:`._configs.RowsConfig`, chosen from the bucket's size by
   a fixed table (:func:`._configs.choose`): no autotuning at run time. Element offsets from a base pointer
@@ -368,6 +369,237 @@ def _rows_kernel(
             tl.store(part_bad_ptr + part_base + pid, c)
 
 
+# ---------------------------------------------------- rows, kernel 2: 2-D tiles, small accumulators
+
+
+@triton.jit
+def _row_sums(v, AXIS: tl.constexpr):
+    """Per-slot sums of squares and non-finite counts of the fp32 tile ``v`` along ``AXIS`` (within a
+    thread for the layouts :func:`_rows2_kernel` uses)."""
+    return tl.sum(v * v, axis=AXIS), tl.sum(_nonfinite(v), axis=AXIS)
+
+
+@triton.jit
+def _word_sums(w):
+    """Sums of squares and exact non-finite counts of ``[R, 4]`` int32 words, each two bf16 (low, high),
+    along axis 1, on the packed bits.
+
+    bf16 -> fp32 of the high half is ``w & 0xFFFF0000``, of the low half ``w << 16``. Non-finite means an
+    all-ones exponent (``0x7F80`` in a half): ``(w & 0x7F807F80) + 0x00800080`` carries into bit 15 (31) of
+    exactly those halves and never across halves (``0x7F80 + 0x80 = 0x8000``); the bits shifted down to 0
+    and 16 sum over the row's 4 words without overflowing 16 bits, then the two halves are added.
+    """
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000 as an int32
+    sq = tl.sum(lo * lo + hi * hi, axis=1)
+    t = ((w & 0x7F807F80) + 0x00800080) >> 15
+    pair = tl.sum(t & 0x00010001, axis=1)
+    return sq, (pair & 0xFFFF) + (pair >> 16)
+
+
+@triton.jit
+def _vec_tile(
+    src, dst, offs, mask, ctr, k0, k1, acc_sq, acc_bad,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One ``[R, VW]`` tile at ``src`` / ``dst`` of a row aligned on both sides (``offs``: int32 element
+    offsets, VW contiguous per tile row, so every access is a whole vector); ``mask`` is ``[R, 1]``, per
+    tile row, when MASKED. ``ctr``: the stochastic-rounding counter of the tile's first element."""
+    y = _convert(_load(src + offs, mask, MASKED), ctr + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+    _store(dst + offs, y, mask, MASKED)
+    if STATS:
+        s, c = _row_sums(_to_f32(y, DST_KIND), 1)
+        acc_sq += s
+        acc_bad += c
+    return acc_sq, acc_bad
+
+
+@triton.jit
+def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, MASKED: tl.constexpr):
+    """One ``[R, 4]`` tile of int32 words (bf16 -> bf16 rows aligned on both sides: a bit copy)."""
+    w = _load(src + offs, mask, MASKED)
+    _store(dst + offs, w, mask, MASKED)
+    if STATS:
+        s, c = _word_sums(w)
+        acc_sq += s
+        acc_bad += c
+    return acc_sq, acc_bad
+
+
+@triton.jit
+def _scalar_tile(
+    src, dst, offs, rem_src, rem, ctr, k0, k1, acc_sq, acc_bad,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One ``[8, R]`` tile element by element (``offs``: column ``c`` holds elements ``c, c + R, ...``, so a
+    warp's accesses are contiguous and load and store share one layout); when MASKED, loads keep
+    ``offs < rem_src`` and stores ``offs < rem`` (int32 counts left in the row from the tile's start)."""
+    if MASKED:
+        x = tl.load(src + offs, mask=offs < rem_src, other=0)
+    else:
+        x = tl.load(src + offs)
+    y = _convert(x, ctr + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+    _store(dst + offs, y, offs < rem, MASKED)
+    if STATS:
+        s, c = _row_sums(_to_f32(y, DST_KIND), 0)  # masked-out lanes hold 0: they add nothing
+        acc_sq += s
+        acc_bad += c
+    return acc_sq, acc_bad
+
+
+@triton.jit(do_not_specialize=["part_base", "k0", "k1", "rng_offset"])
+def _rows2_kernel(
+    table_ptr,
+    heads_ptr,
+    src_base_ptr,
+    dst_base_ptr,
+    part_sq_ptr,
+    part_bad_ptr,
+    part_base,
+    counter_ptr,
+    stats_ptr,
+    k0,
+    k1,
+    rng_offset,
+    SRC_KIND: tl.constexpr,
+    DST_KIND: tl.constexpr,
+    STATS: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PACKED: tl.constexpr,
+    SCALAR_ROWS: tl.constexpr,
+):
+    """:func:`_rows_kernel`'s contract (same rows, flags, statistics, counters, reduction), with tiles laid
+    out for a read-mostly stream with statistics (``RowsConfig.kernel == 2``; see docs/triton_kernels.md):
+
+    * a tile of BLOCK elements is 2-D: ``[R, VW]`` on rows aligned on both sides, VW = 16 bytes of the
+      destination (8 elements; 4 into fp32), so each thread owns whole vectors, BLOCK / (VW * threads) of
+      them in flight per iteration; ``[S, R]`` element by element on the other rows (S * R elements, 8 per
+      thread: ``SCALAR_ROWS``), one layout for load and store, no shared-memory exchange. Both reduce
+      their statistics within the thread into the same ``[R]`` accumulators (R = BLOCK / VW): 2 * R /
+      threads registers instead of 2 * BLOCK / threads, so BLOCK can grow (more bytes in flight) without
+      costing occupancy;
+    * on aligned rows only the last < VW elements go element by element: whole tiles unmasked, then one
+      tile masked per vector row (a row-uniform mask keeps the vector accesses);
+    * PACKED (bf16 -> bf16): aligned rows move int32 words (two bf16), and the statistics work on the
+      packed bits (:func:`_word_sums`);
+    * program ``pid``'s first row comes with its row range in one record ``heads[pid] = [lo, hi, src_off,
+      dst_off, flags, n, 0, 0]``: one dependent load fewer before the first tile;
+    * ONE_PASS: the last program loads ``stats`` together with the partials.
+
+    Statistics are deterministic for a given config (fixed rows per program, fixed order everywhere); the
+    order of the fp32 additions differs from :func:`_rows_kernel`'s.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    # Elements per row of a vector tile: 16 bytes of the destination (Triton stores at most 16 bytes per
+    # thread and access; loads of an fp32 source take two).
+    VW: tl.constexpr = 4 if DST_KIND == 0 else 8
+    R: tl.constexpr = BLOCK // VW
+    VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
+    VD: tl.constexpr = 4 if DST_KIND == 0 else 8
+    WORDS: tl.constexpr = PACKED and SRC_KIND == 1 and DST_KIND == 1
+    S: tl.constexpr = SCALAR_ROWS  # element-by-element tiles are [S, R]: S * R elements
+    r_idx = tl.arange(0, R)
+    vec_rows = r_idx[:, None] * VW  # [R, 1]: first element of each row of a vector tile
+    vec_offs = vec_rows + tl.arange(0, VW)[None, :]  # [R, VW]
+    word_offs = r_idx[:, None] * 4 + tl.arange(0, 4)[None, :]  # [R, 4] int32 words = the same bytes
+    sca_offs = tl.arange(0, S)[:, None] * R + r_idx[None, :]  # [S, R]
+    acc_sq = tl.zeros([R], dtype=tl.float32)
+    acc_bad = tl.zeros([R], dtype=tl.int32)
+    head = heads_ptr + pid.to(tl.int64) * 8
+    lo = tl.load(head).to(tl.int32)
+    hi = tl.load(head + 1).to(tl.int32)
+    src_off = tl.load(head + 2)
+    dst_off = tl.load(head + 3)
+    flags = tl.load(head + 4)
+    n = tl.load(head + 5)
+    for r in range(lo, hi):
+        nxt = table_ptr + (r + 1) * 4
+        more = r + 1 < hi
+        nxt_src_off = tl.load(nxt, mask=more, other=0)
+        nxt_dst_off = tl.load(nxt + 1, mask=more, other=0)
+        nxt_flags = tl.load(nxt + 2, mask=more, other=0)
+        nxt_n = tl.load(nxt + 3, mask=more, other=0)
+
+        n_src = tl.where((flags & 1) != 0, n, 0)
+        both_al = (flags & 6) == 6
+        n8 = tl.where(both_al, (n_src // VW) * VW, 0)  # elements that go through whole vector rows
+        ctr_base = src_off + rng_offset
+        if n8 > 0:
+            n_full = (n8 // BLOCK) * BLOCK
+            src_v = src_base_ptr + _aligned_off(src_off, VS)
+            dst_v = dst_base_ptr + _aligned_off(dst_off, VD)
+            if WORDS:
+                src_w = src_v.to(tl.pointer_type(tl.int32), bitcast=True)
+                dst_w = dst_v.to(tl.pointer_type(tl.int32), bitcast=True)
+                for start in range(0, n_full, BLOCK):
+                    acc_sq, acc_bad = _word_tile(
+                        src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, False
+                    )
+                if n_full < n8:
+                    acc_sq, acc_bad = _word_tile(
+                        src_w + n_full // 2, dst_w + n_full // 2, word_offs,
+                        vec_rows < (n8 - n_full).to(tl.int32), acc_sq, acc_bad, STATS, True,
+                    )  # fmt: skip
+            else:
+                for start in range(0, n_full, BLOCK):
+                    acc_sq, acc_bad = _vec_tile(
+                        src_v + start, dst_v + start, vec_offs, None, ctr_base + start, k0, k1, acc_sq, acc_bad,
+                        SRC_KIND, DST_KIND, STATS, STOCHASTIC, False,
+                    )  # fmt: skip
+                if n_full < n8:
+                    acc_sq, acc_bad = _vec_tile(
+                        src_v + n_full, dst_v + n_full, vec_offs, vec_rows < (n8 - n_full).to(tl.int32),
+                        ctr_base + n_full, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, True,
+                    )  # fmt: skip
+        # Element by element: whole tiles of rows not aligned on both sides, then every row's rest (the
+        # last < VW elements of an aligned row; all of a row without a source, which stores zeros).
+        src = src_base_ptr + src_off
+        dst = dst_base_ptr + dst_off
+        s_full = tl.where(both_al, n8, (n_src // (S * R)) * (S * R))
+        for start in range(n8, s_full, S * R):
+            acc_sq, acc_bad = _scalar_tile(
+                src + start, dst + start, sca_offs, 0, 0, ctr_base + start, k0, k1, acc_sq, acc_bad,
+                SRC_KIND, DST_KIND, STATS, STOCHASTIC, False,
+            )  # fmt: skip
+        for start in range(s_full, n, S * R):
+            rem_src = tl.minimum(tl.maximum(n_src - start, 0), S * R).to(tl.int32)
+            rem = tl.minimum(n - start, S * R).to(tl.int32)
+            acc_sq, acc_bad = _scalar_tile(
+                src + start, dst + start, sca_offs, rem_src, rem, ctr_base + start, k0, k1, acc_sq, acc_bad,
+                SRC_KIND, DST_KIND, STATS, STOCHASTIC, True,
+            )  # fmt: skip
+        src_off = nxt_src_off
+        dst_off = nxt_dst_off
+        flags = nxt_flags
+        n = nxt_n
+    if STATS:
+        s = tl.sum(acc_sq, axis=0)
+        c = tl.sum(acc_bad, axis=0)
+        if ONE_PASS:
+            tl.store(part_sq_ptr + pid, s)
+            tl.store(part_bad_ptr + pid, c)
+            ticket = tl.atomic_add(counter_ptr, 1)  # acq_rel, GPU scope (see _rows_kernel)
+            if ticket == n_prog - 1:
+                old_sq = tl.load(stats_ptr)
+                old_bad = tl.load(stats_ptr + 1)
+                tot_sq = tl.zeros([R], dtype=tl.float32)
+                tot_bad = tl.zeros([R], dtype=tl.int64)
+                for start in range(0, n_prog, R):
+                    offs = start + r_idx
+                    m = offs < n_prog
+                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                    tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
+                tl.store(stats_ptr, old_sq + tl.sum(tot_sq, axis=0))
+                tl.store(stats_ptr + 1, old_bad + tl.sum(tot_bad, axis=0).to(tl.float32))
+                tl.atomic_xchg(counter_ptr, 0)
+        else:
+            tl.store(part_sq_ptr + part_base + pid, s)
+            tl.store(part_bad_ptr + part_base + pid, c)
+
+
 @triton.jit
 def _stats_finalize_kernel(part_sq_ptr, part_bad_ptr, n_parts, stats_ptr, BLOCK: tl.constexpr):
     """Single program: ``stats += [sum(part_sq), sum(part_bad)]`` (deterministic, no atomics)."""
@@ -447,10 +679,32 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic: bool) -> dict[str, Any]:
-    return dict(
+    """The row kernel's constexprs for this config and dtype pair (kernel 2 also takes PACKED)."""
+    meta = dict(
         SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=cfg.one_pass and stats,
         STOCHASTIC=stochastic, BLOCK=cfg.block,
     )  # fmt: skip
+    if cfg.kernel == 2:
+        meta["PACKED"] = cfg.packed
+        meta["SCALAR_ROWS"] = _scalar_rows(cfg, dst_kind)
+    return meta
+
+
+def _scalar_rows(cfg: RowsConfig, dst_kind: int) -> int:
+    """Rows S of kernel 2's element-by-element tiles ``[S, R]`` (R = block / VW, VW = 4 elements into fp32,
+    else 8): 8 elements per thread, ``S = 8 * 32 * warps / R``, within 1..8.
+
+    NOTE: compiled for sm_90 with Triton 3.6 (offline, ptxas), a 4-warp bf16 statistics variant takes 40-45
+    registers with 8 elements per thread in these tiles, ~96 with 16 and ~168 with 32 (b4096 with S = 8):
+    the element path would cap the occupancy of the whole kernel, vector path included.
+    """
+    vw = 4 if dst_kind == 0 else 8
+    return max(1, min(8, 256 * cfg.warps * vw // cfg.block))
+
+
+def _rows_fn(cfg: RowsConfig) -> Any:
+    """The row kernel that runs ``cfg``."""
+    return _rows2_kernel if cfg.kernel == 2 else _rows_kernel
 
 
 _STORAGE = {0: torch.float32, 1: torch.int16, 2: torch.float16}
@@ -460,7 +714,7 @@ def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> 
     """Programs of this row-kernel variant that fit on one SM at once (compiles it, once per variant):
     from its registers and shared memory, by the CUDA occupancy rules. ``programs_per_sm`` itself when that
     cannot be worked out (an older Triton without ``warmup`` / ``n_regs``)."""
-    key = (device.index, cfg.warps, tuple(sorted(meta.items())))
+    key = (device.index, cfg.kernel, cfg.warps, tuple(sorted(meta.items())))
     fit = _resident.get(key)
     if fit is not None:
         return fit
@@ -469,9 +723,11 @@ def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> 
         i64, i32, f32 = (_dummy(device, d) for d in (torch.int64, torch.int32, torch.float32))
         src = _dummy(device, _STORAGE[meta["SRC_KIND"]])
         dst = _dummy(device, _STORAGE[meta["DST_KIND"]])
-        compiled = _rows_kernel.warmup(
-            i64, i32, src, dst, f32, i32, 0, i32, f32, 0, 0, 0, grid=(1,), num_warps=cfg.warps, **meta
-        )
+        heads_or_starts = i64 if cfg.kernel == 2 else i32  # typed as the launch's: the same compiled variant
+        compiled = _rows_fn(cfg).warmup(
+            i64, heads_or_starts, src, dst, f32, i32, 0, i32, f32, 0, 0, 0, grid=(1,), num_warps=cfg.warps,
+            **meta,
+        )  # fmt: skip
         compiled._init_handles()
         props = torch.cuda.get_device_properties(device)
         fit = _configs.max_resident_programs(
@@ -483,11 +739,12 @@ def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> 
             shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)),
         )
         occupancy[key] = {
-            "warps": cfg.warps, **meta, "regs": int(compiled.n_regs), "spills": int(compiled.n_spills),
+            "kernel": cfg.kernel, "warps": cfg.warps, **meta, "regs": int(compiled.n_regs),
+            "spills": int(compiled.n_spills),
             "shared": int(compiled.metadata.shared), "fit_per_sm": fit,
         }  # fmt: skip
     except Exception as e:  # trust the config
-        occupancy[key] = {"warps": cfg.warps, **meta, "error": f"{type(e).__name__}: {e}"}
+        occupancy[key] = {"kernel": cfg.kernel, "warps": cfg.warps, **meta, "error": f"{type(e).__name__}: {e}"}
     with _resident_lock:
         _resident[key] = fit
     return fit
@@ -511,7 +768,8 @@ def _work(
     """One launch's work on the device: ``(row table, per-program row starts, grid)``; None if no rows.
 
     One program per ``chunk``-element row, or a persistent grid of ``programs_per_sm`` per SM (clamped to
-    the variant's occupancy, and to one tile per program) with an equal share each.
+    the variant's occupancy, and to one tile per program) with an equal share each. Kernel 2 takes
+    per-program *heads* instead of the starts: ``[lo, hi, first row's 4 columns, 0, 0]`` (int64).
     """
     if cfg.programs_per_sm == 0:
         rows = chunk_rows(src_off, dst_off, numel, flags, cfg.chunk)
@@ -525,7 +783,22 @@ def _work(
         rows, starts = balanced_rows(src_off, dst_off, numel, flags, grid)
     if len(rows) == 0:
         return None
+    if cfg.kernel == 2:
+        return _upload(rows, device), _upload(_heads(rows, starts), device), len(starts) - 1
     return _upload(rows, device), _upload(starts, device), len(starts) - 1
+
+
+def _heads(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Kernel 2's per-program records ``[lo, hi, src_off, dst_off, flags, n, 0, 0]`` (the first row's
+    columns; zeros for a program without rows)."""
+    lo = starts[:-1].astype(np.int64)
+    hi = starts[1:].astype(np.int64)
+    heads = np.zeros((len(lo), 8), dtype=np.int64)
+    heads[:, 0] = lo
+    heads[:, 1] = hi
+    some = lo < hi
+    heads[some, 2:6] = rows[lo[some]]
+    return heads
 
 
 def _launch_rows(
@@ -547,7 +820,7 @@ def _launch_rows(
         part_base = 0
     else:
         part_sq, part_bad, part_base, counter, stats = parts
-    _rows_kernel[(grid,)](
+    _rows_fn(cfg)[(grid,)](
         table, starts, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys,
         num_warps=cfg.warps, **meta,
     )  # fmt: skip

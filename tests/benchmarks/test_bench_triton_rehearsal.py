@@ -35,3 +35,29 @@ def test_bench_triton_cpu_rehearsal(tmp_path: Path) -> None:
     rows = data["rows"]
     assert {r["op"] for r in rows} >= ops | {"upcast", "adamw"}
     assert all(r["legacy_graph_gbps"] for r in rows if r["op"] in ops)
+
+
+def test_suggested_table_round_trips_kernel_2() -> None:
+    """A sweep winner on kernel 2 (packed or not) survives the record -> table -> Python source trip."""
+    import importlib.util
+    from dataclasses import asdict
+
+    from hf_superoffload.triton_kernels._configs import RowsConfig
+
+    spec = importlib.util.spec_from_file_location("bench_triton", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_triton"] = bench  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.modules.pop("bench_triton", None)
+    cfgs = [RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True), RowsConfig(0, 2048, 4, 8)]
+    table = {"flatten": [{"max_elements": 1000, **asdict(cfgs[0]), "mean_frac": 0.9},
+                         {"max_elements": None, **asdict(cfgs[1]), "mean_frac": 0.8}]}  # fmt: skip
+    assert [bench.config_of(e) for e in table["flatten"]] == cfgs
+    src = bench.heuristic_source(table)
+    ns: dict[str, object] = {"RowsConfig": RowsConfig}
+    exec(src.replace("HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] =", "HEURISTIC ="), ns)
+    assert ns["HEURISTIC"] == {"flatten": ((1000, cfgs[0]), (None, cfgs[1]))}
+    assert "kernel=2, packed=True" in src and src.count("kernel=") == 1

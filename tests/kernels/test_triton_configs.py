@@ -19,6 +19,8 @@ from hf_superoffload.triton_kernels._configs import HEURISTIC, LEGACY, RowsConfi
         (dict(chunk=4096, block=1024, warps=4, programs_per_sm=8), "chunk"),
         (dict(chunk=0, block=1024, warps=3, programs_per_sm=8), "warps"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=-1), "programs_per_sm"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, kernel=3), "kernel"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, packed=True), "packed"),
     ],
 )
 def test_rows_config_rejects(kwargs: dict[str, int], field: str) -> None:
@@ -79,9 +81,18 @@ def test_sweep_candidates() -> None:
     for fam in _configs.FAMILIES:
         cands = _configs.sweep_candidates(fam)
         assert cands[0] == LEGACY
-        assert len(cands) == len(set(cands)) and len(cands) <= 16
+        assert len(cands) == len(set(cands)) and len(cands) <= 20  # the sweep's time: docs/triton_kernels.md
+        assert len({c.tag for c in cands}) == len(cands)  # the sweep's records are keyed by tag
         assert all(c in cands for _, c in HEURISTIC[fam])
-    assert any(not c.one_pass and c.programs_per_sm for c in _configs.sweep_candidates("flatten"))
+    flatten = _configs.sweep_candidates("flatten")
+    assert any(not c.one_pass and c.programs_per_sm for c in flatten)
+    assert any(c.kernel == 2 and c.packed for c in flatten) and any(c.kernel == 2 and not c.packed for c in flatten)
+
+
+def test_tags_name_kernel_2() -> None:
+    assert RowsConfig(0, 2048, 4, 8).tag == "p8/b2048/w4/1p"
+    assert RowsConfig(0, 4096, 4, 8, kernel=2).tag == "p8/b4096/w4/1p/k2"
+    assert RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True).tag == "p8/b4096/w4/2p/k2w"
 
 
 # ------------------------------------------------------------------------------- the hash twin
