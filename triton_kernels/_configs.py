@@ -99,19 +99,47 @@ class RowsConfig:
 LEGACY = RowsConfig(chunk=1 << 14, block=1024, warps=4, programs_per_sm=0, one_pass=False)
 
 # NOTE: (max elements, config) per family, first match wins; the last bound must be None (no limit).
-# Why these shapes, before any sweep on them (docs/triton_kernels.md has the reasoning):
-# * a 16 MB bf16 bucket is 8 Mi elements: with the legacy 16 Ki rows that is only 512 programs of 4 warps,
-#   ~16 warps per SM on a 132-SM H200, too few bytes in flight for HBM, and at 64 MB 2048 equal rows are
-#   ~2.6 waves of resident programs (the last one partly empty); a persistent grid at the occupancy limit
-#   with one equal share per program keeps every SM busy to the end;
-# * 2048-element tiles on 4 warps = 16 elements per thread: two 16-byte loads per thread for bf16 sources;
-# * a persistent grid bounds the number of statistics partials (~1 K), so the last program reduces them in
-#   one or two tiles, in the same launch (no second kernel on the critical path).
-# REPLACE with the winners of `bench_triton.py --sweep` (it prints this table filled in).
+# Measured: H200, session 5 sweep, benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt
+# (`bench_triton.py --sweep`, its suggested table as printed). Per swept bucket size (16 / 64 / 256 MB of
+# bf16), the config with the best mean fraction of the device copy ceiling (4169 GB/s) over the family's ops
+# (flatten: bf16 and fp32 sources with statistics; scatter: fp32 -> bf16 and bf16 -> bf16) and both layouts
+# (odd, aligned), CUDA-graph time; bounds halfway in log scale between swept sizes (32 MB and 128 MB of bf16
+# = 16 Mi and 64 Mi elements). The comments give that mean and the LEGACY config's on the same runs.
+# Re-run the sweep and replace this table when the kernels or the hardware change.
 HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
-    "flatten": ((None, RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=8)),),
-    "scatter": ((None, RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=8)),),
-    "scatter_sr": ((None, RowsConfig(chunk=0, block=1024, warps=4, programs_per_sm=8)),),
+    "flatten": (
+        # 16 MB: 67.0% of the copy ceiling (legacy 54.4%); p4/b4096/k2w 66.6%, p8/b2048/k2 66.3%
+        (
+            16777216,
+            RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=8, one_pass=True, kernel=2, packed=True),
+        ),
+        # 64 MB: 76.6% (legacy 74.1%); p8/b2048/w4/1p ties (76.6%): both clamp to the 5 programs per SM
+        # that fit kernel 1's b2048/w4 statistics variants
+        (67108864, RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=16, one_pass=True)),
+        # 256 MB: 83.7% (legacy 83.2%)
+        (None, RowsConfig(chunk=0, block=1024, warps=4, programs_per_sm=8, one_pass=True)),
+    ),
+    "scatter": (
+        # 16 MB: 81.7% (legacy 65.0%)
+        (
+            16777216,
+            RowsConfig(
+                chunk=0, block=2048, warps=4, programs_per_sm=8, one_pass=True, kernel=2, packed=False
+            ),
+        ),
+        # 64 MB: 88.0% (legacy 81.0%)
+        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 256 MB: 94.1% (legacy 91.5%)
+        (None, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+    ),
+    "scatter_sr": (
+        # 16 MB: 69.9% (legacy 59.0%)
+        (16777216, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 64 MB: 84.0% (legacy 81.2%)
+        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 256 MB: 92.2%, the LEGACY config itself
+        (None, RowsConfig(chunk=16384, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+    ),
 }
 
 _force_lock = threading.Lock()
@@ -199,8 +227,8 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
     if family == "flatten":  # what the single-launch reduction buys
         cands += [RowsConfig(0, 2048, 4, 8, one_pass=False), RowsConfig(0, 1024, 4, 8, one_pass=False)]
     if family == "flatten":
-        # NOTE: kernel 2, not yet measured (issue #4: bf16 statistics at 56-76% of the copy ceiling with the
-        # configs above). Registers per thread (compiled offline for sm_90 with Triton 3.6's ptxas; kernel 1's
+        # NOTE: kernel 2 (issue #4: bf16 statistics at 56-76% of the copy ceiling with the configs above;
+        # measured in the session 5 sweep: it wins at 16 MB only, see HEURISTIC). Registers per thread (compiled offline for sm_90 with Triton 3.6's ptxas; kernel 1's
         # as the H200 run reported them), bf16 -> bf16 with statistics: kernel 1 b1024/w4 64, b2048/w4 95;
         # kernel 2 b2048/w4 47, b4096/w4 45, packed 40 at either; fp32 -> bf16: kernel 1 b2048/w4 96, kernel 2
         # b4096/w4 58. 16-byte loads in flight per thread and iteration on aligned rows: block / 1024 on 4
