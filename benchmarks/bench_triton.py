@@ -15,26 +15,50 @@ working set exceeds L2):
 * ``adamw``: fused AdamW, bf16 grad, bf16 param copy out     vs ``torch._fused_adamw_`` + a bf16 ``copy_``
 
 Achieved GB/s counts bytes read plus bytes written once each; the ceiling is a large device-to-device
-``copy_`` measured in the same run. Writes everything as JSON to ``--out`` and prints a table.
+``copy_`` measured in the same run. The ``graph`` column is device time (calls captured in a CUDA graph and
+replayed), the eager ``triton`` column includes Python launch overhead; ``legacy`` is the graph time of the
+flatten / scatter kernels under their pre-table launch config (``_configs.LEGACY``).
 
-Needs a CUDA GPU: without one it exits with status 2 and says so.
+``--sweep`` first times every candidate launch config of the flatten / scatter kernels
+(``_configs.sweep_candidates``: tile, warps, row length, persistent grid, one- or two-launch statistics;
+LEGACY is the old kernel shape) on every size and layout, graph time only, each checked for correct
+output first; prints the best per op and size and a filled-in ``HEURISTIC`` table for ``_configs.py``;
+then (unless ``--no-table``) produces the normal table with that suggested table applied in-process. The
+sweep stops early, keeping what it has, when ``--budget-s`` is spent. Writes everything as JSON to
+``--out``.
+
+Needs a CUDA GPU: without one it exits with status 2 and says so. ``--cpu-rehearsal`` runs every code
+path on the CPU instead (Triton's interpreter, ``--sizes-mb`` read as KiB, wall-clock timing, no graphs):
+a check of the script, not a measurement.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
+import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-MB = 1 << 20
+MB = 1 << 20  # the unit of --sizes-mb (KiB under --cpu-rehearsal)
+_CPU = False  # --cpu-rehearsal: wall-clock timing, no CUDA graphs
+
+# op -> launch-config family of the flatten / scatter kernels (ops not listed have fixed launches)
+FAMILY = {
+    "scatter_f32_bf16": "scatter",
+    "scatter_f32_bf16_sr": "scatter_sr",
+    "scatter_bf16": "scatter",
+    "flatten_stats_bf16": "flatten",
+    "flatten_stats_f32_bf16": "flatten",
+}
 
 
 @dataclass
@@ -54,10 +78,21 @@ class Row:
     torch_ms: float
     torch_gbps: float
     speedup: float
+    config: str | None = None
+    legacy_graph_gbps: float | None = None
 
 
 def time_ms(fn: Callable[[int], None], n_sets: int, reps: int, warmup: int = 3) -> float:
     """Median milliseconds of ``fn(i % n_sets)`` over ``reps`` runs, timed with CUDA events."""
+    if _CPU:
+        for i in range(warmup):
+            fn(i % n_sets)
+        cpu_times = []
+        for i in range(reps):
+            t = time.perf_counter()
+            fn(i % n_sets)
+            cpu_times.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(cpu_times)
     for i in range(warmup):
         fn(i % n_sets)
     torch.cuda.synchronize()
@@ -76,6 +111,8 @@ def time_graph_ms(fn: Callable[[int], None], n_sets: int, reps: int, per_graph: 
     """Device-only milliseconds per call: ``per_graph`` calls captured in a CUDA graph, replayed ``reps``
     times (median). Removes the Python/launch overhead that :func:`time_ms` includes. ``None`` if the
     capture fails."""
+    if _CPU:  # rehearsal: the eager time stands in
+        return time_ms(fn, n_sets, reps, warmup=1)
     stream = torch.cuda.Stream()
     try:
         with torch.cuda.stream(stream):  # warm on the capture stream: work tables are cached per stream
@@ -102,6 +139,11 @@ def time_graph_ms(fn: Callable[[int], None], n_sets: int, reps: int, per_graph: 
         times.append(start.elapsed_time(end) / per_graph)
     del graph
     return statistics.median(times)
+
+
+def _empty_cache() -> None:
+    if not _CPU:
+        torch.cuda.empty_cache()
 
 
 def copy_ceiling_gbps(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
@@ -134,52 +176,28 @@ def param_sizes(total_elems: int, layout: str = "odd") -> list[int]:
     return sizes
 
 
-def bench_bucket(
-    bucket_mb: int,
-    device: torch.device,
-    ceiling: float,
-    reps: int,
-    l2_bytes: int,
-    layout: str = "odd",
-    ops: frozenset[str] | None = None,
-) -> list[Row]:
-    """Time every op (or those in ``ops``) on one bucket size and parameter layout."""
+@dataclass
+class Op:
+    """One benchmarked op on one bucket: bytes moved, the Triton call, the torch baseline and a check of
+    the Triton call's output (returns an error text, or None when correct)."""
+
+    name: str
+    nbytes: int
+    tri: Callable[[int], None]
+    ref: Callable[[int], None]
+    check: Callable[[], str | None] | None = None
+
+
+def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) -> tuple[list[Op], int, int]:
+    """The inputs of one bucket size and layout and every op over them; ``(ops, n_sets, n_tensors)``."""
+    from hf_superoffload.triton_kernels import reference as ref
+
     from hf_superoffload import triton_kernels as tk
 
     n = bucket_mb * MB // 2  # bf16 elements
     sizes = param_sizes(n, layout)
     # Rotate input sets so that consecutive runs do not hit in L2.
-    n_sets = max(1, math.ceil(3 * l2_bytes / (6 * n)))
-    rows: list[Row] = []
-
-    def add(op: str, nbytes: int, tri: Callable[[int], None], ref: Callable[[int], None]) -> None:
-        if ops is not None and op not in ops:
-            return
-        t_ms = time_ms(tri, n_sets, reps)
-        g_ms = time_graph_ms(tri, n_sets, reps)
-        r_ms = time_ms(ref, n_sets, reps)
-        tg, rg = nbytes / t_ms / 1e6, nbytes / r_ms / 1e6
-        gg = nbytes / g_ms / 1e6 if g_ms else None
-        rows.append(
-            Row(
-                op,
-                bucket_mb,
-                len(sizes),
-                nbytes,
-                layout,
-                t_ms,
-                tg,
-                tg / ceiling,
-                g_ms,
-                gg,
-                r_ms,
-                rg,
-                r_ms / t_ms,
-            )
-        )
-        gtxt = f"graph {g_ms:7.3f} ms {gg:5.0f} GB/s ({gg / ceiling:4.0%})" if g_ms and gg else "graph n/a"
-        print(f"  {op:22s} {bucket_mb:4d} MB {layout:7s} triton {t_ms:7.3f} ms {tg:5.0f} GB/s ({tg / ceiling:4.0%})  "
-              f"{gtxt}  torch {r_ms:7.3f} ms  x{r_ms / t_ms:5.2f}", flush=True)  # fmt: skip
+    n_sets = min(8, max(1, math.ceil(3 * l2_bytes / (6 * n))))
 
     def views(flat: torch.Tensor) -> list[torch.Tensor]:
         out, o = [], 0
@@ -188,6 +206,7 @@ def bench_bucket(
             o += s
         return out
 
+    ops: list[Op] = []
     # ---- scatter
     flats32 = [torch.randn(n, device=device) for _ in range(n_sets)]
     flats16 = [f.to(torch.bfloat16) for f in flats32]
@@ -196,7 +215,19 @@ def bench_bucket(
     slices16 = [views(f) for f in flats16]
     tk.scatter_flat_(flats32[0], params)
     assert tk.last_backend("scatter_flat_") == "triton", "the Triton path is not taken"
-    assert torch.equal(torch.cat([p.view(-1) for p in params]), flats32[0].to(torch.bfloat16))
+
+    def params_equal(want: torch.Tensor) -> str | None:
+        got = torch.cat([p.view(-1) for p in params]).view(torch.int16)
+        bad = int((got != want.view(torch.int16)).sum())
+        return f"{bad} wrong elements" if bad else None
+
+    def check_scatter(flat: torch.Tensor, **kw: Any) -> str | None:
+        params[0].fill_(1.0)
+        params[-1].fill_(1.0)
+        tk.scatter_flat_(flat, params, **kw)
+        if kw.get("stochastic_rounding"):
+            return params_equal(ref.stochastic_round_to_bf16(flat, seed=kw["seed"]))
+        return params_equal(flat.to(torch.bfloat16))
 
     def torch_scatter32(i: int) -> None:
         for p, s in zip(params, slices32[i]):
@@ -206,10 +237,13 @@ def bench_bucket(
         for p, s in zip(params, slices16[i]):
             p.copy_(s)
 
-    add("scatter_f32_bf16", 6 * n, lambda i: tk.scatter_flat_(flats32[i], params), torch_scatter32)
-    add("scatter_f32_bf16_sr", 6 * n,
-        lambda i: tk.scatter_flat_(flats32[i], params, stochastic_rounding=True, seed=i), torch_scatter32)  # fmt: skip
-    add("scatter_bf16", 4 * n, lambda i: tk.scatter_flat_(flats16[i], params), torch_scatter16)
+    ops.append(Op("scatter_f32_bf16", 6 * n, lambda i: tk.scatter_flat_(flats32[i], params), torch_scatter32,
+                  lambda: check_scatter(flats32[0])))  # fmt: skip
+    ops.append(Op("scatter_f32_bf16_sr", 6 * n,
+                  lambda i: tk.scatter_flat_(flats32[i], params, stochastic_rounding=True, seed=i),
+                  torch_scatter32, lambda: check_scatter(flats32[0], stochastic_rounding=True, seed=3)))  # fmt: skip
+    ops.append(Op("scatter_bf16", 4 * n, lambda i: tk.scatter_flat_(flats16[i], params), torch_scatter16,
+                  lambda: check_scatter(flats16[0])))  # fmt: skip
 
     # ---- flatten + stats
     grads16 = [[torch.randn(s, device=device, dtype=torch.bfloat16) for s in sizes] for _ in range(n_sets)]
@@ -223,17 +257,59 @@ def bench_bucket(
         norms = torch._foreach_norm(gs)
         stats[0] += torch.stack(norms).float().pow(2).sum()
 
-    add("flatten_stats_bf16", 4 * n, lambda i: tk.flatten_grads_with_stats_(grads16[i], sizes, bucket, stats),
-        lambda i: torch_flatten(grads16[i]))  # fmt: skip
     grads32 = [[torch.randn(s, device=device) for s in sizes] for _ in range(max(1, n_sets // 2))]
     m32 = len(grads32)
-    add("flatten_stats_f32_bf16", 6 * n,
-        lambda i: tk.flatten_grads_with_stats_(grads32[i % m32], sizes, bucket, stats),
-        lambda i: torch_flatten(grads32[i % m32]))  # fmt: skip
+
+    def check_flatten(gs: list[torch.Tensor]) -> str | None:
+        want = torch.cat([g.to(torch.bfloat16) for g in gs])
+        w = want.double()
+        want_sq = float((w * w).sum())
+        runs = []
+        for _ in range(2):
+            bucket.fill_(1.0)
+            st = torch.zeros(2, device=device)
+            tk.flatten_grads_with_stats_(gs, sizes, bucket, st)
+            runs.append(st.cpu())
+        if not torch.equal(bucket.view(torch.int16), want.view(torch.int16)):
+            return "bucket bits differ"
+        if not torch.equal(runs[0], runs[1]):
+            return f"statistics not deterministic: {runs[0].tolist()} vs {runs[1].tolist()}"
+        sq, bad = runs[0].tolist()
+        if bad != 0 or abs(sq - want_sq) > 1e-4 * want_sq:
+            return f"statistics {runs[0].tolist()}, want [{want_sq}, 0]"
+        return check_nonfinite(gs)
+
+    def check_nonfinite(gs: list[torch.Tensor]) -> str | None:
+        """+Inf at the bucket's first element, -Inf at a tile boundary inside the middle entry, NaN at the
+        last element, the largest finite bf16 next to the -Inf: exactly 3 counted, the sum NaN."""
+        mid = gs[len(gs) // 2].view(-1)
+        at = [(gs[0].view(-1), 0, float("inf")), (gs[-1].view(-1), gs[-1].numel() - 1, float("nan")),
+              (mid, min(mid.numel() - 1, 4096), float("-inf")), (mid, min(mid.numel() - 1, 4096) - 1, 3.3895e38)]  # fmt: skip
+        saved = [(t, i, t[i].clone()) for t, i, _ in at]
+        try:
+            for t, i, v in at:
+                t[i] = v
+            want_bad = sum(int((~torch.isfinite(g.to(torch.bfloat16))).sum()) for g in gs)
+            st = torch.zeros(2, device=device)
+            tk.flatten_grads_with_stats_(gs, sizes, bucket, st)
+            sq, bad = st.tolist()
+        finally:
+            for t, i, v in reversed(saved):
+                t[i] = v
+        if bad != want_bad or not math.isnan(sq):
+            return f"non-finite check: statistics [{sq}, {bad}], want [nan, {want_bad}]"
+        return None
+
+    ops.append(Op("flatten_stats_bf16", 4 * n,
+                  lambda i: tk.flatten_grads_with_stats_(grads16[i], sizes, bucket, stats),
+                  lambda i: torch_flatten(grads16[i]), lambda: check_flatten(grads16[0])))  # fmt: skip
+    ops.append(Op("flatten_stats_f32_bf16", 6 * n,
+                  lambda i: tk.flatten_grads_with_stats_(grads32[i % m32], sizes, bucket, stats),
+                  lambda i: torch_flatten(grads32[i % m32]), lambda: check_flatten(grads32[0])))  # fmt: skip
 
     # ---- upcast
     dst = torch.empty(n, device=device)
-    add("upcast", 6 * n, lambda i: tk.upcast_(flats16[i], dst), lambda i: dst.copy_(flats16[i]))
+    ops.append(Op("upcast", 6 * n, lambda i: tk.upcast_(flats16[i], dst), lambda i: dst.copy_(flats16[i])))
 
     # ---- AdamW (one set: 28 B/element is already far over L2 from 16 MB up)
     p, m, v = (torch.randn(n, device=device) for _ in range(3))
@@ -248,38 +324,187 @@ def bench_bucket(
                             beta2=0.999, weight_decay=0.01, eps=1e-8, maximize=False)  # fmt: skip
         out16.copy_(p)
 
-    add("adamw", 28 * n,
-        lambda _i: tk.adamw_flat_(p, g, m, v, step=10, grad_scale=1.0, param_out_bf16=out16, **kw),  # type: ignore[arg-type]
-        torch_adamw)  # fmt: skip
+    ops.append(Op("adamw", 28 * n,
+                  lambda _i: tk.adamw_flat_(p, g, m, v, step=10, grad_scale=1.0, param_out_bf16=out16, **kw),  # type: ignore[arg-type]
+                  torch_adamw))  # fmt: skip
+    return ops, n_sets, len(sizes)
+
+
+def bench_bucket(
+    bucket_mb: int,
+    device: torch.device,
+    ceiling: float,
+    reps: int,
+    l2_bytes: int,
+    layout: str = "odd",
+    ops: frozenset[str] | None = None,
+) -> list[Row]:
+    """Time every op (or those in ``ops``) on one bucket size and parameter layout, launch configs from
+    the size table (plus the LEGACY config's graph time for the flatten / scatter ops)."""
+    from hf_superoffload.triton_kernels import _configs, _kernels
+
+    built, n_sets, n_tensors = build_ops(bucket_mb, device, l2_bytes, layout)
+    rows: list[Row] = []
+    for op in built:
+        if ops is not None and op.name not in ops:
+            continue
+        fam = FAMILY.get(op.name)
+        cfg = _kernels._config(fam, bucket_mb * MB // 2) if fam else None
+        t_ms = time_ms(op.tri, n_sets, reps)
+        g_ms = time_graph_ms(op.tri, n_sets, reps)
+        legacy = None
+        if fam:
+            with _configs.forced(**{fam: _configs.LEGACY}):
+                l_ms = time_graph_ms(op.tri, n_sets, reps)
+            legacy = op.nbytes / l_ms / 1e6 if l_ms else None
+        r_ms = time_ms(op.ref, n_sets, reps)
+        tg, rg = op.nbytes / t_ms / 1e6, op.nbytes / r_ms / 1e6
+        gg = op.nbytes / g_ms / 1e6 if g_ms else None
+        rows.append(Row(op.name, bucket_mb, n_tensors, op.nbytes, layout, t_ms, tg, tg / ceiling, g_ms, gg, r_ms,
+                        rg, r_ms / t_ms, cfg.tag if cfg else None, legacy))  # fmt: skip
+        gtxt = f"graph {g_ms:7.3f} ms {gg:5.0f} GB/s ({gg / ceiling:4.0%})" if g_ms and gg else "graph n/a"
+        ltxt = f"  legacy {legacy / ceiling:4.0%}" if legacy else ""
+        print(f"  {op.name:22s} {bucket_mb:4d} MB {layout:7s} triton {t_ms:7.3f} ms {tg:5.0f} GB/s "
+              f"({tg / ceiling:4.0%})  {gtxt}{ltxt}  torch {r_ms:7.3f} ms  x{r_ms / t_ms:5.2f}", flush=True)  # fmt: skip
     return rows
 
 
 def sweep(
-    device: torch.device, ceiling: float, reps: int, l2: int, bucket_mb: int
-) -> list[dict[str, object]]:
-    """Device-only (graph) GB/s of flatten and scatter over BLOCK x num_warps x CHUNK, both layouts.
+    device: torch.device,
+    ceiling: float,
+    reps: int,
+    l2: int,
+    sizes_mb: list[int],
+    layouts: list[str],
+    budget_s: float,
+) -> tuple[list[dict[str, Any]], bool]:
+    """Graph-time every candidate config of each flatten / scatter op, on each size and layout (sizes in
+    the given order, so the small buckets that matter most come first). Each config's output is checked
+    before it is timed; a wrong one is recorded with its error and never chosen. Returns the records and
+    whether the sweep was complete (False: ``budget_s`` ran out)."""
+    from hf_superoffload.triton_kernels import _configs
 
-    The launch settings are module constants of ``hf_superoffload.triton_kernels._kernels`` (read at each
-    launch); this patches them per configuration and restores them afterwards.
-    """
-    from hf_superoffload.triton_kernels import _kernels as K
-    from hf_superoffload.triton_kernels import _tables as T
+    t0 = time.perf_counter()
+    out: list[dict[str, Any]] = []
+    for mb in sizes_mb:
+        for layout in layouts:
+            built, n_sets, n_tensors = build_ops(mb, device, l2, layout)
+            for op in built:
+                fam = FAMILY.get(op.name)
+                if fam is None:
+                    continue
+                for cfg in _configs.sweep_candidates(fam):
+                    if time.perf_counter() - t0 > budget_s:
+                        print(f"sweep budget of {budget_s:.0f} s spent: stopping at {op.name} {mb} MB {layout}",
+                              flush=True)  # fmt: skip
+                        return out, False
+                    rec: dict[str, Any] = {"op": op.name, "family": fam, "bucket_mb": mb, "layout": layout,
+                                           "n_tensors": n_tensors, "config": cfg.tag, **asdict(cfg)}  # fmt: skip
+                    with _configs.forced(**{fam: cfg}):
+                        try:
+                            err = op.check() if op.check else None
+                            g_ms = None if err else time_graph_ms(op.tri, n_sets, reps)
+                        except Exception as e:  # a config that does not compile or launch
+                            err, g_ms = f"{type(e).__name__}: {e}", None
+                    gg = op.nbytes / g_ms / 1e6 if g_ms else None
+                    rec.update(
+                        error=err, graph_ms=g_ms, graph_gbps=gg, frac_of_copy=gg / ceiling if gg else None
+                    )
+                    out.append(rec)
+                    status = f"{gg:6.0f} GB/s ({gg / ceiling:5.1%})" if gg else f"FAILED: {err}"
+                    print(f"  {op.name:22s} {mb:4d} MB {layout:7s} {cfg.tag:24s} {status}", flush=True)
+            del built
+            _empty_cache()
+    return out, True
 
-    saved = (K._FLATTEN_BLOCK, K._FLATTEN_WARPS, K._SCATTER_BLOCK, K._SCATTER_WARPS, T.CHUNK)
-    out: list[dict[str, object]] = []
-    try:
-        for block, warps, chunk in itertools.product((1024, 2048, 4096), (4, 8), (1 << 14, 1 << 16)):
-            K._FLATTEN_BLOCK = K._SCATTER_BLOCK = block
-            K._FLATTEN_WARPS = K._SCATTER_WARPS = warps
-            T.CHUNK = chunk
-            print(f"BLOCK={block} num_warps={warps} CHUNK={chunk}", flush=True)
-            for layout in ("aligned", "odd"):
-                for r in bench_bucket(bucket_mb, device, ceiling, reps, l2, layout,
-                                      frozenset({"scatter_f32_bf16", "flatten_stats_bf16"})):  # fmt: skip
-                    out.append({"block": block, "warps": warps, "chunk": chunk, **asdict(r)})
-    finally:
-        K._FLATTEN_BLOCK, K._FLATTEN_WARPS, K._SCATTER_BLOCK, K._SCATTER_WARPS, T.CHUNK = saved
-    return out
+
+def summarize(records: list[dict[str, Any]], ceiling: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Best config per (op, size) by mean graph GB/s over the layouts (configs that failed anywhere are out),
+    and a suggested size table per family: per swept size, the config with the best mean fraction of the
+    copy ceiling over the family's ops and layouts; bounds halfway (geometrically) between swept sizes."""
+    from hf_superoffload.triton_kernels._configs import LEGACY, RowsConfig
+
+    failed = {(r["op"], r["bucket_mb"], r["config"]) for r in records if r["error"]}
+    by: dict[tuple[str, int, str], list[float]] = {}
+    cfg_of: dict[str, RowsConfig] = {}
+    for r in records:
+        if r["graph_gbps"] and (r["op"], r["bucket_mb"], r["config"]) not in failed:
+            by.setdefault((r["op"], r["bucket_mb"], r["config"]), []).append(r["graph_gbps"])
+            cfg_of[r["config"]] = config_of(r)
+    best: list[dict[str, Any]] = []
+    for op, mb in sorted({(k[0], k[1]) for k in by}, key=lambda x: (x[0], x[1])):
+        cands = {k[2]: statistics.mean(v) for k, v in by.items() if k[0] == op and k[1] == mb}
+        top = max(cands, key=cands.__getitem__)
+        legacy = cands.get(LEGACY.tag)
+        best.append({"op": op, "bucket_mb": mb, "config": top, "graph_gbps": cands[top],
+                     "frac_of_copy": cands[top] / ceiling, "legacy_gbps": legacy})  # fmt: skip
+    table: dict[str, Any] = {}
+    for fam in sorted({r["family"] for r in records}):
+        ops = {r["op"] for r in records if r["family"] == fam}
+        sizes = sorted({k[1] for k in by if k[0] in ops})
+        rows = []
+        for mb in sizes:
+            score: dict[str, list[float]] = {}
+            for (op, m, c), v in by.items():
+                if op in ops and m == mb:
+                    score.setdefault(c, []).append(statistics.mean(v) / ceiling)
+            n_ops = max(len(s) for s in score.values())
+            full = {c: statistics.mean(s) for c, s in score.items() if len(s) == n_ops}
+            top = max(full, key=full.__getitem__)
+            rows.append((mb, top, full[top]))
+        entries = []
+        for i, (mb, tag, frac) in enumerate(rows):
+            bound = None if i == len(rows) - 1 else int(math.sqrt(mb * rows[i + 1][0]) * MB // 2)
+            entries.append({"max_elements": bound, "config": tag, **asdict(cfg_of[tag]), "mean_frac": frac})
+        table[fam] = entries
+    return best, table
+
+
+def config_of(rec: dict[str, Any]) -> Any:
+    """The ``RowsConfig`` whose fields a sweep record or table entry carries (``asdict`` of it)."""
+    from dataclasses import fields
+
+    from hf_superoffload.triton_kernels._configs import RowsConfig
+
+    return RowsConfig(**{f.name: rec[f.name] for f in fields(RowsConfig) if f.name in rec})
+
+
+def heuristic_source(table: dict[str, Any]) -> str:
+    """The suggested table as Python source for ``HEURISTIC`` in triton_kernels/_configs.py."""
+    lines = ["HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {"]
+    for fam, entries in table.items():
+        lines.append(f'    "{fam}": (')
+        for e in entries:
+            b = "None" if e["max_elements"] is None else str(e["max_elements"])
+            k2 = f", kernel={e['kernel']}, packed={e['packed']}" if e.get("kernel", 1) != 1 else ""
+            lines.append(f"        ({b}, RowsConfig(chunk={e['chunk']}, block={e['block']}, warps={e['warps']}, "
+                         f"programs_per_sm={e['programs_per_sm']}, one_pass={e['one_pass']}{k2})),"
+                         f"  # {e['mean_frac']:.1%}")  # fmt: skip
+        lines.append("    ),")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def apply_table(table: dict[str, Any]) -> None:
+    """Use ``table`` (from :func:`summarize`) as this process's size table."""
+    from hf_superoffload.triton_kernels import _configs
+
+    for fam, entries in table.items():
+        _configs.HEURISTIC[fam] = tuple((e["max_elements"], config_of(e)) for e in entries)
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"\n{'op':22s} {'MB':>4s} {'layout':7s} {'tensors':>7s} {'triton ms':>9s} {'GB/s':>6s} {'%copy':>6s} "
+          f"{'graph GB/s':>10s} {'%copy':>6s} {'legacy':>6s} {'torch ms':>9s} {'GB/s':>6s} {'speedup':>7s}  config")  # fmt: skip
+    ceiling = rows[0].triton_gbps / rows[0].frac_of_copy if rows else 1.0
+    for r in rows:
+        gg = (
+            f"{r.graph_gbps:10.0f} {r.graph_gbps / ceiling:6.1%}" if r.graph_gbps else f"{'n/a':>10s} {'':6s}"
+        )
+        lg = f"{r.legacy_graph_gbps / ceiling:6.1%}" if r.legacy_graph_gbps else f"{'':6s}"
+        print(f"{r.op:22s} {r.bucket_mb:4d} {r.layout:7s} {r.n_tensors:7d} {r.triton_ms:9.3f} {r.triton_gbps:6.0f} "
+              f"{r.frac_of_copy:6.1%} {gg} {lg} {r.torch_ms:9.3f} {r.torch_gbps:6.0f} {r.speedup:7.2f}  "
+              f"{r.config or ''}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,63 +514,94 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--layouts", nargs="+", default=["odd", "aligned"], choices=["odd", "aligned"])
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--sweep", action="store_true", help="tune BLOCK / num_warps / CHUNK instead (256 MB)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every candidate launch config first, suggest a size table, apply it to the table")  # fmt: skip
+    ap.add_argument("--sweep-reps", type=int, default=15)
+    ap.add_argument("--budget-s", type=float, default=110.0, help="wall-clock budget of the sweep part")
+    ap.add_argument("--no-table", action="store_true", help="with --sweep: skip the normal table")
+    ap.add_argument("--cpu-rehearsal", action="store_true",
+                    help="run every code path on the CPU (interpreter, sizes in KiB): a script check only")  # fmt: skip
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
+    global MB, _CPU
+    if args.cpu_rehearsal:
+        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            print(
+                "--cpu-rehearsal: triton was imported before TRITON_INTERPRET=1 could be set", file=sys.stderr
+            )
+            return 2
+        os.environ["TRITON_INTERPRET"] = "1"
+        MB, _CPU = 1 << 10, True
+    elif not torch.cuda.is_available():
         print("bench_triton.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.",
               file=sys.stderr)  # fmt: skip
         return 2
     import triton
+    from hf_superoffload.triton_kernels import _kernels
 
     from hf_superoffload import triton_kernels as tk
 
-    device = torch.device("cuda")
+    t_start = time.perf_counter()
+    device = torch.device("cpu" if _CPU else "cuda")
     status = tk.triton_status()
     if tk.backend_for(torch.empty(1, device=device)) != "triton":
         print(f"the Triton path is not usable here: {status}", file=sys.stderr)
         return 2
-    props = torch.cuda.get_device_properties(device)
-    l2 = int(getattr(props, "L2_cache_size", 50 * MB))
-    ceiling = copy_ceiling_gbps(device)
-    print(
-        f"{props.name}: device copy ceiling {ceiling:.0f} GB/s (read + write), L2 {l2 / MB:.0f} MB",
-        flush=True,
-    )
-    result: dict[str, object] = {
-        "device": props.name,
+    if _CPU:
+        name, l2, sms = "CPU rehearsal (Triton interpreter; sizes in KiB)", 64 << 10, 0
+        ceiling = copy_ceiling_gbps(device, nbytes=1 << 20, reps=3)
+    else:
+        props = torch.cuda.get_device_properties(device)
+        name, l2, sms = props.name, int(getattr(props, "L2_cache_size", 50 * MB)), props.multi_processor_count
+        ceiling = copy_ceiling_gbps(device)
+    print(f"{name}: device copy ceiling {ceiling:.0f} GB/s (read + write), L2 {l2 / MB:.0f} MB, {sms} SMs",
+          flush=True)  # fmt: skip
+    result: dict[str, Any] = {
+        "device": name,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_ceiling_gbps": ceiling,
         "triton_status": {k: v for k, v in status.items() if k != "smoke"},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.sweep:
-        result["sweep"] = sweep(device, ceiling, args.reps, l2, max(args.sizes_mb))
+
+    def write() -> None:
+        result["occupancy"] = [{"key": repr(k), **v} for k, v in _kernels.occupancy.items()]
+        result["elapsed_s"] = time.perf_counter() - t_start
         args.out.write_text(json.dumps(result, indent=2))
-        print(
-            f"\n{'BLOCK':>6s} {'warps':>5s} {'CHUNK':>6s} {'op':22s} {'layout':8s} {'graph GB/s':>10s} {'%copy':>6s}"
+
+    if args.sweep:
+        records, complete = sweep(
+            device, ceiling, args.sweep_reps, l2, args.sizes_mb, args.layouts, args.budget_s
         )
-        for r in result["sweep"]:  # type: ignore[union-attr]
-            gg = r["graph_gbps"] or 0.0
-            print(f"{r['block']:6d} {r['warps']:5d} {r['chunk']:6d} {r['op']:22s} {r['layout']:8s} {gg:10.0f} "
-                  f"{gg / ceiling:6.1%}")  # fmt: skip
-        print(f"\nwrote {args.out}")
-        return 0
+        best, table = summarize(records, ceiling)
+        result.update(sweep=records, sweep_complete=complete, best=best, suggested_heuristic=table)
+        write()
+        print(f"\nbest config per op and size (mean graph GB/s over layouts; ceiling {ceiling:.0f} GB/s)")
+        print(f"{'op':22s} {'MB':>4s} {'config':24s} {'GB/s':>6s} {'%copy':>6s} {'legacy':>7s}")
+        for b in best:
+            lg = f"{b['legacy_gbps'] / ceiling:7.1%}" if b["legacy_gbps"] else ""
+            print(f"{b['op']:22s} {b['bucket_mb']:4d} {b['config']:24s} {b['graph_gbps']:6.0f} "
+                  f"{b['frac_of_copy']:6.1%} {lg}")  # fmt: skip
+        print("\nrow-kernel variants: registers, spills, programs per SM that fit")
+        for occ in _kernels.occupancy.values():
+            print("  " + " ".join(f"{k}={v}" for k, v in occ.items()))
+        print("\nsuggested size table for triton_kernels/_configs.py"
+              + ("" if complete else " (INCOMPLETE sweep: sizes not reached keep the last row)") + ":")  # fmt: skip
+        print(heuristic_source(table), flush=True)
+        if args.no_table:
+            print(f"\nwrote {args.out} ({time.perf_counter() - t_start:.0f} s)")
+            return 0
+        apply_table(table)
+        print("\n(the table below runs with the suggested size table)")
     rows: list[Row] = []
     for mb in args.sizes_mb:
         for layout in args.layouts:
             rows.extend(bench_bucket(mb, device, ceiling, args.reps, l2, layout))
-            torch.cuda.empty_cache()
+            _empty_cache()
     result["rows"] = [asdict(r) for r in rows]
-    args.out.write_text(json.dumps(result, indent=2))
-    print()
-    print(f"{'op':22s} {'MB':>4s} {'layout':7s} {'tensors':>7s} {'triton ms':>9s} {'GB/s':>6s} {'%copy':>6s} "
-          f"{'graph GB/s':>10s} {'torch ms':>9s} {'GB/s':>6s} {'speedup':>7s}")  # fmt: skip
-    for r in rows:
-        gg = f"{r.graph_gbps:10.0f}" if r.graph_gbps else f"{'n/a':>10s}"
-        print(f"{r.op:22s} {r.bucket_mb:4d} {r.layout:7s} {r.n_tensors:7d} {r.triton_ms:9.3f} {r.triton_gbps:6.0f} "
-              f"{r.frac_of_copy:6.1%} {gg} {r.torch_ms:9.3f} {r.torch_gbps:6.0f} {r.speedup:7.2f}")  # fmt: skip
-    print(f"\nwrote {args.out}")
+    write()
+    print_table(rows)
+    print(f"\nwrote {args.out} ({time.perf_counter() - t_start:.0f} s)")
     return 0
 
 

@@ -172,8 +172,9 @@ def flatten_grads_with_stats_(
     Semantics are those of :func:`.reference.flatten_grads_with_stats_`: ``stats`` (float32 ``[2]`` on
     ``out``'s device) gets ``+= [sum of squares, non-finite count]`` of the values *as stored in* ``out``
     (so after rounding to ``out``'s dtype), with no host synchronisation. The Triton path does it in one
-    launch per distinct gradient dtype plus one tiny deterministic reduction launch, over a cached
-    device-side work table of (source offset, bucket offset, flags, count) rows. Non-contiguous gradients
+    launch per distinct gradient dtype over a cached device-side work table of (source offset, bucket
+    offset, flags, count) rows; the statistics are reduced deterministically, by the last program of the
+    launch or a tiny second launch (see :mod:`._configs`). Non-contiguous gradients
     are first made contiguous (a temporary copy); a call mixing devices goes to the twin.
 
     Args:
@@ -219,8 +220,9 @@ def scatter_flat_(
 
     fp32 -> bf16 rounds to nearest even, bit-identical to ``torch.Tensor.to(torch.bfloat16)`` for every
     non-NaN value (NaN stays a quiet NaN of the same sign). With ``stochastic_rounding=True`` fp32 -> bf16
-    rounds stochastically instead: unbiased, always one of the two bf16 neighbours; the random stream is
-    Philox keyed by ``seed`` and ``offset + flat index`` (vary ``seed`` or ``offset`` per step). Same-dtype
+    rounds stochastically instead: unbiased, always one of the two bf16 neighbours; the random bits are a
+    counter-based hash of ``offset + flat index`` keyed by ``seed`` (vary ``seed`` or ``offset`` per step),
+    the same on the Triton path and the twin (:func:`.reference.noise16`). Same-dtype
     slices are plain bit copies. The Triton path is one launch per distinct parameter dtype; non-contiguous
     parameters go through a contiguous temporary and a ``copy_``.
     """

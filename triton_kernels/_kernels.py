@@ -11,13 +11,17 @@ Conventions shared by every kernel:
   numpy-backed ``x.to(tl.bfloat16)`` does not round like torch.
 * "kind" constexprs name a storage format: ``F32 = 0``, ``BF16 = 1`` (int16 bits), ``F16 = 2``.
 * Offsets are int64 (buckets of more than 2**31 elements are fine).
-* Multi-tensor ops (flatten, scatter) launch one 1-D grid per dtype group over a device *work table* of
-  rows ``[offset from the group's base tensor, offset in the bucket, flags, n]`` (see :mod:`._tables`).
-  Element offsets from a base pointer argument, rather than raw addresses cast with ``tl.pointer_type``,
-  keep the base's 16-byte alignment (from Triton's argument specialisation) visible to the compiler; the
-  per-row flags say which side is 16-byte aligned, and the kernel picks the matching unmasked tile loop
-  (16-byte vector loads / stores on the aligned sides), then a masked tail. The plan is cached per exact
-  set of addresses, so a repeated call uploads nothing.
+* Multi-tensor ops (flatten, scatter) share one kernel, :func:`_rows_kernel` (or its 2-D-tile variant
+  :func:`_rows2_kernel`, ``RowsConfig.kernel == 2``), launched once per dtype group over a device *work
+  table* of rows ``[source offset, destination offset, flags, n]`` (see :mod:`._tables`).
+  How the bucket is cut into rows, the tile width, the warps, the grid (persistent or one program per row)
+  and how the statistics are reduced are a :class:`._configs.RowsConfig`, chosen from the bucket's size by
+  a fixed table (:func:`._configs.choose`): no autotuning at run time. Element offsets from a base pointer
+  argument, rather than raw addresses cast with ``tl.pointer_type``, keep the base's 16-byte alignment
+  (from Triton's argument specialisation) visible to the compiler; the per-row flags say which side is
+  16-byte aligned, and the kernel picks the matching unmasked tile loop (16-byte vector loads / stores on
+  the aligned sides), then a masked tail. The plan (tables, grids, statistics scratch) is cached per exact
+  set of addresses, so a repeated call uploads and allocates nothing.
 * Non-contiguous inputs never reach a launcher: the public functions make gradients contiguous (a
   temporary copy) and scatter into a contiguous temporary before ``copy_`` for non-contiguous params.
 * NaN -> bf16 keeps sign and the top payload bits and sets the quiet bit: ``(bits >> 16) | 0x40``. torch
@@ -31,13 +35,19 @@ decorated when ``triton`` itself was imported. :func:`mode` reports which one th
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+from typing import Any
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from . import _tables
-from ._tables import PlanCache, aligned16, chunk_rows
+from . import _configs
+from ._configs import RowsConfig
+from ._tables import PlanCache, aligned16, balanced_rows, chunk_rows
+from .reference import sr_keys
 
 # torch dtype -> (storage kind constexpr, element size in bytes)
 _KIND: dict[torch.dtype, tuple[int, int]] = {
@@ -162,107 +172,432 @@ def _aligned_off(off, V: tl.constexpr):
 
 
 @triton.jit
-def _convert(x, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr):
-    """Loaded ``SRC_KIND`` storage -> (``DST_KIND`` storage to store, its exact fp32 value for stats)."""
+def _fmix32(h):
+    """murmur3's 32-bit finaliser: a bijection on uint32 with full avalanche."""
+    h ^= h >> 16
+    h *= 0x85EBCA6B
+    h ^= h >> 13
+    h *= 0xC2B2AE35
+    h ^= h >> 16
+    return h
+
+
+@triton.jit
+def _noise16(g, k0, k1):
+    """16 uniform random bits (uint32 < 2**16) per element from its int64 counter ``g`` and 31-bit keys.
+
+    Two rounds of :func:`_fmix32` over (low word ^ k0) and then (high word ^ k1): ~12 integer ops per
+    element instead of a 10-round Philox (which made the stochastic-rounding scatter ALU-bound at ~40% of
+    the copy ceiling). For a fixed key and high word the map is a bijection of the low word, so the noise of
+    any 2**32 consecutive counters is exactly uniform. :func:`.reference.noise16` is the bit-exact twin.
+    """
+    lo = g.to(tl.uint32)
+    hi = (g >> 32).to(tl.uint32)
+    x = _fmix32(lo ^ k0.to(tl.uint32))
+    x = _fmix32(x ^ hi ^ k1.to(tl.uint32))
+    return x >> 16
+
+
+@triton.jit
+def _convert(x, ctr, k0, k1, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Loaded ``SRC_KIND`` storage -> ``DST_KIND`` storage. Same kind: the bits unchanged. To bf16: RNE, or
+    stochastic rounding keyed by the element's counter ``ctr`` when STOCHASTIC."""
     if SRC_KIND == DST_KIND:
-        return x, _to_f32(x, SRC_KIND)
+        return x
     else:
-        y = _from_f32(_to_f32(x, SRC_KIND), 0, DST_KIND, False)
-        return y, _to_f32(y, DST_KIND)
+        xf = _to_f32(x, SRC_KIND)
+        if STOCHASTIC and DST_KIND == 1:
+            return _f32_to_bf16_bits(xf, _noise16(ctr, k0, k1), True)
+        else:
+            return _from_f32(xf, 0, DST_KIND, False)
 
 
-# ------------------------------------------------------------------------------------------ flatten
+# --------------------------------------------------------------------------- rows: flatten and scatter
 
-# Row flag bits shared by the flatten and scatter tables.
-_HAS_SRC = 1  # flatten: the entry has a gradient (else the kernel writes zeros)
+# Row flag bits of the work tables.
+_HAS_SRC = 1  # the row has a source (flatten: a None gradient has not; the kernel writes zeros)
 _SRC_AL = 2  # the row's source address is 16-byte aligned
 _DST_AL = 4  # the row's destination address is 16-byte aligned
 
 
 @triton.jit
-def _flatten_tiles(src, dst, stop, lane, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK: tl.constexpr):
+def _copy_tiles(
+    src, dst, stop, lane, ctr_base, k0, k1, acc_sq, acc_bad,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK: tl.constexpr,
+):  # fmt: skip
     """Whole tiles ``[0, stop)`` without masks; returns the updated stats accumulators."""
     for start in range(0, stop, BLOCK):
         offs = start + lane
-        y, v = _convert(tl.load(src + offs), SRC_KIND, DST_KIND)
+        y = _convert(tl.load(src + offs), ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
         tl.store(dst + offs, y)
         if STATS:
+            v = _to_f32(y, DST_KIND)
             acc_sq += v * v
             acc_bad += _nonfinite(v)
     return acc_sq, acc_bad
 
 
-@triton.jit
-def _flatten_kernel(
+# NOTE: only the pointers are specialised (16-byte alignment): the integers are keys and offsets, where a
+# divisibility specialisation buys nothing and would compile more variants.
+@triton.jit(do_not_specialize=["part_base", "k0", "k1", "rng_offset"])
+def _rows_kernel(
     table_ptr,
+    starts_ptr,
     src_base_ptr,
-    out_ptr,
+    dst_base_ptr,
     part_sq_ptr,
     part_bad_ptr,
     part_base,
+    counter_ptr,
+    stats_ptr,
+    k0,
+    k1,
+    rng_offset,
     SRC_KIND: tl.constexpr,
     DST_KIND: tl.constexpr,
     STATS: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per table row ``[src_off, dst_off, flags, n]``: copy + cast into ``out``, and write
-    this program's [sum of squares, non-finite count] of the *stored* values to the partial buffers.
+    """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
-    ``src_off`` is in elements from ``src_base_ptr`` (the lowest-addressed gradient of this dtype group):
-    unlike an int -> pointer cast, ``base + offset`` keeps the base's 16-byte alignment visible to the
-    compiler. Whole tiles run unmasked (a mask against a runtime count blocks vector accesses), with
-    16-byte vector loads / stores on the sides the row's flags say are aligned; then the masked tail.
-    Rows without a source (None grads) go entirely through the masked loop, loading zeros.
+    Program ``pid`` handles rows ``starts[pid]`` to ``starts[pid + 1]`` (exclusive): one row each in the
+    one-program-per-row scheme, an equal share of the elements each on a persistent grid (see
+    :mod:`._configs`). The next row's descriptor is loaded before the current row is copied, so its latency
+    overlaps the copy. Offsets are in elements from the base pointers: unlike an int -> pointer cast,
+    ``base + offset`` keeps the base's 16-byte alignment visible to the compiler. Whole tiles run
+    unmasked, with 16-byte vector loads / stores on the sides the row's flags say are aligned; then a
+    masked tail. Rows without a source (flatten's None gradients) go entirely through the masked loop,
+    loading zeros.
+
+    STATS: each program sums the squares and counts the non-finite values it *stored* (fp32, in registers)
+    and writes one partial. ONE_PASS: the program that finishes last (a ticket from an acq_rel atomic on
+    ``counter_ptr``) adds all partials, in program order, to ``stats`` and resets the counter: one launch,
+    deterministic (the row -> program assignment is fixed). Else ``_stats_finalize_kernel`` does that as a
+    second launch.
+
+    STOCHASTIC (fp32 -> bf16 scatter): the counter of element ``i`` of a row is ``src_off + i + rng_offset``,
+    i.e. ``offset`` + its index in the flat buffer, independent of the launch layout.
     """
     pid = tl.program_id(0)
-    row = table_ptr + pid.to(tl.int64) * 4
-    src_off = tl.load(row)
-    dst_off = tl.load(row + 1)
-    flags = tl.load(row + 2)
-    n = tl.load(row + 3)
-    has_src = (flags & 1) != 0
+    n_prog = tl.num_programs(0)
     lane = tl.arange(0, BLOCK)
     acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
     acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
-    n_src = tl.where(has_src, n, 0)  # elements to read; None rows read none and store zeros
-    n_full = n_src - n_src % BLOCK
-    src_al = (flags & 2) != 0
-    dst_al = (flags & 4) != 0
     VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
     VD: tl.constexpr = 4 if DST_KIND == 0 else 8
-    if src_al & dst_al:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + _aligned_off(src_off, VS), out_ptr + _aligned_off(dst_off, VD), n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    elif src_al:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + _aligned_off(src_off, VS), out_ptr + dst_off, n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    elif dst_al:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + src_off, out_ptr + _aligned_off(dst_off, VD), n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    else:
-        acc_sq, acc_bad = _flatten_tiles(
-            src_base_ptr + src_off, out_ptr + dst_off, n_full, lane,
-            acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, BLOCK,
-        )  # fmt: skip
-    src = src_base_ptr + src_off
-    dst = out_ptr + dst_off
-    for start in range(n_full, n, BLOCK):
-        offs = start + lane
-        mask = offs < n
-        y, v = _convert(tl.load(src + offs, mask=offs < n_src, other=0), SRC_KIND, DST_KIND)
-        tl.store(dst + offs, y, mask=mask)
-        if STATS:
-            acc_sq += v * v  # masked lanes loaded 0 -> contribute 0
-            acc_bad += _nonfinite(v)
+    lo = tl.load(starts_ptr + pid)
+    hi = tl.load(starts_ptr + pid + 1)
+    row = table_ptr + lo.to(tl.int64) * 4
+    src_off = tl.load(row, mask=lo < hi, other=0)
+    dst_off = tl.load(row + 1, mask=lo < hi, other=0)
+    flags = tl.load(row + 2, mask=lo < hi, other=0)
+    n = tl.load(row + 3, mask=lo < hi, other=0)
+    for r in range(lo, hi):
+        nxt = table_ptr + (r + 1) * 4  # int32 is plenty: a table has far fewer than 2**29 rows
+        more = r + 1 < hi
+        nxt_src_off = tl.load(nxt, mask=more, other=0)
+        nxt_dst_off = tl.load(nxt + 1, mask=more, other=0)
+        nxt_flags = tl.load(nxt + 2, mask=more, other=0)
+        nxt_n = tl.load(nxt + 3, mask=more, other=0)
+
+        n_src = tl.where((flags & 1) != 0, n, 0)  # elements to read; None rows read none and store zeros
+        n_full = n_src - n_src % BLOCK
+        src_al = (flags & 2) != 0
+        dst_al = (flags & 4) != 0
+        ctr_base = src_off + rng_offset
+        if src_al & dst_al:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + _aligned_off(src_off, VS), dst_base_ptr + _aligned_off(dst_off, VD), n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        elif src_al:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + _aligned_off(src_off, VS), dst_base_ptr + dst_off, n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        elif dst_al:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + src_off, dst_base_ptr + _aligned_off(dst_off, VD), n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        else:
+            acc_sq, acc_bad = _copy_tiles(
+                src_base_ptr + src_off, dst_base_ptr + dst_off, n_full,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+            )  # fmt: skip
+        src = src_base_ptr + src_off
+        dst = dst_base_ptr + dst_off
+        for start in range(n_full, n, BLOCK):  # the tail (and None rows)
+            offs = start + lane
+            x = tl.load(src + offs, mask=offs < n_src, other=0)
+            y = _convert(x, ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+            tl.store(dst + offs, y, mask=offs < n)
+            if STATS:
+                v = _to_f32(y, DST_KIND)  # masked lanes loaded 0 -> contribute 0
+                acc_sq += v * v
+                acc_bad += _nonfinite(v)
+        src_off = nxt_src_off
+        dst_off = nxt_dst_off
+        flags = nxt_flags
+        n = nxt_n
     if STATS:
-        tl.store(part_sq_ptr + part_base + pid, tl.sum(acc_sq, axis=0))
-        tl.store(part_bad_ptr + part_base + pid, tl.sum(acc_bad, axis=0))
+        s = tl.sum(acc_sq, axis=0)
+        c = tl.sum(acc_bad, axis=0)
+        if ONE_PASS:
+            tl.store(part_sq_ptr + pid, s)
+            tl.store(part_bad_ptr + pid, c)
+            # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
+            # draws the last ticket, and that one sees every other program's.
+            ticket = tl.atomic_add(counter_ptr, 1)
+            if ticket == n_prog - 1:
+                tot_sq = tl.zeros([BLOCK], dtype=tl.float32)
+                tot_bad = tl.zeros([BLOCK], dtype=tl.int64)
+                for start in range(0, n_prog, BLOCK):
+                    offs = start + lane
+                    m = offs < n_prog
+                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                    tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(
+                        tl.int64
+                    )
+                tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
+                tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
+                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+        else:
+            tl.store(part_sq_ptr + part_base + pid, s)
+            tl.store(part_bad_ptr + part_base + pid, c)
+
+
+# ---------------------------------------------------- rows, kernel 2: 2-D tiles, small accumulators
+
+
+@triton.jit
+def _row_sums(v, AXIS: tl.constexpr):
+    """Per-slot sums of squares and non-finite counts of the fp32 tile ``v`` along ``AXIS`` (within a
+    thread for the layouts :func:`_rows2_kernel` uses)."""
+    return tl.sum(v * v, axis=AXIS), tl.sum(_nonfinite(v), axis=AXIS)
+
+
+@triton.jit
+def _word_sums(w):
+    """Sums of squares and exact non-finite counts of ``[R, 4]`` int32 words, each two bf16 (low, high),
+    along axis 1, on the packed bits.
+
+    bf16 -> fp32 of the high half is ``w & 0xFFFF0000``, of the low half ``w << 16``. Non-finite means an
+    all-ones exponent (``0x7F80`` in a half): ``(w & 0x7F807F80) + 0x00800080`` carries into bit 15 (31) of
+    exactly those halves and never across halves (``0x7F80 + 0x80 = 0x8000``); the bits shifted down to 0
+    and 16 sum over the row's 4 words without overflowing 16 bits, then the two halves are added.
+    """
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000 as an int32
+    sq = tl.sum(lo * lo + hi * hi, axis=1)
+    t = ((w & 0x7F807F80) + 0x00800080) >> 15
+    pair = tl.sum(t & 0x00010001, axis=1)
+    return sq, (pair & 0xFFFF) + (pair >> 16)
+
+
+@triton.jit
+def _vec_tile(
+    src, dst, offs, mask, ctr, k0, k1, acc_sq, acc_bad,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One ``[R, VW]`` tile at ``src`` / ``dst`` of a row aligned on both sides (``offs``: int32 element
+    offsets, VW contiguous per tile row, so every access is a whole vector); ``mask`` is ``[R, 1]``, per
+    tile row, when MASKED. ``ctr``: the stochastic-rounding counter of the tile's first element."""
+    y = _convert(_load(src + offs, mask, MASKED), ctr + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+    _store(dst + offs, y, mask, MASKED)
+    if STATS:
+        s, c = _row_sums(_to_f32(y, DST_KIND), 1)
+        acc_sq += s
+        acc_bad += c
+    return acc_sq, acc_bad
+
+
+@triton.jit
+def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, MASKED: tl.constexpr):
+    """One ``[R, 4]`` tile of int32 words (bf16 -> bf16 rows aligned on both sides: a bit copy)."""
+    w = _load(src + offs, mask, MASKED)
+    _store(dst + offs, w, mask, MASKED)
+    if STATS:
+        s, c = _word_sums(w)
+        acc_sq += s
+        acc_bad += c
+    return acc_sq, acc_bad
+
+
+@triton.jit
+def _scalar_tile(
+    src, dst, offs, rem_src, rem, ctr, k0, k1, acc_sq, acc_bad,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One ``[8, R]`` tile element by element (``offs``: column ``c`` holds elements ``c, c + R, ...``, so a
+    warp's accesses are contiguous and load and store share one layout); when MASKED, loads keep
+    ``offs < rem_src`` and stores ``offs < rem`` (int32 counts left in the row from the tile's start)."""
+    if MASKED:
+        x = tl.load(src + offs, mask=offs < rem_src, other=0)
+    else:
+        x = tl.load(src + offs)
+    y = _convert(x, ctr + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+    _store(dst + offs, y, offs < rem, MASKED)
+    if STATS:
+        s, c = _row_sums(_to_f32(y, DST_KIND), 0)  # masked-out lanes hold 0: they add nothing
+        acc_sq += s
+        acc_bad += c
+    return acc_sq, acc_bad
+
+
+@triton.jit(do_not_specialize=["part_base", "k0", "k1", "rng_offset"])
+def _rows2_kernel(
+    table_ptr,
+    heads_ptr,
+    src_base_ptr,
+    dst_base_ptr,
+    part_sq_ptr,
+    part_bad_ptr,
+    part_base,
+    counter_ptr,
+    stats_ptr,
+    k0,
+    k1,
+    rng_offset,
+    SRC_KIND: tl.constexpr,
+    DST_KIND: tl.constexpr,
+    STATS: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PACKED: tl.constexpr,
+    SCALAR_ROWS: tl.constexpr,
+):
+    """:func:`_rows_kernel`'s contract (same rows, flags, statistics, counters, reduction), with tiles laid
+    out for a read-mostly stream with statistics (``RowsConfig.kernel == 2``; see docs/triton_kernels.md):
+
+    * a tile of BLOCK elements is 2-D: ``[R, VW]`` on rows aligned on both sides, VW = 16 bytes of the
+      destination (8 elements; 4 into fp32), so each thread owns whole vectors, BLOCK / (VW * threads) of
+      them in flight per iteration; ``[S, R]`` element by element on the other rows (S * R elements, 8 per
+      thread: ``SCALAR_ROWS``), one layout for load and store, no shared-memory exchange. Both reduce
+      their statistics within the thread into the same ``[R]`` accumulators (R = BLOCK / VW): 2 * R /
+      threads registers instead of 2 * BLOCK / threads, so BLOCK can grow (more bytes in flight) without
+      costing occupancy;
+    * on aligned rows only the last < VW elements go element by element: whole tiles unmasked, then one
+      tile masked per vector row (a row-uniform mask keeps the vector accesses);
+    * PACKED (bf16 -> bf16): aligned rows move int32 words (two bf16), and the statistics work on the
+      packed bits (:func:`_word_sums`);
+    * program ``pid``'s first row comes with its row range in one record ``heads[pid] = [lo, hi, src_off,
+      dst_off, flags, n, 0, 0]``: one dependent load fewer before the first tile;
+    * ONE_PASS: the last program loads ``stats`` together with the partials.
+
+    Statistics are deterministic for a given config (fixed rows per program, fixed order everywhere); the
+    order of the fp32 additions differs from :func:`_rows_kernel`'s.
+    """
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    # Elements per row of a vector tile: 16 bytes of the destination (Triton stores at most 16 bytes per
+    # thread and access; loads of an fp32 source take two).
+    VW: tl.constexpr = 4 if DST_KIND == 0 else 8
+    R: tl.constexpr = BLOCK // VW
+    VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
+    VD: tl.constexpr = 4 if DST_KIND == 0 else 8
+    WORDS: tl.constexpr = PACKED and SRC_KIND == 1 and DST_KIND == 1
+    S: tl.constexpr = SCALAR_ROWS  # element-by-element tiles are [S, R]: S * R elements
+    r_idx = tl.arange(0, R)
+    vec_rows = r_idx[:, None] * VW  # [R, 1]: first element of each row of a vector tile
+    vec_offs = vec_rows + tl.arange(0, VW)[None, :]  # [R, VW]
+    word_offs = r_idx[:, None] * 4 + tl.arange(0, 4)[None, :]  # [R, 4] int32 words = the same bytes
+    sca_offs = tl.arange(0, S)[:, None] * R + r_idx[None, :]  # [S, R]
+    acc_sq = tl.zeros([R], dtype=tl.float32)
+    acc_bad = tl.zeros([R], dtype=tl.int32)
+    head = heads_ptr + pid.to(tl.int64) * 8
+    lo = tl.load(head).to(tl.int32)
+    hi = tl.load(head + 1).to(tl.int32)
+    src_off = tl.load(head + 2)
+    dst_off = tl.load(head + 3)
+    flags = tl.load(head + 4)
+    n = tl.load(head + 5)
+    for r in range(lo, hi):
+        nxt = table_ptr + (r + 1) * 4
+        more = r + 1 < hi
+        nxt_src_off = tl.load(nxt, mask=more, other=0)
+        nxt_dst_off = tl.load(nxt + 1, mask=more, other=0)
+        nxt_flags = tl.load(nxt + 2, mask=more, other=0)
+        nxt_n = tl.load(nxt + 3, mask=more, other=0)
+
+        n_src = tl.where((flags & 1) != 0, n, 0)
+        both_al = (flags & 6) == 6
+        n8 = tl.where(both_al, (n_src // VW) * VW, 0)  # elements that go through whole vector rows
+        ctr_base = src_off + rng_offset
+        if n8 > 0:
+            n_full = (n8 // BLOCK) * BLOCK
+            src_v = src_base_ptr + _aligned_off(src_off, VS)
+            dst_v = dst_base_ptr + _aligned_off(dst_off, VD)
+            if WORDS:
+                src_w = src_v.to(tl.pointer_type(tl.int32), bitcast=True)
+                dst_w = dst_v.to(tl.pointer_type(tl.int32), bitcast=True)
+                for start in range(0, n_full, BLOCK):
+                    acc_sq, acc_bad = _word_tile(
+                        src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, False
+                    )
+                if n_full < n8:
+                    acc_sq, acc_bad = _word_tile(
+                        src_w + n_full // 2, dst_w + n_full // 2, word_offs,
+                        vec_rows < (n8 - n_full).to(tl.int32), acc_sq, acc_bad, STATS, True,
+                    )  # fmt: skip
+            else:
+                for start in range(0, n_full, BLOCK):
+                    acc_sq, acc_bad = _vec_tile(
+                        src_v + start, dst_v + start, vec_offs, None, ctr_base + start, k0, k1, acc_sq, acc_bad,
+                        SRC_KIND, DST_KIND, STATS, STOCHASTIC, False,
+                    )  # fmt: skip
+                if n_full < n8:
+                    acc_sq, acc_bad = _vec_tile(
+                        src_v + n_full, dst_v + n_full, vec_offs, vec_rows < (n8 - n_full).to(tl.int32),
+                        ctr_base + n_full, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, True,
+                    )  # fmt: skip
+        # Element by element: whole tiles of rows not aligned on both sides, then every row's rest (the
+        # last < VW elements of an aligned row; all of a row without a source, which stores zeros).
+        src = src_base_ptr + src_off
+        dst = dst_base_ptr + dst_off
+        s_full = tl.where(both_al, n8, (n_src // (S * R)) * (S * R))
+        for start in range(n8, s_full, S * R):
+            acc_sq, acc_bad = _scalar_tile(
+                src + start, dst + start, sca_offs, 0, 0, ctr_base + start, k0, k1, acc_sq, acc_bad,
+                SRC_KIND, DST_KIND, STATS, STOCHASTIC, False,
+            )  # fmt: skip
+        for start in range(s_full, n, S * R):
+            rem_src = tl.minimum(tl.maximum(n_src - start, 0), S * R).to(tl.int32)
+            rem = tl.minimum(n - start, S * R).to(tl.int32)
+            acc_sq, acc_bad = _scalar_tile(
+                src + start, dst + start, sca_offs, rem_src, rem, ctr_base + start, k0, k1, acc_sq, acc_bad,
+                SRC_KIND, DST_KIND, STATS, STOCHASTIC, True,
+            )  # fmt: skip
+        src_off = nxt_src_off
+        dst_off = nxt_dst_off
+        flags = nxt_flags
+        n = nxt_n
+    if STATS:
+        s = tl.sum(acc_sq, axis=0)
+        c = tl.sum(acc_bad, axis=0)
+        if ONE_PASS:
+            tl.store(part_sq_ptr + pid, s)
+            tl.store(part_bad_ptr + pid, c)
+            ticket = tl.atomic_add(counter_ptr, 1)  # acq_rel, GPU scope (see _rows_kernel)
+            if ticket == n_prog - 1:
+                old_sq = tl.load(stats_ptr)
+                old_bad = tl.load(stats_ptr + 1)
+                tot_sq = tl.zeros([R], dtype=tl.float32)
+                tot_bad = tl.zeros([R], dtype=tl.int64)
+                for start in range(0, n_prog, R):
+                    offs = start + r_idx
+                    m = offs < n_prog
+                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                    tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
+                tl.store(stats_ptr, old_sq + tl.sum(tot_sq, axis=0))
+                tl.store(stats_ptr + 1, old_bad + tl.sum(tot_bad, axis=0).to(tl.float32))
+                tl.atomic_xchg(counter_ptr, 0)
+        else:
+            tl.store(part_sq_ptr + part_base + pid, s)
+            tl.store(part_bad_ptr + part_base + pid, c)
 
 
 @triton.jit
@@ -282,17 +617,11 @@ def _stats_finalize_kernel(part_sq_ptr, part_bad_ptr, n_parts, stats_ptr, BLOCK:
     tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + c.to(tl.float32))
 
 
-_flatten_plans = PlanCache()
-
-# NOTE: 1024-element tiles with 4 warps = 8 elements per thread per iteration (one 16-byte vector for bf16,
-# two for fp32, on aligned rows). Measured on one H200 (bench_triton.py --sweep: BLOCK 1024/2048/4096 x
-# warps 4/8 x CHUNK 16/64 Ki, 256 MB bf16 bucket, device time through CUDA-graph replay, one run each):
-# 1024 x 4 x 16 Ki was the best flatten+stats config, 81% of the 4.2 TB/s device-copy ceiling with
-# 8-aligned sizes and 77% with odd sizes; 4096-element tiles lost 10-15 points.
-_FLATTEN_BLOCK = 1024
-_FLATTEN_WARPS = 4
-# NOTE: the finalize pass reads 8 bytes per program of the main pass (a few KiB); one program suffices.
+# NOTE: the two-pass finalize reads 8 bytes per program of the main pass (a few KiB); one program suffices.
 _FINALIZE_BLOCK = 1024
+# NOTE: under the interpreter there are no SMs; this many stand in, so a persistent grid of a few programs
+# per "SM" still gives each program several rows on CI-sized inputs (the stride loop gets exercised).
+_INTERP_SMS = 2
 
 
 def _stream_key(device: torch.device) -> int:
@@ -323,67 +652,259 @@ def _upload(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
+def _config(family: str, numel: int) -> RowsConfig:
+    """The launch config: the table's (or a forced one); under the interpreter the table's tiles are
+    widened (see :func:`_tile`) while forced configs run exactly as given, so tests can cover each one."""
+    cfg = _configs.choose(family, numel)
+    if mode() == "interpreter" and not _configs.is_forced(family):
+        block = _tile(cfg.block)
+        chunk = max(cfg.chunk, 4 * block) if cfg.chunk else 0
+        cfg = dataclasses.replace(cfg, block=block, chunk=chunk)
+    return cfg
+
+
+_resident: dict[tuple[Any, ...], int] = {}
+_resident_lock = threading.Lock()
+# Registers, spills, shared memory and programs per SM of each compiled row-kernel variant (for benchmarks).
+occupancy: dict[tuple[Any, ...], dict[str, Any]] = {}
+_dummies: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A small allocation of ``dtype`` (16-byte aligned like every real one) for compile-only calls."""
+    t = _dummies.get((device, dtype))
+    if t is None:
+        t = _dummies[(device, dtype)] = torch.zeros(8, dtype=dtype, device=device)
+    return t
+
+
+def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic: bool) -> dict[str, Any]:
+    """The row kernel's constexprs for this config and dtype pair (kernel 2 also takes PACKED)."""
+    meta = dict(
+        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=cfg.one_pass and stats,
+        STOCHASTIC=stochastic, BLOCK=cfg.block,
+    )  # fmt: skip
+    if cfg.kernel == 2:
+        meta["PACKED"] = cfg.packed
+        meta["SCALAR_ROWS"] = _scalar_rows(cfg, dst_kind)
+    return meta
+
+
+def _scalar_rows(cfg: RowsConfig, dst_kind: int) -> int:
+    """Rows S of kernel 2's element-by-element tiles ``[S, R]`` (R = block / VW, VW = 4 elements into fp32,
+    else 8): 8 elements per thread, ``S = 8 * 32 * warps / R``, within 1..8.
+
+    NOTE: compiled for sm_90 with Triton 3.6 (offline, ptxas), a 4-warp bf16 statistics variant takes 40-45
+    registers with 8 elements per thread in these tiles, ~96 with 16 and ~168 with 32 (b4096 with S = 8):
+    the element path would cap the occupancy of the whole kernel, vector path included.
+    """
+    vw = 4 if dst_kind == 0 else 8
+    return max(1, min(8, 256 * cfg.warps * vw // cfg.block))
+
+
+def _rows_fn(cfg: RowsConfig) -> Any:
+    """The row kernel that runs ``cfg``."""
+    return _rows2_kernel if cfg.kernel == 2 else _rows_kernel
+
+
+_STORAGE = {0: torch.float32, 1: torch.int16, 2: torch.float16}
+
+
+def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> int:
+    """Programs of this row-kernel variant that fit on one SM at once (compiles it, once per variant):
+    from its registers and shared memory, by the CUDA occupancy rules. ``programs_per_sm`` itself when that
+    cannot be worked out (an older Triton without ``warmup`` / ``n_regs``)."""
+    key = (device.index, cfg.kernel, cfg.warps, tuple(sorted(meta.items())))
+    fit = _resident.get(key)
+    if fit is not None:
+        return fit
+    fit = cfg.programs_per_sm
+    try:
+        i64, i32, f32 = (_dummy(device, d) for d in (torch.int64, torch.int32, torch.float32))
+        src = _dummy(device, _STORAGE[meta["SRC_KIND"]])
+        dst = _dummy(device, _STORAGE[meta["DST_KIND"]])
+        heads_or_starts = i64 if cfg.kernel == 2 else i32  # typed as the launch's: the same compiled variant
+        compiled = _rows_fn(cfg).warmup(
+            i64, heads_or_starts, src, dst, f32, i32, 0, i32, f32, 0, 0, 0, grid=(1,), num_warps=cfg.warps,
+            **meta,
+        )  # fmt: skip
+        compiled._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        fit = _configs.max_resident_programs(
+            warps=cfg.warps,
+            regs_per_thread=int(compiled.n_regs),
+            shared_bytes=int(compiled.metadata.shared),
+            max_threads_per_sm=int(getattr(props, "max_threads_per_multi_processor", 2048)),
+            regs_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536)),
+            shared_per_sm=int(getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)),
+        )
+        occupancy[key] = {
+            "kernel": cfg.kernel, "warps": cfg.warps, **meta, "regs": int(compiled.n_regs),
+            "spills": int(compiled.n_spills),
+            "shared": int(compiled.metadata.shared), "fit_per_sm": fit,
+        }  # fmt: skip
+    except Exception as e:  # trust the config
+        occupancy[key] = {"kernel": cfg.kernel, "warps": cfg.warps, **meta, "error": f"{type(e).__name__}: {e}"}
+    with _resident_lock:
+        _resident[key] = fit
+    return fit
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERP_SMS
+
+
+def _work(
+    cfg: RowsConfig,
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    numel: np.ndarray,
+    flags: np.ndarray,
+    device: torch.device,
+    meta: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """One launch's work on the device: ``(row table, per-program row starts, grid)``; None if no rows.
+
+    One program per ``chunk``-element row, or a persistent grid of ``programs_per_sm`` per SM (clamped to
+    the variant's occupancy, and to one tile per program) with an equal share each. Kernel 2 takes
+    per-program *heads* instead of the starts: ``[lo, hi, first row's 4 columns, 0, 0]`` (int64).
+    """
+    if cfg.programs_per_sm == 0:
+        rows = chunk_rows(src_off, dst_off, numel, flags, cfg.chunk)
+        starts = np.arange(len(rows) + 1, dtype=np.int32)
+    else:
+        pps = cfg.programs_per_sm
+        if device.type == "cuda":
+            pps = min(pps, _fit_per_sm(cfg, device, meta))
+        total = int(np.asarray(numel, dtype=np.int64).sum())
+        grid = max(1, min(_sm_count(device) * pps, -(-total // cfg.block)))
+        rows, starts = balanced_rows(src_off, dst_off, numel, flags, grid)
+    if len(rows) == 0:
+        return None
+    if cfg.kernel == 2:
+        return _upload(rows, device), _upload(_heads(rows, starts), device), len(starts) - 1
+    return _upload(rows, device), _upload(starts, device), len(starts) - 1
+
+
+def _heads(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Kernel 2's per-program records ``[lo, hi, src_off, dst_off, flags, n, 0, 0]`` (the first row's
+    columns; zeros for a program without rows)."""
+    lo = starts[:-1].astype(np.int64)
+    hi = starts[1:].astype(np.int64)
+    heads = np.zeros((len(lo), 8), dtype=np.int64)
+    heads[:, 0] = lo
+    heads[:, 1] = hi
+    some = lo < hi
+    heads[some, 2:6] = rows[lo[some]]
+    return heads
+
+
+def _launch_rows(
+    cfg: RowsConfig,
+    work: tuple[torch.Tensor, torch.Tensor, int],
+    src_base: torch.Tensor,
+    dst_base: torch.Tensor,
+    parts: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None,
+    keys: tuple[int, int, int],
+    meta: dict[str, Any],
+) -> None:
+    """One row-kernel launch. ``parts``: ``(part_sq, part_bad, part_base, counter, stats)`` when the launch
+    computes statistics."""
+    table, starts, grid = work
+    if parts is None:  # unused (STATS=False); typed like real ones: the same compiled variant either way
+        device = table.device
+        part_sq, stats = _dummy(device, torch.float32), _dummy(device, torch.float32)
+        part_bad = counter = _dummy(device, torch.int32)
+        part_base = 0
+    else:
+        part_sq, part_bad, part_base, counter, stats = parts
+    _rows_fn(cfg)[(grid,)](
+        table, starts, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys,
+        num_warps=cfg.warps, **meta,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ flatten
+
+
+@dataclasses.dataclass
+class _FlattenPlan:
+    """Cached per exact call layout: each dtype group's work and base tensor, and the statistics scratch
+    (one partial per program and, for ONE_PASS, the ticket counter, zero between launches)."""
+
+    groups: list[
+        tuple[tuple[torch.Tensor, torch.Tensor, int], int, int]
+    ]  # (work, base index or -1, src kind)
+    part_sq: torch.Tensor | None
+    part_bad: torch.Tensor | None
+    counter: torch.Tensor | None
+
+
+_flatten_plans = PlanCache()
+
+
 def launch_flatten(
     grads: list[torch.Tensor | None],
     sizes: list[int],
     out: torch.Tensor,
     stats: torch.Tensor | None,
 ) -> None:
-    """Copy ``grads`` into ``out`` and accumulate stats: one launch per distinct source dtype + one finalize.
+    """Copy ``grads`` into ``out`` and accumulate stats: one launch per distinct source dtype (+ one
+    finalize launch when the config reduces in two passes).
 
     ``grads`` entries must already be contiguous, on ``out``'s device, of a supported dtype, element-aligned
     and of the right size (the public function checks). ``None`` entries are zero-filled by the kernel.
-    The launch plan (work tables, grouping) is cached by the exact addresses, dtypes and sizes, so a
-    repeated call costs one pass over the list plus the launches.
+    The launch plan (config, work tables, statistics scratch) is cached by the exact addresses, dtypes and
+    sizes, so a repeated call costs one pass over the list plus the launches.
     """
     device = out.device
-    chunk = _tables.CHUNK
+    cfg = _config("flatten", out.numel())
+    want_stats = stats is not None
     key = (
         device,
         _stream_key(device),
-        chunk,
+        cfg,
+        want_stats,
         out.data_ptr(),
         out.storage_offset(),
         out.dtype,
         tuple(sizes),
         tuple((g.data_ptr(), g.dtype) if g is not None else None for g in grads),
     )
-    plan = _flatten_plans.get(key)
+    dst_kind = _KIND[out.dtype][0]
+    plan: _FlattenPlan | None = _flatten_plans.get(key)
     if plan is None:
-        plan = _flatten_plan(grads, sizes, out, chunk)
+        plan = _flatten_plan(cfg, grads, sizes, out, want_stats)
         _flatten_plans.put(key, plan)
-    groups, total_rows = plan
-    if total_rows == 0:
+    if not plan.groups:
         return
     out_s = _as_storage(out)
     out_base = _storage_start(out_s)
-    want_stats = stats is not None
-    if want_stats:
-        part_sq = torch.empty(total_rows, dtype=torch.float32, device=device)
-        part_bad = torch.empty(total_rows, dtype=torch.int32, device=device)
-    else:
-        part_sq = part_bad = out_s  # unused (STATS=False)
-    block = _tile(_FLATTEN_BLOCK)
-    dst_kind = _KIND[out.dtype][0]
-    for table, base_idx, rows, part_base, skind in groups:
+    part_base = 0
+    for work, base_idx, skind in plan.groups:
         base = out_s if base_idx < 0 else _as_storage(grads[base_idx])  # type: ignore[arg-type]
-        _flatten_kernel[(rows,)](
-            table, base, out_base, part_sq, part_bad, part_base,
-            SRC_KIND=skind, DST_KIND=dst_kind, STATS=want_stats, BLOCK=block, num_warps=_FLATTEN_WARPS,
-        )  # fmt: skip
-    if want_stats:
-        _stats_finalize_kernel[(1,)](part_sq, part_bad, total_rows, stats, BLOCK=_FINALIZE_BLOCK, num_warps=4)
+        parts = None
+        if stats is not None:
+            assert plan.part_sq is not None and plan.part_bad is not None and plan.counter is not None
+            parts = (plan.part_sq, plan.part_bad, 0 if cfg.one_pass else part_base, plan.counter, stats)
+        _launch_rows(
+            cfg, work, base, out_base, parts, (0, 0, 0), _meta(cfg, skind, dst_kind, want_stats, False)
+        )
+        part_base += work[2]
+    if stats is not None and not cfg.one_pass:
+        _stats_finalize_kernel[(1,)](
+            plan.part_sq, plan.part_bad, part_base, stats, BLOCK=_FINALIZE_BLOCK, num_warps=4
+        )
 
 
 def _flatten_plan(
-    grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, chunk: int
-) -> tuple[list[tuple[torch.Tensor, int, int, int, int]], int]:
-    """Group by source dtype and build each group's device work table.
-
-    Returns ``([(table, base index in grads or -1 for out, rows, first partial slot, src kind)], rows)``.
-    """
+    cfg: RowsConfig, grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, want_stats: bool
+) -> _FlattenPlan:
+    """Group by source dtype, build each group's device work, and the statistics scratch."""
     device = out.device
-    dst_es = _KIND[out.dtype][1]
+    dst_kind, dst_es = _KIND[out.dtype]
     sizes_np = np.asarray(sizes, dtype=np.int64)
     flat_off = np.cumsum(sizes_np) - sizes_np
     # Group entries by source dtype; None entries ride along in the out-dtype group (or the first group).
@@ -401,14 +922,13 @@ def _flatten_plan(
     out_base_al = (out_addr - out.storage_offset() * dst_es) % 16 == 0
     dst_off = out.storage_offset() + flat_off  # from the storage start (the kernel's out pointer)
     groups = []
-    total_rows = 0
     for sdt, idx in by_dtype.items():
         skind, ses = _KIND[sdt]
-        idx_np = np.asarray(idx, dtype=np.int64)
-        has = np.asarray([grads[i] is not None for i in idx], dtype=bool)
+        idx_np = np.asarray(sorted(idx), dtype=np.int64)  # bucket order: contiguous shares per program
+        has = np.asarray([grads[i] is not None for i in idx_np], dtype=bool)
         real_idx = idx_np[has]
-        src_off = np.zeros(len(idx), dtype=np.int64)
-        src_al = np.zeros(len(idx), dtype=bool)
+        src_off = np.zeros(len(idx_np), dtype=np.int64)
+        src_al = np.zeros(len(idx_np), dtype=bool)
         base_idx = -1
         if len(real_idx):
             addrs = np.asarray([grads[i].data_ptr() for i in real_idx], dtype=np.int64)  # type: ignore[union-attr]
@@ -418,112 +938,23 @@ def _flatten_plan(
             src_al[has] = aligned16(addrs) & (addrs[b] % 16 == 0)
         dst_al = aligned16(out_addr + flat_off[idx_np] * dst_es) & out_base_al
         flags = has * _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
-        rows_np = chunk_rows(src_off, dst_off[idx_np], sizes_np[idx_np], flags, chunk)
-        if len(rows_np) == 0:
-            continue
-        groups.append((_upload(rows_np, device), base_idx, len(rows_np), total_rows, skind))
-        total_rows += len(rows_np)
-    return groups, total_rows
+        meta = _meta(cfg, skind, dst_kind, want_stats, False)
+        work = _work(cfg, src_off, dst_off[idx_np], sizes_np[idx_np], flags, device, meta)
+        if work is not None:
+            groups.append((work, base_idx, skind))
+    part_sq = part_bad = counter = None
+    if want_stats and groups:
+        grids = [w[2] for w, _, _ in groups]
+        n_parts = max(grids) if cfg.one_pass else sum(grids)
+        part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
+        part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+    return _FlattenPlan(groups, part_sq, part_bad, counter)
 
 
 # ------------------------------------------------------------------------------------------ scatter
 
-
-@triton.jit
-def _scatter_convert(
-    x, counter, seed, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr, STOCHASTIC: tl.constexpr
-):
-    """Flat storage -> parameter storage; stochastic rounding (Philox at ``counter``) only for fp32 -> bf16."""
-    if SRC_KIND == DST_KIND:
-        return x  # same format: a plain bit copy
-    else:
-        xf = _to_f32(x, SRC_KIND)
-        if STOCHASTIC and DST_KIND == 1:
-            # Keyed by (seed, flat index + rng_offset): independent of the launch layout.
-            return _from_f32(xf, tl.randint(seed, counter), DST_KIND, True)
-        else:
-            return _from_f32(xf, 0, DST_KIND, False)
-
-
-@triton.jit
-def _scatter_tiles(
-    src, dst, stop, src_off, rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK: tl.constexpr
-):
-    """Whole tiles ``[0, stop)`` without masks."""
-    for start in range(0, stop, BLOCK):
-        offs = start + lane
-        y = _scatter_convert(
-            tl.load(src + offs), src_off + offs + rng_offset, seed, SRC_KIND, DST_KIND, STOCHASTIC
-        )
-        tl.store(dst + offs, y)
-
-
-@triton.jit(do_not_specialize=["seed", "rng_offset"])
-def _scatter_kernel(
-    table_ptr,
-    dst_base_ptr,
-    flat_ptr,
-    seed,
-    rng_offset,
-    SRC_KIND: tl.constexpr,
-    DST_KIND: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """One program per table row ``[dst_off, src_off, flags, n]``: ``dst[i] = cast(flat[src_off + i])``.
-
-    ``dst_off`` is in elements from ``dst_base_ptr`` (the lowest-addressed parameter of this dtype group);
-    tiles, flags and tail as in :func:`_flatten_kernel`.
-    """
-    pid = tl.program_id(0)
-    row = table_ptr + pid.to(tl.int64) * 4
-    dst_off = tl.load(row)
-    src_off = tl.load(row + 1)
-    flags = tl.load(row + 2)
-    n = tl.load(row + 3)
-    lane = tl.arange(0, BLOCK)
-    n_full = n - n % BLOCK
-    src_al = (flags & 2) != 0
-    dst_al = (flags & 4) != 0
-    VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
-    VD: tl.constexpr = 4 if DST_KIND == 0 else 8
-    if src_al & dst_al:
-        _scatter_tiles(
-            flat_ptr + _aligned_off(src_off, VS), dst_base_ptr + _aligned_off(dst_off, VD), n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    elif src_al:
-        _scatter_tiles(
-            flat_ptr + _aligned_off(src_off, VS), dst_base_ptr + dst_off, n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    elif dst_al:
-        _scatter_tiles(
-            flat_ptr + src_off, dst_base_ptr + _aligned_off(dst_off, VD), n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    else:
-        _scatter_tiles(
-            flat_ptr + src_off, dst_base_ptr + dst_off, n_full, src_off,
-            rng_offset, seed, lane, SRC_KIND, DST_KIND, STOCHASTIC, BLOCK,
-        )  # fmt: skip
-    src = flat_ptr + src_off
-    dst = dst_base_ptr + dst_off
-    for start in range(n_full, n, BLOCK):  # the tail
-        offs = start + lane
-        mask = offs < n
-        x = tl.load(src + offs, mask=mask, other=0)
-        y = _scatter_convert(x, src_off + offs + rng_offset, seed, SRC_KIND, DST_KIND, STOCHASTIC)
-        tl.store(dst + offs, y, mask=mask)
-
-
 _scatter_plans = PlanCache()
-
-# NOTE: same sweep as flatten: 1024 x 4 x 16 Ki gave 96% (aligned) / 94% (odd sizes) of the copy ceiling
-# for fp32 -> bf16; 2048 x 8 measured 98.7% / 97.5%, a gap within what one run per config can resolve, so
-# both ops keep one setting. Stochastic rounding is Philox-bound: ~44% of the ceiling (1.9 TB/s).
-_SCATTER_BLOCK = 1024
-_SCATTER_WARPS = 4
 
 
 def launch_scatter(
@@ -540,37 +971,40 @@ def launch_scatter(
     public function arranges this). The launch plan is cached like :func:`launch_flatten`'s.
     """
     device = flat.device
-    chunk = _tables.CHUNK
+    src_kind = _KIND[flat.dtype][0]
+    # as the twin: only an fp32 flat buffer is rounded stochastically (fp16 -> bf16 stays RNE)
+    stochastic = (
+        bool(stochastic_rounding) and src_kind == 0 and any(p.dtype == torch.bfloat16 for p in params)
+    )
+    cfg = _config("scatter_sr" if stochastic else "scatter", flat.numel())
     key = (
         device,
         _stream_key(device),
-        chunk,
+        cfg,
+        stochastic,
         flat.data_ptr(),
         flat.storage_offset(),
         flat.dtype,
         tuple((p.data_ptr(), p.dtype, p.numel()) for p in params),
     )
-    plan = _scatter_plans.get(key)
+    plan: list[tuple[tuple[torch.Tensor, torch.Tensor, int], int, dict[str, Any]]] | None = (
+        _scatter_plans.get(key)
+    )
     if plan is None:
-        plan = _scatter_plan(flat, params, chunk)
+        plan = _scatter_plan(cfg, flat, params, stochastic)
         _scatter_plans.put(key, plan)
     flat_base = _storage_start(_as_storage(flat))
+    k0, k1 = sr_keys(seed) if stochastic else (0, 0)
     rng_offset = int(offset) - flat.storage_offset()  # table offsets count from the storage start
-    src_kind = _KIND[flat.dtype][0]
-    block = _tile(_SCATTER_BLOCK)
-    for table, base_idx, rows, dkind in plan:
-        _scatter_kernel[(rows,)](
-            table, _as_storage(params[base_idx]), flat_base, int(seed), rng_offset,
-            SRC_KIND=src_kind, DST_KIND=dkind, STOCHASTIC=bool(stochastic_rounding),
-            BLOCK=block, num_warps=_SCATTER_WARPS,
-        )  # fmt: skip
+    for work, base_idx, meta in plan:
+        _launch_rows(cfg, work, flat_base, _as_storage(params[base_idx]), None, (k0, k1, rng_offset), meta)
 
 
 def _scatter_plan(
-    flat: torch.Tensor, params: list[torch.Tensor], chunk: int
-) -> list[tuple[torch.Tensor, int, int, int]]:
-    """Group by parameter dtype; ``[(table, base index in params, rows, dst kind)]``."""
-    src_es = _KIND[flat.dtype][1]
+    cfg: RowsConfig, flat: torch.Tensor, params: list[torch.Tensor], stochastic: bool
+) -> list[tuple[tuple[torch.Tensor, torch.Tensor, int], int, dict[str, Any]]]:
+    """Group by parameter dtype; ``[(work, base index in params, kernel constexprs)]``."""
+    src_kind, src_es = _KIND[flat.dtype]
     sizes_np = np.asarray([p.numel() for p in params], dtype=np.int64)
     flat_off = np.cumsum(sizes_np) - sizes_np
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -589,9 +1023,11 @@ def _scatter_plan(
         dst_off = (addrs - addrs[b]) // des  # exact (addresses are whole elements); may be < 0
         src_al = aligned16(flat_addr + flat_off[idx_np] * src_es) & flat_base_al
         dst_al = aligned16(addrs) & (addrs[b] % 16 == 0)
-        flags = src_al * _SRC_AL + dst_al * _DST_AL
-        rows_np = chunk_rows(dst_off, src_off[idx_np], sizes_np[idx_np], flags, chunk)
-        plan.append((_upload(rows_np, flat.device), int(idx_np[b]), len(rows_np), dkind))
+        flags = _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
+        meta = _meta(cfg, src_kind, dkind, False, stochastic and dkind == 1)
+        work = _work(cfg, src_off[idx_np], dst_off, sizes_np[idx_np], flags, flat.device, meta)
+        if work is not None:
+            plan.append((work, int(idx_np[b]), meta))
     return plan
 
 

@@ -1,16 +1,16 @@
 """Host-side work tables for the multi-tensor kernels (pure torch + numpy, no Triton).
 
 The multi-tensor kernels (flatten, scatter) take one small int64 *work table* per launch: one row per
-program, each naming an element offset from the launch's base tensor (the lowest-addressed tensor of a
-dtype group), an offset in the flat bucket and an element count. Building it is a
+chunk of work, each naming a source and a destination element offset (one side from the launch's base
+tensor, the lowest-addressed tensor of a dtype group; the other in the flat bucket) and an element count. Building it is a
 vectorised numpy computation over the tensor list; the plan (tables on the device, grouping) is cached by
 the exact contents that determine it (addresses, sizes, dtypes), so a step that sees the same gradient /
 parameter storage again (the usual case with PyTorch's caching allocator) launches without rebuilding
 anything and without a host-to-device copy.
 
-Rows are *chunks* of at most :data:`CHUNK` elements so that one huge tensor is spread over many programs
-and many tiny tensors each get their own program: the grouped-launch scheme of torch's
-``multi_tensor_apply`` / Liger, flattened into a single 1-D grid.
+Rows are *chunks* of at most ``chunk`` elements (the launch config's) so that one huge tensor is spread
+over many programs and many tiny tensors each get their own row: the grouped-launch scheme of torch's
+``multi_tensor_apply`` / Liger, flattened into a single 1-D list that a persistent grid strides over.
 """
 
 from __future__ import annotations
@@ -22,16 +22,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK", "PlanCache", "aligned16", "chunk_rows"]
+__all__ = ["CHUNK", "PlanCache", "aligned16", "balanced_rows", "chunk_rows"]
 
-# NOTE: 16 Ki elements per program. A 16 MB bf16 bucket is then 512 programs (about 4 per SM on a
-# 132-SM H200) and a 256 MB one 8192, while the table stays at 32 B per 16 Ki elements (256 KiB for
-# 256 MB). Measured on one H200 (bench_triton.py --sweep, 256 MB, one run per config): with the chosen
-# 1024-element x 4-warp tiles 16 Ki beats 64 Ki for both ops and layouts (scatter fp32 -> bf16 96% vs 87%
-# of the device-copy ceiling aligned, 95% vs 73% with odd sizes; flatten 81% vs 79%); 64 Ki only wins
-# with 4096-element tiles, which are slower overall. Under the CPU interpreter it also bounds one
-# program's Python work. Must stay a multiple of 8 (rows keep their
-# entry's 16-byte alignment).
+# NOTE: the default row length only; the launchers take theirs from the launch config (see _configs.py,
+# where the sizes were measured). Must stay a multiple of 8 (rows keep their entry's 16-byte alignment).
 CHUNK = 1 << 14
 
 
@@ -44,9 +38,12 @@ def chunk_rows(
 ) -> np.ndarray:
     """Split entries into chunk rows ``[entry_offset, flat_offset, flags, n]`` (int64, offsets in elements).
 
+    The kernels read the first column as the source and the second as the destination; scatter passes
+    the flat offsets first.
+
     Args:
-        entry_off: element offset of each entry's first element from its group's base tensor.
-        flat_off: element offset of each entry in the flat bucket.
+        entry_off: element offset of each entry's first element (from its group's base tensor, or flat).
+        flat_off: element offset of each entry in the flat bucket (or from the group's base tensor).
         numel: element count of each entry.
         flags: per-entry bit field copied to every row of the entry (the kernels define the bits; a chunk
             of ``chunk`` elements starts at the same 16-byte alignment as its entry when ``chunk`` is a
@@ -121,3 +118,68 @@ class PlanCache:
         """Drop every cached plan."""
         with self._lock:
             self._d.clear()
+
+
+def balanced_rows(
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    numel: np.ndarray,
+    flags: np.ndarray,
+    parts: int,
+    align: int = 8,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``[src_offset, dst_offset, flags, n]`` that give each of ``parts`` programs an equal share.
+
+    The group's entries, back to back, are cut at multiples of ``share = ceil(total / parts)`` (rounded up
+    to ``align``); a cut inside an entry moves up to the next multiple of ``align`` *from the entry's
+    start*, so every row keeps its entry's 16-byte alignment on both sides, and a program gets at most
+    ``align - 1`` elements more or fewer than its share. Program ``p`` owns rows ``starts[p]`` to
+    ``starts[p + 1]`` (exclusive), contiguous; a program can own none (tiny groups).
+
+    Returns:
+        ``(rows [R, 4] int64, starts [parts + 1] int32)``.
+    """
+    numel = np.asarray(numel, dtype=np.int64)
+    keep = numel > 0
+    src_off, dst_off, numel, flags = (
+        np.asarray(a, dtype=np.int64)[keep] for a in (src_off, dst_off, numel, flags)
+    )
+    total = int(numel.sum())
+    if total == 0:
+        return np.empty((0, 4), dtype=np.int64), np.zeros(parts + 1, dtype=np.int32)
+    share = -(-total // parts)
+    share = -(-share // align) * align
+    entry_start = np.cumsum(numel) - numel
+    entry_end = entry_start + numel
+    cuts = np.arange(1, -(-total // share), dtype=np.int64) * share  # cut points strictly inside the group
+    # cuts falling inside each entry: (entry_start, entry_end)
+    lo = np.searchsorted(cuts, entry_start, side="right")
+    hi = np.searchsorted(cuts, entry_end, side="left")
+    n_in = hi - lo
+    ent = np.repeat(np.arange(len(numel)), n_in)
+    rel = cuts[
+        np.concatenate([np.arange(a, b) for a, b in zip(lo, hi)]) if len(ent) else np.empty(0, np.int64)
+    ]
+    rel = rel - entry_start[ent]
+    rel = -(-rel // align) * align  # entry-relative cut, aligned
+    ok = rel < numel[ent]
+    ent, rel = ent[ok], rel[ok]
+    # row starts (entry-relative): 0 for each entry, plus the cuts; deduplicated and ordered
+    r_ent = np.concatenate([np.arange(len(numel)), ent])
+    r_rel = np.concatenate([np.zeros(len(numel), dtype=np.int64), rel])
+    order = np.lexsort((r_rel, r_ent))
+    r_ent, r_rel = r_ent[order], r_rel[order]
+    dup = np.zeros(len(r_ent), dtype=bool)
+    dup[1:] = (r_ent[1:] == r_ent[:-1]) & (r_rel[1:] == r_rel[:-1])
+    r_ent, r_rel = r_ent[~dup], r_rel[~dup]
+    nxt_same = np.zeros(len(r_ent), dtype=bool)
+    nxt_same[:-1] = r_ent[1:] == r_ent[:-1]
+    r_end = np.where(nxt_same, np.roll(r_rel, -1), numel[r_ent])
+    rows = np.empty((len(r_ent), 4), dtype=np.int64)
+    rows[:, 0] = src_off[r_ent] + r_rel
+    rows[:, 1] = dst_off[r_ent] + r_rel
+    rows[:, 2] = flags[r_ent]
+    rows[:, 3] = r_end - r_rel
+    owner = (entry_start[r_ent] + r_rel) // share  # nondecreasing
+    starts = np.searchsorted(owner, np.arange(parts + 1), side="left").astype(np.int32)
+    return rows, starts

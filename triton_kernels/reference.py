@@ -8,8 +8,8 @@ Layouts shared with the Triton kernels:
 
 The Triton kernels match these twins bit for bit on every value except NaN bit patterns (torch's own
 fp32 -> bf16 NaN encoding depends on which CPU code path runs), the AdamW arithmetic (same operation order,
-fp32 rounding tolerance: contraction into FMAs may differ) and the stochastic-rounding random stream (same
-distribution, different generator).
+fp32 rounding tolerance: contraction into FMAs may differ). Stochastic rounding uses the same counter-based
+hash (:func:`noise16`) on both sides, so it matches bit for bit as well.
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ import torch
 
 from ..cpu_ext import reference as _adamw_reference
 
-__all__ = ["adamw_flat_", "flatten_grads_with_stats_", "scatter_flat_", "stochastic_round_to_bf16", "upcast_"]
+__all__ = [
+    "adamw_flat_",
+    "flatten_grads_with_stats_",
+    "noise16",
+    "scatter_flat_",
+    "sr_keys",
+    "stochastic_round_to_bf16",
+    "upcast_",
+]
 
 
 def flatten_grads_with_stats_(
@@ -83,19 +91,59 @@ def scatter_flat_(
         offset_el += n
 
 
+_M32 = 0xFFFF_FFFF
+_M64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def sr_keys(seed: int) -> tuple[int, int]:
+    """The two 31-bit keys of the stochastic-rounding hash for ``seed`` (splitmix64 of it, split).
+
+    31 bits so that Triton always types them ``int32`` (one compiled kernel whatever the seed).
+    """
+    z = (int(seed) + 0x9E37_79B9_7F4A_7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58_476D_1CE4_E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D0_49BB_1331_11EB) & _M64
+    z ^= z >> 31
+    return z & 0x7FFF_FFFF, (z >> 32) & 0x7FFF_FFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``(h * c) mod 2**32`` for int64 tensors of uint32 values, without int64 overflow (16-bit halves of c)."""
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding uint32 values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EB_CA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2_AE35)
+    return h ^ (h >> 16)
+
+
+def noise16(counter: torch.Tensor, seed: int) -> torch.Tensor:
+    """16 random bits per int64 ``counter`` (int64 results in ``[0, 2**16)``): the Triton kernels' hash, bit
+    for bit. ``fmix32(fmix32(lo ^ k0) ^ hi ^ k1) >> 16`` over the counter's 32-bit words."""
+    k0, k1 = sr_keys(seed)
+    lo = counter & _M32
+    hi = (counter >> 32) & _M32
+    x = _fmix32(lo ^ k0)
+    x = _fmix32(x ^ hi ^ k1)
+    return x >> 16
+
+
 def stochastic_round_to_bf16(x: torch.Tensor, *, seed: int = 0, offset: int = 0) -> torch.Tensor:
     """fp32 -> bf16 by stochastic rounding: add uniform random low 16 bits to the pattern, then truncate.
 
     Unbiased (the expectation is ``x``), always one of the two bf16 neighbours of ``x``; exact values,
-    +-Inf and NaN pass through. The random stream comes from a ``torch.Generator`` seeded with
-    ``(seed, offset)``, so it is reproducible but not the Triton kernel's Philox stream.
+    +-Inf and NaN pass through. Element ``i`` draws :func:`noise16` of counter ``offset + i`` under
+    ``seed``: the same stream as the Triton scatter kernel, so both give the same bits (NaN patterns aside).
     """
     if x.dtype != torch.float32:
         raise ValueError(f"expected float32, got {x.dtype}")
-    gen = torch.Generator(device=x.device)
-    gen.manual_seed((int(seed) * 1_000_003 + int(offset)) & 0x7FFF_FFFF_FFFF_FFFF)
-    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFF_FFFF
-    rnd = torch.randint(0, 1 << 16, bits.shape, generator=gen, device=x.device, dtype=torch.int64)
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    counter = torch.arange(bits.numel(), dtype=torch.int64, device=x.device).view(bits.shape) + int(offset)
+    rnd = noise16(counter, seed)
     finite = torch.isfinite(x).reshape(bits.shape)
     hi = torch.where(finite, (bits + rnd) >> 16, bits >> 16)
     hi = torch.where(hi >= 1 << 15, hi - (1 << 16), hi)  # to signed int16 range
@@ -136,6 +184,16 @@ def adamw_flat_(
     """
     # one eager AdamW for the whole package: the CPU op's twin runs on any device
     _adamw_reference.adamw_step_(
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_out_bf16,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        grad_scale=grad_scale,
+        param_bf16_out=param_out_bf16,
     )

@@ -24,6 +24,7 @@ if _INTERPRETER:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import triton  # noqa: E402,F401  -- imported here on purpose: after TRITON_INTERPRET is set
+from hf_superoffload.triton_kernels import _configs  # noqa: E402
 from hf_superoffload.triton_kernels import reference as ref  # noqa: E402
 
 from hf_superoffload import triton_kernels as tk  # noqa: E402
@@ -35,6 +36,20 @@ else:
     os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
 
 BIG = 2**20 + 3  # the large odd size; keep the interpreter time sane (~1 s per kernel call)
+
+# Every launch config the size table or the benchmark sweep can pick, each forced in turn below.
+ALL_CONFIGS = sorted(
+    {c for fam in _configs.FAMILIES for c in _configs.sweep_candidates(fam)}
+    | {c for fam in _configs.FAMILIES for _, c in _configs.HEURISTIC[fam]},
+    key=lambda c: c.tag,
+)
+# Kernel 2's configs, plus small tiles on one or two warps (many tiles, rows and programs on small inputs;
+# one program per 512-element row with a second reduction launch).
+K2_CONFIGS = [c for c in ALL_CONFIGS if c.kernel == 2] + [
+    _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True),
+    _configs.RowsConfig(0, 256, 2, 8, kernel=2),
+    _configs.RowsConfig(512, 256, 2, 0, one_pass=False, kernel=2, packed=True),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +118,16 @@ def assert_stats(stats: torch.Tensor, expected: torch.Tensor) -> None:
     s, e = stats.cpu(), expected.cpu()
     torch.testing.assert_close(s[0], e[0], rtol=1e-5, atol=0.0, equal_nan=True)
     assert s[1].item() == e[1].item(), (s, e)
+
+
+def _slice_of(flat: torch.Tensor, params: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    """The slice of ``flat`` that ``scatter_flat_`` copies into ``p`` (one of ``params``)."""
+    off = 0
+    for q in params:
+        if q is p:
+            return flat[off : off + q.numel()]
+        off += q.numel()
+    raise AssertionError("p is not in params")
 
 
 def random_shapes(n: int, gen: torch.Generator) -> list[tuple[int, ...]]:
@@ -269,6 +294,163 @@ class _KernelChecks:
             else:  # stochastic: one of the two neighbours
                 assert ((p.double() - want.double()).abs() <= (want.abs().double() * 2**-7)).all()
             off += p.numel()
+
+    # ---- every launch config, forced
+
+    def _mixed_layout(self, cfg: _configs.RowsConfig, seed: int) -> list[int]:
+        """Sizes that give rows of every kind under ``cfg``: a 1 and a 127 (tail-only rows), many small
+        tensors (more rows than a persistent grid has programs), entries of several whole chunks (or program
+        shares) plus a tail at odd bucket offsets (unaligned rows, shares cut inside them), a whole-tile
+        multiple."""
+        gen = self.gen(seed)
+        small = [int(x) for x in torch.randint(1, 300, (40,), generator=gen)]
+        chunk = cfg.chunk or 4 * cfg.block
+        return [1, 127, *small, 2 * chunk + 5, cfg.block * 3, chunk + cfg.block // 2 + 1, 8]
+
+    @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.tag)
+    def test_flatten_forced_config(self, cfg: _configs.RowsConfig) -> None:
+        sizes = self._mixed_layout(cfg, 21)
+        gen = self.gen(22)
+        dtypes = [torch.bfloat16, torch.float32, torch.float16]
+        grads: list[torch.Tensor | None] = []
+        for i, n in enumerate(sizes):
+            g = torch.randn(n, generator=gen).to(dtypes[i % 3])
+            if i == 7:
+                g[0] = float("inf")
+            grads.append(None if i % 11 == 5 else self.t(g))
+        out = self.t(torch.full((sum(sizes),), 7.0, dtype=torch.bfloat16))
+        exp_out = torch.empty_like(out)
+        exp_stats = self.t(torch.tensor([0.5, 1.0]))
+        ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+        with _configs.forced(flatten=cfg):
+            stats = self.t(torch.tensor([0.5, 1.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+            assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+            assert torch.equal(out.view(torch.int16), exp_out.view(torch.int16))
+            assert_stats(stats, exp_stats)
+            assert stats[1].item() == 2.0
+            # again: the single-launch reduction's ticket counter was reset, the result is deterministic
+            again = self.t(torch.tensor([0.5, 1.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, again)
+            assert torch.equal(again, stats)
+            # without statistics, into fp32
+            out32 = self.t(torch.empty(sum(sizes)))
+            tk.flatten_grads_with_stats_(grads, sizes, out32, None)
+            exp32 = torch.empty_like(out32)
+            ref.flatten_grads_with_stats_(grads, sizes, exp32, None)
+            assert torch.equal(out32, exp32)
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy fp16 casts (interpreter)
+    @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.tag)
+    def test_scatter_forced_config(self, cfg: _configs.RowsConfig) -> None:
+        sizes = self._mixed_layout(cfg, 23)
+        gen = self.gen(24)
+        dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float16]
+        params = [self.t(torch.empty(n, dtype=dtypes[i % 4])) for i, n in enumerate(sizes)]
+        flat = self.t(special_f32(sum(sizes) + 3, gen))[3:]  # an odd view: unaligned flat rows
+        with _configs.forced(scatter=cfg, scatter_sr=cfg):
+            tk.scatter_flat_(flat, params)
+            assert tk.last_backend("scatter_flat_") == "triton"
+            exp = [torch.empty_like(p) for p in params]
+            ref.scatter_flat_(flat, exp)
+            for p, e in zip(params, exp):
+                if p.dtype == torch.bfloat16:
+                    assert_bf16_bitwise(p, _slice_of(flat, params, p), e)
+                else:  # NaN payloads may differ (fp16): NaN-ness, and every other value exactly
+                    nan = e.isnan()
+                    assert torch.equal(p.isnan(), nan) and torch.equal(p[~nan], e[~nan])
+            # stochastic rounding: the twin's bits exactly (same hash, same counters)
+            tk.scatter_flat_(flat, params, stochastic_rounding=True, seed=77, offset=1000)
+            ref.scatter_flat_(flat, exp, stochastic_rounding=True, seed=77, offset=1000)
+            for p, e in zip(params, exp):
+                if p.dtype == torch.bfloat16:
+                    assert_bf16_bitwise(p, _slice_of(flat, params, p), e)
+
+    # ---- kernel 2: non-finite values where its paths meet
+
+    @staticmethod
+    def _k2_sizes(block: int) -> list[int]:
+        """Entries of a bf16 bucket with rows on every kernel-2 path: aligned entries of whole tiles, a
+        masked vector row and a few elements after it (entry 0: 3 tiles + 8 + 5), misaligned entries
+        (bucket offsets 3B+13, 5B+17, 6B+27, 10B+57), one-element and 9-element aligned entries."""
+        b = block
+        return [3 * b + 13, 3, 2 * b, 1, 7, b + 3, 5, 4 * b + 16, 9, 2 * b + 1]
+
+    @staticmethod
+    def _k2_specials(block: int) -> list[tuple[int, int, int]]:
+        """(entry, index, bf16 bits): first / last element of the bucket, tile boundaries, the last vector
+        row and the element after it, both halves of a word, a misaligned entry, a one-element entry;
+        NaNs of both signs and with payloads, both infinities, the largest finite bf16 of both signs."""
+        b = block
+        return [
+            (0, 0, 0x7F80), (0, b - 1, 0xFF80), (0, b, 0xFFC1), (0, b + 1, 0x7F7F), (0, 3 * b + 7, 0x7F80),
+            (0, 3 * b + 8, 0xFF81), (2, 0, 0x7F80), (2, 1, 0xFF80), (2, 2 * b - 1, 0x7F7F), (3, 0, 0xFF80),
+            (4, 3, 0x7FA0), (5, b, 0xFF7F), (7, 2 * b, 0xFF80), (7, 4 * b + 15, 0x7FC0), (8, 8, 0x7F80),
+            (9, 2 * b, 0x7FC0),
+        ]  # fmt: skip
+
+    def _k2_run(self, grads: list[torch.Tensor], sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kernel path vs twin on ``grads``: bucket bits equal, count exact, sum of squares close (or both
+        NaN / both Inf); returns the kernel's statistics and the twin's."""
+        out = self.t(torch.full((sum(sizes),), 7.0, dtype=torch.bfloat16))
+        stats = self.t(torch.tensor([0.25, 1.0]))
+        tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+        assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+        exp, exp_stats = torch.empty_like(out), self.t(torch.tensor([0.25, 1.0]))
+        ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
+        nan = exp.isnan()  # fp32 NaN -> bf16 payloads differ from torch's (see _kernels): NaN-ness there
+        assert torch.equal(out.isnan(), nan)
+        assert torch.equal(out.view(torch.int16)[~nan], exp.view(torch.int16)[~nan])
+        assert_stats(stats, exp_stats)
+        return stats.cpu(), exp_stats.cpu()
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the interpreter
+    @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+    @pytest.mark.parametrize("cfg", K2_CONFIGS, ids=lambda c: c.tag)
+    def test_flatten_k2_nonfinite_placement(self, cfg: _configs.RowsConfig) -> None:
+        sizes = self._k2_sizes(cfg.block)
+        specials = self._k2_specials(cfg.block)
+        gen = self.gen(31)
+        base = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+
+        def with_bits(pick: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+            gs = [g.clone() for g in base]
+            for e, i, bits in pick:
+                gs[e].view(torch.int16)[i] = bits - 0x10000 if bits >= 0x8000 else bits
+            return [self.t(g) for g in gs]
+
+        def nonfinite(pick: list[tuple[int, int, int]]) -> int:
+            return sum((bits & 0x7F80) == 0x7F80 for _, _, bits in pick)
+
+        with _configs.forced(flatten=cfg):
+            # every special: NaN sum, the count exact (one start value of 1 included), deterministic bits
+            gs = with_bits(specials)
+            s, _ = self._k2_run(gs, sizes)
+            assert torch.isnan(s[0]) and s[1].item() == 1 + nonfinite(specials) == 1 + 13
+            again, _ = self._k2_run(gs, sizes)
+            assert torch.equal(again.view(torch.int32), s.view(torch.int32))
+            # infinities and the largest finite values, no NaN: the sum is +inf, the count still exact
+            no_nan = [(e, i, b) for e, i, b in specials if not ((b & 0x7F80) == 0x7F80 and b & 0x7F)]
+            s, _ = self._k2_run(with_bits(no_nan), sizes)
+            assert s[0].item() == float("inf") and s[1].item() == 1 + nonfinite(no_nan) == 1 + 8
+            # only the largest finite values: their squares overflow fp32, yet none is counted
+            finite = [(e, i, b) for e, i, b in specials if (b & 0x7F80) != 0x7F80]
+            s, _ = self._k2_run(with_bits(finite), sizes)
+            assert s[0].item() == float("inf") and s[1].item() == 1.0
+            # finite values: the sum against float64, twice bitwise
+            gs = with_bits([])
+            s, _ = self._k2_run(gs, sizes)
+            f = torch.cat([g.cpu().double() for g in gs])
+            torch.testing.assert_close(s[0].double() - 0.25, (f * f).sum(), rtol=1e-5, atol=0.0)
+            assert s[1].item() == 1.0
+            assert torch.equal(self._k2_run(gs, sizes)[0], s)
+            # fp32 sources on the same layout (kernel 2's unpacked paths): values that round to inf count
+            g32 = [g.float() for g in base]
+            for e, i, v in [(0, 0, float("inf")), (0, cfg.block, float("nan")), (2, 1, 3.4e38),
+                            (5, cfg.block, -3.39e38), (9, 2 * cfg.block, float("-inf"))]:  # fmt: skip
+                g32[e][i] = v
+            s, e_ = self._k2_run([self.t(g) for g in g32], sizes)
+            assert torch.isnan(s[0]) and s[1].item() == e_[1].item() == 1 + 4
 
     # ---- scatter
 
@@ -562,3 +744,21 @@ def test_twin_adamw_matches_torch() -> None:
         ref.adamw_flat_(p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.05,
                         grad_scale=torch.tensor(0.5))  # fmt: skip
     assert torch.equal(p, tp.detach())
+
+
+def test_kernel2_heads_and_scalar_rows() -> None:
+    """Kernel 2's per-program records: row range and first row; empty programs get zeros."""
+    from hf_superoffload.triton_kernels import _kernels
+
+    rows = np.arange(12, dtype=np.int64).reshape(3, 4) + 100
+    starts = np.asarray([0, 2, 2, 3], dtype=np.int32)
+    heads = _kernels._heads(rows, starts)
+    assert heads.shape == (3, 8) and heads.dtype == np.int64
+    assert heads[0].tolist() == [0, 2, *rows[0].tolist(), 0, 0]
+    assert heads[1].tolist() == [2, 2, 0, 0, 0, 0, 0, 0]
+    assert heads[2].tolist() == [2, 3, *rows[2].tolist(), 0, 0]
+    # element tiles [S, R] hold 8 elements per thread (R = block / 8 into 16-bit, block / 4 into fp32)
+    for block, warps, dst_kind, s in [(1024, 4, 1, 8), (4096, 4, 1, 2), (4096, 4, 0, 1), (256, 1, 1, 8),
+                                      (8192, 8, 1, 2), (65536, 4, 1, 1)]:  # fmt: skip
+        cfg = _configs.RowsConfig(0, block, warps, 8, kernel=2)
+        assert _kernels._scalar_rows(cfg, dst_kind) == s, (block, warps, dst_kind)

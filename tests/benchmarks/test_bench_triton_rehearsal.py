@@ -1,0 +1,63 @@
+"""CPU rehearsal of benchmarks/bench_triton.py: the sweep, its summary and the table, through the interpreter.
+
+Not a measurement (KiB buckets, wall-clock timing): it proves the one GPU run will not die in the sweep's
+bookkeeping, the correctness checks it runs on every config, or the suggested-table code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_triton.py"
+
+
+def test_bench_triton_cpu_rehearsal(tmp_path: Path) -> None:
+    out = tmp_path / "triton.json"
+    cmd = [sys.executable, "-P", str(BENCH), "--cpu-rehearsal", "--sweep", "--sizes-mb", "16", "64", "--layouts",
+           "odd", "--reps", "1", "--sweep-reps", "1", "--budget-s", "300", "--out", str(out)]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "suggested size table" in proc.stdout and "HEURISTIC" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["sweep_complete"]
+    assert all(r["error"] is None for r in data["sweep"]), [r for r in data["sweep"] if r["error"]][:3]
+    ops = {r["op"] for r in data["sweep"]}
+    assert ops == {"scatter_f32_bf16", "scatter_f32_bf16_sr", "scatter_bf16", "flatten_stats_bf16",
+                   "flatten_stats_f32_bf16"}  # fmt: skip
+    assert {b["bucket_mb"] for b in data["best"]} == {16, 64}
+    for fam, entries in data["suggested_heuristic"].items():
+        assert entries[-1]["max_elements"] is None and len(entries) == 2, fam
+    rows = data["rows"]
+    assert {r["op"] for r in rows} >= ops | {"upcast", "adamw"}
+    assert all(r["legacy_graph_gbps"] for r in rows if r["op"] in ops)
+
+
+def test_suggested_table_round_trips_kernel_2() -> None:
+    """A sweep winner on kernel 2 (packed or not) survives the record -> table -> Python source trip."""
+    import importlib.util
+    from dataclasses import asdict
+
+    from hf_superoffload.triton_kernels._configs import RowsConfig
+
+    spec = importlib.util.spec_from_file_location("bench_triton", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_triton"] = bench  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.modules.pop("bench_triton", None)
+    cfgs = [RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True), RowsConfig(0, 2048, 4, 8)]
+    table = {"flatten": [{"max_elements": 1000, **asdict(cfgs[0]), "mean_frac": 0.9},
+                         {"max_elements": None, **asdict(cfgs[1]), "mean_frac": 0.8}]}  # fmt: skip
+    assert [bench.config_of(e) for e in table["flatten"]] == cfgs
+    src = bench.heuristic_source(table)
+    ns: dict[str, object] = {"RowsConfig": RowsConfig}
+    exec(src.replace("HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] =", "HEURISTIC ="), ns)
+    assert ns["HEURISTIC"] == {"flatten": ((1000, cfgs[0]), (None, cfgs[1]))}
+    assert "kernel=2, packed=True" in src and src.count("kernel=") == 1

@@ -1,0 +1,162 @@
+"""The launch-config policy of the multi-tensor kernels and the stochastic-rounding hash twin (no Triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_superoffload.triton_kernels import _configs
+from hf_superoffload.triton_kernels import reference as ref
+from hf_superoffload.triton_kernels._configs import HEURISTIC, LEGACY, RowsConfig
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(chunk=0, block=1000, warps=4, programs_per_sm=8), "block"),
+        (dict(chunk=4096, block=8, warps=4, programs_per_sm=0), "block"),
+        (dict(chunk=3000, block=1024, warps=4, programs_per_sm=0), "chunk"),
+        (dict(chunk=512, block=1024, warps=4, programs_per_sm=0), "chunk"),
+        (dict(chunk=4096, block=1024, warps=4, programs_per_sm=8), "chunk"),
+        (dict(chunk=0, block=1024, warps=3, programs_per_sm=8), "warps"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=-1), "programs_per_sm"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, kernel=3), "kernel"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, packed=True), "packed"),
+    ],
+)
+def test_rows_config_rejects(kwargs: dict[str, int], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"RowsConfig\.{field}="):
+        RowsConfig(**kwargs)
+
+
+def test_heuristic_tables_are_well_formed() -> None:
+    for fam in _configs.FAMILIES:
+        rows = HEURISTIC[fam]
+        assert rows[-1][0] is None, fam
+        bounds = [b for b, _ in rows[:-1]]
+        assert bounds == sorted(bounds) and all(isinstance(b, int) and b > 0 for b in bounds)
+
+
+def test_choose_follows_the_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = RowsConfig(0, 1024, 4, 8), RowsConfig(16384, 2048, 4, 0)
+    monkeypatch.setitem(HEURISTIC, "flatten", ((1000, a), (None, b)))
+    assert _configs.choose("flatten", 1) == a
+    assert _configs.choose("flatten", 1000) == a
+    assert _configs.choose("flatten", 1001) == b
+    assert _configs.choose("flatten", 1 << 40) == b
+
+
+def test_forced_overrides_and_restores() -> None:
+    a = RowsConfig(0, 1024, 4, 3)
+    b = RowsConfig(8192, 2048, 8, 0, one_pass=False)
+    table = _configs.choose("scatter", 10)
+    with _configs.forced(scatter=a):
+        assert _configs.choose("scatter", 10) == a and _configs.is_forced("scatter")
+        assert not _configs.is_forced("flatten")
+        with _configs.forced(scatter=b, flatten=b):
+            assert _configs.choose("scatter", 10) == b and _configs.choose("flatten", 10) == b
+        assert _configs.choose("scatter", 10) == a and not _configs.is_forced("flatten")
+        with _configs.forced(scatter=None):
+            assert _configs.choose("scatter", 10) == table
+    assert _configs.choose("scatter", 10) == table and not _configs.is_forced("scatter")
+    with pytest.raises(ValueError, match="unknown op family"), _configs.forced(upcast=a):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("warps", "regs", "shared", "expected"),
+    [
+        (4, 32, 0, 16),  # thread-limited: 2048 / 128
+        (4, 64, 0, 8),  # 64 regs x 128 threads = 8 Ki per program
+        (4, 72, 0, 7),  # 72 * 32 = 2304 per warp: 28 warps of registers
+        (8, 128, 0, 2),
+        (1, 16, 0, 32),  # block-limited
+        (4, 32, 64 * 1024, 3),  # shared-memory-limited (228 KiB per SM)
+    ],
+)
+def test_max_resident_programs(warps: int, regs: int, shared: int, expected: int) -> None:
+    assert _configs.max_resident_programs(warps=warps, regs_per_thread=regs, shared_bytes=shared) == expected
+
+
+def test_sweep_candidates() -> None:
+    for fam in _configs.FAMILIES:
+        cands = _configs.sweep_candidates(fam)
+        assert cands[0] == LEGACY
+        assert len(cands) == len(set(cands)) and len(cands) <= 20  # the sweep's time: docs/triton_kernels.md
+        assert len({c.tag for c in cands}) == len(cands)  # the sweep's records are keyed by tag
+        assert all(c in cands for _, c in HEURISTIC[fam])
+    flatten = _configs.sweep_candidates("flatten")
+    assert any(not c.one_pass and c.programs_per_sm for c in flatten)
+    assert any(c.kernel == 2 and c.packed for c in flatten) and any(c.kernel == 2 and not c.packed for c in flatten)
+
+
+def test_tags_name_kernel_2() -> None:
+    assert RowsConfig(0, 2048, 4, 8).tag == "p8/b2048/w4/1p"
+    assert RowsConfig(0, 4096, 4, 8, kernel=2).tag == "p8/b4096/w4/1p/k2"
+    assert RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True).tag == "p8/b4096/w4/2p/k2w"
+
+
+# ------------------------------------------------------------------------------- the hash twin
+
+
+def _fmix32_py(h: int) -> int:
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**40 + 5, -3])
+def test_noise16_matches_plain_python(seed: int) -> None:
+    k0, k1 = ref.sr_keys(seed)
+    assert 0 <= k0 < 2**31 and 0 <= k1 < 2**31
+    counters = [0, 1, 2, 65535, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 12345, -1, -(2**33)]
+    got = ref.noise16(torch.tensor(counters, dtype=torch.int64), seed).tolist()
+    for c, g in zip(counters, got):
+        lo, hi = c & 0xFFFFFFFF, (c >> 32) & 0xFFFFFFFF
+        assert g == _fmix32_py(_fmix32_py(lo ^ k0) ^ hi ^ k1) >> 16, c
+
+
+def test_noise16_is_uniform_and_seeded() -> None:
+    c = torch.arange(1 << 18, dtype=torch.int64)
+    a = ref.noise16(c, 5)
+    assert int(a.min()) >= 0 and int(a.max()) < 1 << 16
+    hist = torch.bincount(a >> 12, minlength=16).double()  # 16 bins of 2**14 expected counts
+    assert ((hist - hist.mean()).abs() / hist.mean()).max() < 0.03
+    assert (ref.noise16(c, 6) != a).float().mean() > 0.99
+    assert torch.equal(ref.noise16(c + 7, 5)[:-7], a[7:])  # keyed by the counter alone
+
+
+# ----------------------------------------------------------------------------- balanced rows
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_balanced_rows_cover_align_and_balance(trial: int) -> None:
+    import numpy as np
+    from hf_superoffload.triton_kernels._tables import balanced_rows
+
+    rng = np.random.default_rng(trial)
+    for _ in range(50):
+        k = int(rng.integers(1, 12))
+        numel = rng.integers(0, 5000, k)
+        if rng.random() < 0.4:
+            numel[int(rng.integers(0, k))] = int(rng.integers(0, 200_000))
+        parts = int(rng.integers(1, 40))
+        src = rng.integers(0, 10**6, k) * 8 + rng.integers(0, 8, k)
+        dst = np.cumsum(numel) - numel + 3
+        flags = rng.integers(0, 8, k)
+        rows, starts = balanced_rows(src, dst, numel, flags, parts)
+        assert len(starts) == parts + 1 and starts[0] == 0 and starts[-1] == len(rows)
+        assert (np.diff(starts) >= 0).all() and (rows[:, 3] > 0).all()
+        for e in range(k):  # each entry covered exactly once, in order, cut at entry-relative multiples of 8
+            if numel[e] == 0:
+                continue
+            r = rows[rows[:, 1] - rows[:, 0] == dst[e] - src[e]]
+            r = r[(r[:, 0] >= src[e]) & (r[:, 0] < src[e] + numel[e])]
+            assert r[0, 0] == src[e] and r[-1, 0] + r[-1, 3] == src[e] + numel[e]
+            assert (r[1:, 0] == r[:-1, 0] + r[:-1, 3]).all() and ((r[:, 0] - src[e]) % 8 == 0).all()
+            assert (r[:, 2] == flags[e]).all()
+        share = -(-int(numel.sum()) // parts)
+        share = -(-share // 8) * 8
+        per = [int(rows[starts[p] : starts[p + 1], 3].sum()) for p in range(parts)]
+        assert sum(per) == numel.sum() and max(per) <= share + 7, (per, share)

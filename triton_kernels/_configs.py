@@ -1,0 +1,253 @@
+"""Launch configurations of the multi-tensor copy kernels (flatten, scatter): data, chosen from the sizes.
+
+Pure Python (no Triton, no torch): the policy is a table, the launchers in :mod:`._kernels` execute it.
+
+A :class:`RowsConfig` says how wide one tile is (``block`` elements on ``warps`` warps), how many programs
+run and how the bucket is cut into work-table rows:
+
+* ``programs_per_sm > 0``: a persistent grid of that many programs per SM (clamped to what fits on an SM
+  at once, and to one tile's worth of elements per program), and each program gets one *equal contiguous
+  share* of the group's elements (``_tables.balanced_rows``): no program has a row more than another, so
+  there is no half-empty last wave whatever the bucket size; ``chunk`` must be 0.
+* ``programs_per_sm == 0``: rows of ``chunk`` elements, one program per row (the original scheme).
+
+``one_pass``: the last program to finish adds the per-program statistics partials into ``stats`` in the
+same launch; else a second, single-program launch does.
+
+``kernel``: 1 is ``_rows_kernel`` (1-D tiles, one accumulator slot per tile element); 2 is ``_rows2_kernel``
+(2-D tiles of whole 16-byte vectors, statistics folded within the thread into one slot per vector, so a
+wide tile keeps more bytes in flight without costing registers; vector-granular tails; one layout on
+misaligned rows), and ``packed`` makes kernel 2 move bf16 -> bf16 aligned rows as int32 words with the
+statistics on the packed bits. docs/triton_kernels.md has the reasoning.
+
+:func:`choose` picks a config from a table keyed by the bucket's element count (the first row whose bound
+is at least the count): deterministic, no run-time autotuning, so nothing is compiled or timed inside a
+CUDA-graph capture or under ``TRITON_INTERPRET=1``. :func:`forced` overrides the choice for one op family
+(the benchmark sweep and the tests use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "FAMILIES",
+    "HEURISTIC",
+    "LEGACY",
+    "RowsConfig",
+    "choose",
+    "forced",
+    "is_forced",
+    "max_resident_programs",
+    "sweep_candidates",
+]
+
+# Op families with their own table: flatten (with or without statistics), the plain scatter (RNE cast or
+# bit copy) and the stochastic-rounding scatter (ALU-heavier: a hash per element).
+FAMILIES = ("flatten", "scatter", "scatter_sr")
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """One launch configuration of the row kernel (see the module docstring)."""
+
+    chunk: int
+    block: int
+    warps: int
+    programs_per_sm: int
+    one_pass: bool = True
+    kernel: int = 1
+    packed: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: object, fix: str) -> ValueError:
+            return ValueError(f"RowsConfig.{field}={value!r} is invalid: {fix}")
+
+        if self.block < 16 or self.block & (self.block - 1):
+            raise bad("block", self.block, "use a power of two >= 16 (e.g. 1024)")
+        if self.warps not in (1, 2, 4, 8, 16):
+            raise bad("warps", self.warps, "use 1, 2, 4, 8 or 16")
+        if self.programs_per_sm < 0:
+            raise bad(
+                "programs_per_sm", self.programs_per_sm, "use 0 (one program per row) or a positive count"
+            )
+        if self.programs_per_sm and self.chunk:
+            raise bad(
+                "chunk", self.chunk, "use 0 with a persistent grid (programs_per_sm > 0): rows are balanced"
+            )
+        if not self.programs_per_sm and (self.chunk < self.block or self.chunk % self.block):
+            raise bad("chunk", self.chunk, f"use a multiple of block={self.block} (e.g. {4 * self.block})")
+        if self.kernel not in (1, 2):
+            raise bad("kernel", self.kernel, "use 1 (_rows_kernel) or 2 (_rows2_kernel)")
+        if self.packed and self.kernel != 2:
+            raise bad("packed", self.packed, "use packed=True only with kernel=2")
+
+    @property
+    def tag(self) -> str:
+        """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
+        kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``."""
+        grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
+        k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
+        return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}{k}"
+
+
+# The kernels as they were before this table existed: 16 Ki-element rows, one program each, 1024-element
+# tiles on 4 warps, statistics reduced by a second launch. Kept as a sweep baseline.
+LEGACY = RowsConfig(chunk=1 << 14, block=1024, warps=4, programs_per_sm=0, one_pass=False)
+
+# NOTE: (max elements, config) per family, first match wins; the last bound must be None (no limit).
+# Measured: H200, session 5 sweep, benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt
+# (`bench_triton.py --sweep`, its suggested table as printed). Per swept bucket size (16 / 64 / 256 MB of
+# bf16), the config with the best mean fraction of the device copy ceiling (4169 GB/s) over the family's ops
+# (flatten: bf16 and fp32 sources with statistics; scatter: fp32 -> bf16 and bf16 -> bf16) and both layouts
+# (odd, aligned), CUDA-graph time; bounds halfway in log scale between swept sizes (32 MB and 128 MB of bf16
+# = 16 Mi and 64 Mi elements). The comments give that mean and the LEGACY config's on the same runs.
+# Re-run the sweep and replace this table when the kernels or the hardware change.
+HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
+    "flatten": (
+        # 16 MB: 67.0% of the copy ceiling (legacy 54.4%); p4/b4096/k2w 66.6%, p8/b2048/k2 66.3%
+        (
+            16777216,
+            RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=8, one_pass=True, kernel=2, packed=True),
+        ),
+        # 64 MB: 76.6% (legacy 74.1%); p8/b2048/w4/1p ties (76.6%): both clamp to the 5 programs per SM
+        # that fit kernel 1's b2048/w4 statistics variants
+        (67108864, RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=16, one_pass=True)),
+        # 256 MB: 83.7% (legacy 83.2%)
+        (None, RowsConfig(chunk=0, block=1024, warps=4, programs_per_sm=8, one_pass=True)),
+    ),
+    "scatter": (
+        # 16 MB: 81.7% (legacy 65.0%)
+        (
+            16777216,
+            RowsConfig(
+                chunk=0, block=2048, warps=4, programs_per_sm=8, one_pass=True, kernel=2, packed=False
+            ),
+        ),
+        # 64 MB: 88.0% (legacy 81.0%)
+        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 256 MB: 94.1% (legacy 91.5%)
+        (None, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+    ),
+    "scatter_sr": (
+        # 16 MB: 69.9% (legacy 59.0%)
+        (16777216, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 64 MB: 84.0% (legacy 81.2%)
+        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 256 MB: 92.2%, the LEGACY config itself
+        (None, RowsConfig(chunk=16384, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+    ),
+}
+
+_force_lock = threading.Lock()
+_forced: dict[str, RowsConfig] = {}
+
+
+def choose(family: str, numel: int) -> RowsConfig:
+    """The config for ``numel`` elements of op ``family`` (a forced one if :func:`forced` is active)."""
+    cfg = _forced.get(family)
+    if cfg is not None:
+        return cfg
+    for bound, c in HEURISTIC[family]:
+        if bound is None or numel <= bound:
+            return c
+    raise AssertionError(f"HEURISTIC[{family!r}] has no unbounded last row")
+
+
+def is_forced(family: str) -> bool:
+    """Whether :func:`forced` currently overrides ``family``'s table."""
+    return family in _forced
+
+
+@contextlib.contextmanager
+def forced(**by_family: RowsConfig | None) -> Iterator[None]:
+    """Within the block, launches of the given families use the given configs (``None``: the table's).
+
+    Process-wide (not per thread): meant for benchmarks and tests. Example:
+    ``with forced(flatten=RowsConfig(4096, 1024, 4, 8)): ...``.
+    """
+    for fam in by_family:
+        if fam not in FAMILIES:
+            raise ValueError(f"forced({fam}=...): unknown op family, use one of {FAMILIES}")
+    with _force_lock:
+        saved = dict(_forced)
+        for fam, cfg in by_family.items():
+            if cfg is None:
+                _forced.pop(fam, None)
+            else:
+                _forced[fam] = cfg
+    try:
+        yield
+    finally:
+        with _force_lock:
+            _forced.clear()
+            _forced.update(saved)
+
+
+def max_resident_programs(
+    *,
+    warps: int,
+    regs_per_thread: int,
+    shared_bytes: int,
+    max_threads_per_sm: int = 2048,
+    regs_per_sm: int = 65536,
+    shared_per_sm: int = 228 * 1024,
+    max_blocks_per_sm: int = 32,
+) -> int:
+    """How many programs (CTAs) of this kernel fit on one SM at once (CUDA occupancy rules, NVIDIA).
+
+    Registers are allocated per warp in units of 256; a persistent grid larger than this would run its
+    surplus programs as a second wave after the first ones finished, doubling the kernel's time.
+    """
+    threads = warps * 32
+    by_threads = max_threads_per_sm // threads
+    per_warp = -(-max(regs_per_thread, 1) * 32 // 256) * 256
+    by_regs = (regs_per_sm // per_warp) // warps
+    by_shared = shared_per_sm // shared_bytes if shared_bytes > 0 else max_blocks_per_sm
+    return max(1, min(by_threads, by_regs, by_shared, max_blocks_per_sm))
+
+
+def sweep_candidates(family: str) -> list[RowsConfig]:
+    """The configurations ``bench_triton.py --sweep`` times for ``family`` (LEGACY first), bounded so that
+    a sweep over three sizes and two layouts stays within a few minutes of one H200."""
+    cands = [
+        LEGACY,
+        RowsConfig(4096, 1024, 4, 0, one_pass=False),  # the legacy kernel shape with 4x more programs
+        RowsConfig(0, 1024, 4, 8),
+        RowsConfig(0, 1024, 4, 16),
+        RowsConfig(0, 2048, 4, 8),
+        RowsConfig(0, 2048, 4, 16),
+        RowsConfig(0, 2048, 8, 4),
+        RowsConfig(0, 2048, 8, 8),
+        RowsConfig(0, 4096, 8, 4),
+    ]
+    if family == "flatten":  # what the single-launch reduction buys
+        cands += [RowsConfig(0, 2048, 4, 8, one_pass=False), RowsConfig(0, 1024, 4, 8, one_pass=False)]
+    if family == "flatten":
+        # NOTE: kernel 2 (issue #4: bf16 statistics at 56-76% of the copy ceiling with the configs above;
+        # measured in the session 5 sweep: it wins at 16 MB only, see HEURISTIC). Registers per thread (compiled offline for sm_90 with Triton 3.6's ptxas; kernel 1's
+        # as the H200 run reported them), bf16 -> bf16 with statistics: kernel 1 b1024/w4 64, b2048/w4 95;
+        # kernel 2 b2048/w4 47, b4096/w4 45, packed 40 at either; fp32 -> bf16: kernel 1 b2048/w4 96, kernel 2
+        # b4096/w4 58. 16-byte loads in flight per thread and iteration on aligned rows: block / 1024 on 4
+        # warps (kernel 1 at b1024/w4: one). p4 / p8 / p12 (all that fit at 40 registers): fewer programs with
+        # longer shares vs more warps in flight.
+        cands += [
+            RowsConfig(0, 2048, 4, 8, kernel=2),
+            RowsConfig(0, 4096, 4, 8, kernel=2),
+            RowsConfig(0, 2048, 4, 8, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 4, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 8, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 12, kernel=2, packed=True),
+            RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True),
+        ]
+    if family == "scatter":  # the same tiles for the plain copies (bf16 -> bf16 at 74-86%)
+        cands += [RowsConfig(0, 2048, 4, 8, kernel=2), RowsConfig(0, 4096, 4, 8, kernel=2, packed=True)]
+    if family == "scatter_sr":
+        cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048 and c.programs_per_sm != 16]]
+    for _, c in HEURISTIC[family]:
+        if c not in cands:
+            cands.append(c)
+    return cands
