@@ -89,9 +89,15 @@ def triton_status() -> dict[str, Any]:
     }
 
 
+_INTERPRETER_LOCK = threading.RLock()
+"""Triton's interpreter is not thread-safe (the engine's CPU worker and the training thread both launch): one
+interpreted launch at a time. Compiled launches need no lock."""
+
+
 def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Make ``device`` current for a launch (Triton launches on the current CUDA device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """Make ``device`` current for a launch (Triton launches on the current CUDA device); on CPU (the
+    interpreter) hold the interpreter lock."""
+    return torch.cuda.device(device) if device.type == "cuda" else _INTERPRETER_LOCK
 
 
 def _smoke_ok(k: ModuleType, device: torch.device) -> bool:
