@@ -636,6 +636,36 @@ class TestInterpreter(_KernelChecks):
         assert _STATUS["mode"] == "interpreter", f"Triton is not in interpreter mode here: {_STATUS}"
 
 
+def test_interpreted_launches_from_two_threads() -> None:
+    """The engine launches from its CPU worker and the training thread at once; Triton's interpreter is not
+    thread-safe, so the dispatcher serialises interpreted launches (without it this raised InterpreterError)."""
+    import threading
+
+    if not _INTERPRETER:
+        pytest.skip("interpreter mode only")
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            g = torch.Generator().manual_seed(seed)
+            for _ in range(6):
+                params = [torch.empty(n, dtype=torch.bfloat16) for n in (37, 129, 1000)]
+                flat = torch.randn(sum(p.numel() for p in params), generator=g)
+                tk.scatter_flat_(flat, params)
+                expect = torch.split(flat.to(torch.bfloat16), [p.numel() for p in params])
+                assert all(torch.equal(p, e) for p, e in zip(params, expect, strict=True))
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    assert tk.last_backend("scatter_flat_") == "triton"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 class TestCuda(_KernelChecks):
