@@ -54,3 +54,4 @@ for part in ${PARTS:-tests scaling ulysses}; do
   esac
 done
 echo "total $(( $(date +%s) - T0 )) s"
+pack_out hw.txt parallel.jsonl

@@ -43,3 +43,4 @@ for part in ${PARTS:-tests weightflow soak largest}; do
   esac
 done
 free -g | head -2 >> "$OUT/hw.txt"
+pack_out hw.txt tests.txt largest.jsonl weight_flow_24g.json soak.json

@@ -59,3 +59,4 @@ plots=--no-plots; python3 -c "import matplotlib" 2>/dev/null && plots=
 python3 benchmarks/report.py --suite "$OUT"/results/suite_*.jsonl --docs "$OUT/docs" $plots > "$OUT/report.md" 2> "$OUT/report_err.txt" \
   || tail -5 "$OUT/report_err.txt"
 echo "total $(( $(date +%s) - T0 )) s"
+pack_out report.md hw.txt tests.txt
