@@ -178,6 +178,10 @@ class OffloadPlan:
             f"  deferred moment stores: {'on (second landing arena)' if self.defer_moments else 'off'}"
             f"{'; master weights too' if self.defer_master else ''}",
         ]
+        if self.host_buckets:
+            lines.append(f"  D2H lead: {self.d2h_lead_buckets} bucket(s)"
+                         + (" (each host bucket's hook waits for its own gradient copy)" if not self.d2h_lead_buckets
+                            else " in flight past the backward; first CPU tasks in arrival order until the verdict"))
         if self.world_size > 1:
             cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"
             lines.append(f"  data parallel: rank {self.rank} of {self.world_size} owns 1/{self.world_size} of every "

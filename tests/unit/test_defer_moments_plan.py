@@ -116,3 +116,9 @@ def test_defer_master_needs_deferred_moments_and_the_cpu_cast():
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="gpu"))
     with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*True or False"):
         SuperOffloadConfig(defer_master="yes")
+
+
+def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
+    assert plan().d2h_lead_buckets == 0 and "D2H lead: 0 bucket(s) (each host bucket's hook waits" in plan().summary()
+    p = plan(SuperOffloadConfig(gpu_resident_buckets=0, d2h_lead_buckets=4))
+    assert p.d2h_lead_buckets == 4 and "D2H lead: 4 bucket(s) in flight" in p.summary()
