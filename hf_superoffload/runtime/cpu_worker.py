@@ -1,8 +1,9 @@
 """The in-process CPU worker: one thread, a priority queue of typed tasks, no polling.
 
 The CPU Adam op releases the GIL and parallelises internally over its own threads, so a single
-dispatching thread is enough. Tasks run in *forward-need* order (the bucket the next forward needs
-first goes first). An exception stops the worker, is kept with its traceback, and is re-raised in the
+dispatching thread is enough. Tasks run by the engine's priorities: mostly *forward-need* order (the bucket the
+next forward needs first goes first); with a D2H lead the backward's tasks in arrival order until the verdict, when
+:meth:`CpuWorker.reprioritize` re-ranks the ones still waiting ([Note: D2H lead]). An exception stops the worker, is kept with its traceback, and is re-raised in the
 training thread at its next interaction; ``on_error`` wakes every waiter at once.
 """
 
