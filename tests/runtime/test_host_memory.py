@@ -85,6 +85,7 @@ def test_engine_statistics_copy_does_not_block_the_host() -> None:
         assert rows.is_pinned()
         src = torch.ones(2, device="cuda")
         stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())  # src is written on the current stream
         with torch.cuda.stream(stream):
             torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued ahead of the copy
             rows[0].copy_(src, non_blocking=True)
