@@ -198,6 +198,8 @@ class PlanLike:
             parameters stepped speculatively (only those write their snapshot).
         deferred_landing_bytes: the second (pinned) gradient landing arena of deferred moment stores
             (``OffloadPlan.deferred_landing_bytes``: 2 B/param when on, else 0).
+        d2h_lead_buckets: ``OffloadPlan.d2h_lead_buckets``: flattened gradient buckets that may wait for their D2H
+            on the GPU ([Note: D2H lead]); one is already in ``INFLIGHT_BUCKETS``.
     """
 
     device_numel: int = 0
@@ -210,6 +212,7 @@ class PlanLike:
     speculated_fraction: float = 1.0
     accumulation_bytes: int = 0
     deferred_landing_bytes: int = 0
+    d2h_lead_buckets: int = 0
 
     def __post_init__(self) -> None:
         if self.host_bytes_per_param not in (16, 28):
@@ -226,7 +229,8 @@ class PlanLike:
                    accumulation_bytes=plan.accumulation_bytes(),
                    deferred_landing_bytes=plan.deferred_landing_bytes(),
                    weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
-                   bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu")
+                   bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu",
+                   d2h_lead_buckets=plan.d2h_lead_buckets)
 
     @classmethod
     def all_host(cls, numel: int, **kw: Any) -> PlanLike:  # every optimizer state on the host, no device tail
@@ -361,7 +365,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
                 continue
             if name != "backward_start":  # the tail holds the first layers: its gradients come last
                 d["tail_gradients"] = 2 * p.device_numel
-            d["bucket_buffers"] = INFLIGHT_BUCKETS * p.bucket_bytes if p.host_numel else 0
+            inflight = INFLIGHT_BUCKETS + max(0, p.d2h_lead_buckets - 1)  # [Note: D2H lead]: k waiting for the D2H
+            d["bucket_buffers"] = inflight * p.bucket_bytes if p.host_numel else 0
 
     host: dict[str, int] = {"runtime_baseline": RUNTIME_HOST_BYTES}
     untouched = 0

@@ -131,6 +131,10 @@ def test_the_knobs_move_memory_the_right_way():
     flow = est(plan_like=PlanLike.all_host(N36, weight_mode="flow"))
     # the staging arena is the streamed weights' home: no extra host memory
     assert flow.gpu["weights"] < ref.gpu["weights"] and flow.host_peak_bytes == ref.host_peak_bytes
+    lead = est(plan_like=PlanLike.all_host(N36, d2h_lead_buckets=4))  # [Note: D2H lead]: 3 more buckets waiting
+    bb = [e.gpu_phases["backward"]["bucket_buffers"] for e in (ref, lead)]
+    assert bb[1] == bb[0] + 3 * PlanLike().bucket_bytes
+    assert est(plan_like=PlanLike.all_host(N36, d2h_lead_buckets=1)).gpu_phases == ref.gpu_phases
     double = est(plan_like=PlanLike.all_host(N36, host_bytes_per_param=28))
     assert double.host["rollback_copy"] == 12 * N36
     # every phase is reported; the peak is the largest
@@ -147,6 +151,7 @@ def test_from_plan_reads_the_planner_output():
     pl = PlanLike.from_plan(plan)
     assert (pl.device_numel, pl.host_numel, pl.host_bytes_per_param) == (plan.device_numel, plan.host_numel, 16)
     assert pl.bucket_bytes == 2 * max(b.numel for b in plan.buckets)
+    assert PlanLike.from_plan(dataclasses.replace(plan, d2h_lead_buckets=4)).d2h_lead_buckets == 4
 
 
 def test_check_fits_passes_or_explains_what_to_change():
