@@ -293,9 +293,8 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
 
     kw = dict(extra)
     info: dict[str, Any] = {}
-    if system in ("ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_host_nodefer", "ours_host_lead4",
-                  "ours_host_lead8", "ours_host_latep"):
-        kw["gpu_resident_buckets"] = 0
+    if system.startswith("ours_host") or system in ("ours_nospec", "ours_castflip", "ours_noclip"):
+        kw["gpu_resident_buckets"] = 0  # every optimizer state on the host
     if system == "ours_host_nodefer":
         kw["defer_moments"] = False
     if system.startswith("ours_host_lead"):

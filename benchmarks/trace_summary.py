@@ -72,12 +72,26 @@ def _direction(e: dict[str, Any]) -> str:
     return "other"
 
 
+def _profiler_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``ProfilerStep#N`` ranges in time order (CUDA traces mirror annotations on the GPU timeline as
+    ``gpu_user_annotation``: only the CPU-side ones count)."""
+    return sorted((e for e in events if e.get("cat") == "user_annotation"
+                   and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+
+
+def _compute_stream(events: list[dict[str, Any]]) -> Any:
+    """``(pid, tid)`` of the stream with the most kernel time (``None`` without kernels)."""
+    kernel_time: dict[Any, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") == "kernel":
+            kernel_time[(e.get("pid"), e.get("tid"))] += e["dur"]
+    return max(kernel_time, key=kernel_time.__getitem__) if kernel_time else None
+
+
 def summarize(events: list[dict[str, Any]], *, min_gap_us: float = 20.0) -> dict[str, Any]:
     """Per-step breakdown of ``events`` (see the module docstring). Steps are the ``ProfilerStep#N`` ranges;
     a trace without them is one step spanning every event."""
-    # CUDA traces mirror annotations on the GPU timeline as "gpu_user_annotation": only the CPU-side ones count
-    steps = sorted((e for e in events if e.get("cat") == "user_annotation"
-                    and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    steps = _profiler_steps(events)
     annotations = [e for e in events if e.get("cat") == "user_annotation" and str(e["name"]).startswith(PREFIX)]
     main_tid = steps[0]["tid"] if steps else None
     if main_tid is None:
@@ -85,11 +99,7 @@ def summarize(events: list[dict[str, Any]], *, min_gap_us: float = 20.0) -> dict
                and str(e.get("name", "")).startswith("Optimizer.step#")]
         main_tid = opt[0]["tid"] if opt else None
     gpu = [e for e in events if e.get("cat") in _GPU_CATS]
-    kernel_time: dict[Any, float] = defaultdict(float)
-    for e in gpu:
-        if e["cat"] == "kernel":
-            kernel_time[(e.get("pid"), e.get("tid"))] += e["dur"]
-    compute = max(kernel_time, key=kernel_time.__getitem__) if kernel_time else None
+    compute = _compute_stream(gpu)
     if steps:
         windows = [(s["ts"], s["ts"] + s["dur"], s["name"]) for s in steps]
     else:
@@ -190,19 +200,15 @@ def _gpu_step(gpu: list[dict[str, Any]], compute: Any, lo: float, hi: float, min
 def timeline(events: list[dict[str, Any]], *, bin_ms: float = 50.0) -> dict[str, Any]:
     """The last ``ProfilerStep#N`` (or the whole trace) in bins of ``bin_ms``: per column, the percentage of each
     bin covered (kernels on the compute stream, copies per direction, ``superoffload::*`` ranges per name)."""
-    summary_steps = sorted((e for e in events if e.get("cat") == "user_annotation"
-                            and str(e.get("name", "")).startswith("ProfilerStep#")), key=lambda e: e["ts"])
-    if summary_steps:
-        lo, hi, main_tid = summary_steps[-1]["ts"], summary_steps[-1]["ts"] + summary_steps[-1]["dur"], summary_steps[-1]["tid"]
+    steps = _profiler_steps(events)
+    if steps:
+        last = steps[-1]
+        lo, hi, main_tid = last["ts"], last["ts"] + last["dur"], last["tid"]
     else:
         lo, hi, main_tid = min(e["ts"] for e in events), max(e["ts"] + e["dur"] for e in events), None
     width = bin_ms * 1e3
     n = max(1, int((hi - lo) // width) + (1 if (hi - lo) % width else 0))
-    kernel_time: dict[Any, float] = defaultdict(float)
-    for e in events:
-        if e.get("cat") == "kernel":
-            kernel_time[(e.get("pid"), e.get("tid"))] += e["dur"]
-    compute = max(kernel_time, key=kernel_time.__getitem__) if kernel_time else None
+    compute = _compute_stream(events)
     cols: dict[str, list[float]] = {}
 
     def add(col: str, s: float, en: float) -> None:

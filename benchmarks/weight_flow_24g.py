@@ -161,12 +161,9 @@ def child(a: argparse.Namespace) -> dict:
                       "d2h_GB": round(st.d2h_bytes / 1e9, 2), "overlap": round(st.overlap, 3)})
     profile = None
     if a.profile_dir:
-        import importlib.util
+        sys.path.insert(0, str(Path(__file__).parent))
+        import suite  # the suite's profiler step (its module body imports only the standard library)
 
-        spec = importlib.util.spec_from_file_location("suite", Path(__file__).with_name("suite.py"))
-        suite = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules["suite"] = suite  # its dataclasses look their module up
-        spec.loader.exec_module(suite)  # type: ignore[union-attr]
         profile = suite._profile("weight_flow", step, sync, dev, 1, Path(a.profile_dir), f"weight_flow_b{bs}")
     opt.synchronize()
     sync()

@@ -49,7 +49,7 @@ class HostBuffer:
             return
         # Register whole pages that belong to this buffer alone: a small allocation from the heap shares its
         # pages with other objects, and two registrations of one page fail (or one's unregister unpins the other).
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         span = -(-nbytes // _PAGE) * _PAGE
         raw = torch.empty(span + _PAGE, dtype=torch.uint8)
         off = -raw.data_ptr() % _PAGE
