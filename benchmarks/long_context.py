@@ -87,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="local attention inside Ulysses")
     ap.add_argument("--chunk-size", type=int, default=4096, help="LM-head/CE tokens per chunk")
     ap.add_argument("--no-checkpointing", action="store_true")
+    ap.add_argument("--keep-attention", action="store_true",
+                    help="checkpoint every layer but attention: its outputs are kept, not recomputed "
+                         "(sequence_parallel.enable_checkpointing_keep_attention)")
     ap.add_argument("--offload-activations", action="store_true",
                     help="keep the checkpointed layer inputs in pinned host memory")
     ap.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
@@ -203,7 +206,11 @@ def run(args: argparse.Namespace) -> int:
         sp.enable_sequence_parallel(model, groups, inner_attention=args.attn)
     else:
         model.config._attn_implementation = args.attn
-    if not args.no_checkpointing:
+    if args.keep_attention and args.no_checkpointing:
+        raise SystemExit("--keep-attention is a form of checkpointing: drop --no-checkpointing or --keep-attention")
+    if args.keep_attention:
+        sp.enable_checkpointing_keep_attention(model)
+    elif not args.no_checkpointing:
         model.gradient_checkpointing_enable()
     if args.tiled_mlp:
         sp.enable_tiled_mlp(model, tile_tokens=args.tiled_mlp)
@@ -212,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_superoffload.planning.planner import Workload
 
     workload = Workload(cfg, args.batch, args.seq_len, not args.no_checkpointing, groups.sp_size, args.chunk_size,
-                        mlp_tile_tokens=args.tiled_mlp or None)
+                        mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention)
     opt = build_optimizer(args.optimizer, model, args.lr, groups, workload, args.max_grad_norm or None,
                           args.accumulate_on_host)
     init_s = time.perf_counter() - t0
@@ -255,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
                   world=world, sp=groups.sp_size, dp=groups.dp_size, device=dev_type, dtype=args.dtype,
                   optimizer=args.optimizer, attn=args.attn, checkpointing=not args.no_checkpointing,
                   offload_activations=args.offload_activations, chunk_size=args.chunk_size,
-                  tiled_mlp=args.tiled_mlp or None, tag=args.tag,
+                  tiled_mlp=args.tiled_mlp or None, keep_attention=args.keep_attention, tag=args.tag,
                   torch=torch.__version__, mfu_convention="6N+6*L*d*s per token, vs 989 TFLOP/s per GPU")
     if opt is not None and hasattr(opt, "plan"):
         pl = opt.plan

@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/run_parallel_on_box.sh            (PARTS="tests scaling ulysses" by default)
 #
-# Environment (optional): PARTS, MODEL (8b), DP_SEQ/DP_BATCH (2048/4 per GPU), SP_SEQ (256k), ATTN (sdpa), STEPS/WARMUP,
+# Environment (optional): PARTS, MODEL (8b), DP_SEQ/DP_BATCH (2048/4 per GPU), SP_SEQ (256k), SP_WARMUP (1), ATTN (sdpa), SP_ARGS (more
+# long_context.py options for the ulysses part, e.g. "--keep-attention"), STEPS/WARMUP,
 # NGPU (default: all visible GPUs). Every part has its own timeout; one failing part does not stop the others.
 set -u
 T0=$(date +%s)
@@ -50,7 +51,8 @@ for part in ${PARTS:-tests scaling ulysses}; do
       wait; echo "side done ($(( $(date +%s) - T0 )) s)"; tail -1 "$OUT/soak.log" | cut -c1-900; tail -25 "$OUT/triton.txt" ;;
     ulysses)
       run_lc ulysses 360 --nproc_per_node $NGPU benchmarks/long_context.py --model $MODEL --seq-len ${SP_SEQ:-256k} \
-        --optimizer superoffload --attn ${ATTN:-sdpa} --steps 1 --warmup 1 --out "$OUT/parallel.jsonl" --tag "ulysses sp$NGPU ${ATTN:-sdpa}" ;;
+        --optimizer superoffload --attn ${ATTN:-sdpa} --steps 1 --warmup ${SP_WARMUP:-1} ${SP_ARGS:-} --out "$OUT/parallel.jsonl" \
+        --tag "ulysses sp$NGPU ${ATTN:-sdpa} ${SP_ARGS:-}" ;;
   esac
 done
 echo "total $(( $(date +%s) - T0 )) s"

@@ -102,6 +102,9 @@ class SuperOffloadArguments(TrainingArguments):
         sequence_parallel_size: Ulysses sequence parallelism: ranks per sequence (1 = off).
         tiled_mlp_tokens: Run each decoder layer's MLP this many tokens at a time, forward and backward (0 = off;
             ``sequence_parallel.enable_tiled_mlp``, docs/long_context.md).
+        keep_attention_checkpointing: With gradient checkpointing, keep each layer's attention output instead of
+            recomputing attention in backward (``sequence_parallel.enable_checkpointing_keep_attention``): at long
+            sequences attention is most of the FLOPs; costs the outputs' memory, which the planner counts.
     """
 
     superoffload_bucket_size_mb: float = field(
@@ -201,7 +204,17 @@ class SuperOffloadArguments(TrainingArguments):
                        "bounds the MLP's activation memory to one tile for one more MLP forward per layer; for "
                        "very long sequences, see docs/long_context.md."))
 
+    keep_attention_checkpointing: bool = field(
+        default=False,
+        metadata=_help("With gradient checkpointing: keep every layer's attention output instead of recomputing "
+                       "attention in backward (long sequences: attention is most of the FLOPs). Costs the outputs' "
+                       "memory; see docs/long_context.md."))
+
     def __post_init__(self) -> None:
+        if self.keep_attention_checkpointing and not (vars(self).get("activation_checkpointing")
+                                                      or vars(self).get("gradient_checkpointing")):
+            raise ValueError("SuperOffloadArguments.keep_attention_checkpointing=True is a form of gradient "
+                             "checkpointing: set gradient_checkpointing=True too (or drop keep_attention_checkpointing)")
         if isinstance(self.sequence_parallel_size, bool) or not isinstance(self.sequence_parallel_size, int) \
                 or self.sequence_parallel_size < 1:
             raise ValueError(f"SuperOffloadArguments.sequence_parallel_size={self.sequence_parallel_size!r} is "

@@ -92,7 +92,8 @@ def _workload_from_args(model: Any, args: Any) -> Any:
     ckpt = bool(getattr(args, "activation_checkpointing", False) or vars(args).get("gradient_checkpointing", False))
     return Workload(model.config, args.per_device_train_batch_size, args.superoffload_max_seq_len, ckpt,
                     sequence_parallel=sp, loss_chunk_tokens=LOSS_CHUNK_TOKENS if sp > 1 else None,
-                    mlp_tile_tokens=args.tiled_mlp_tokens or None)
+                    mlp_tile_tokens=args.tiled_mlp_tokens or None,
+                    keep_attention=ckpt and args.keep_attention_checkpointing)
 
 
 class SuperOffloadTrainer(Trainer):
@@ -300,6 +301,10 @@ class _SuperOffloadCallback(TrainerCallback):
         self._trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if args.keep_attention_checkpointing:  # Trainer has just enabled plain checkpointing: replace its policy
+            from ..sequence_parallel import enable_checkpointing_keep_attention
+
+            enable_checkpointing_keep_attention(self._trainer.accelerator.unwrap_model(self._trainer.model))
         opt = self._trainer.superoffload_optimizer
         if opt is not None and state.is_world_process_zero:
             from .. import ops

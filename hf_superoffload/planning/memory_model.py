@@ -35,6 +35,10 @@ at a time: ``1.5 ((A - 8f) T + 8f min(t, T))``, plus the tiles' summed weight gr
 parameter) and one tile's own (2 B; 4 B with fp32 weights) when there is more than one tile. Modelled from the
 mechanism, not yet calibrated against a measurement.
 
+Kept attention (``keep_attention``, sequence_parallel/checkpointing.py): checkpointing that recomputes every layer
+but attention also keeps each layer's attention output (bf16, 2ad per token) and log-sum-exp (fp32, 4a) from the
+forward to that layer's backward: ``L T (2ad + 4a)`` in the ``loss`` and ``backward_start`` phases.
+
 The GPU coefficients follow from this accounting; checked against ``torch.cuda.max_memory_allocated`` on the
 team's H200 box (torch 2.11, HF Llama, SDPA, bf16; GB = 1e9) they need no fitted scale:
 
@@ -253,6 +257,7 @@ class MemoryEstimate:
     sequence_parallel: int = 1
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
+    keep_attention: bool = False
 
     @property
     def gpu_peak_phase(self) -> str:
@@ -285,7 +290,8 @@ class MemoryEstimate:
 
 def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
              plan_like: PlanLike | None = None, sequence_parallel: int = 1,
-             loss_chunk_tokens: int | None = None, mlp_tile_tokens: int | None = None) -> MemoryEstimate:
+             loss_chunk_tokens: int | None = None, mlp_tile_tokens: int | None = None,
+             keep_attention: bool = False) -> MemoryEstimate:
     """Predict the peak GPU and host memory of one training step (see [Note: memory model]).
 
     Args:
@@ -297,10 +303,15 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             does), so only one chunk of logits exists at a time; ``None``: HF's loss over all logits at once.
         mlp_tile_tokens: every decoder layer's MLP runs this many tokens at a time (``enable_tiled_mlp``); ``None``:
             untiled.
+        keep_attention: checkpointing keeps each layer's attention output and log-sum-exp
+            (``enable_checkpointing_keep_attention``); only with ``grad_ckpt``.
     """
     if batch_size < 1 or seq_len < 1 or sequence_parallel < 1:
         raise ValueError(f"batch_size, seq_len and sequence_parallel must be >= 1, got {batch_size}, {seq_len} "
                          f"and {sequence_parallel}")
+    if keep_attention and not grad_ckpt:
+        raise ValueError("keep_attention=True keeps attention's outputs under gradient checkpointing: set "
+                         "grad_ckpt=True too (without checkpointing every activation is kept anyway)")
     if mlp_tile_tokens is not None and mlp_tile_tokens < 1:
         raise ValueError(f"mlp_tile_tokens={mlp_tile_tokens}: use a positive number of tokens, or None (untiled)")
     s = ModelShape.from_config(model_config)
@@ -345,6 +356,9 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         # next to the logits at short sequences; the peak at long ones (the logits are chunked or freed by then).
         phases["backward_start"] = dict(resident, activations=layer_bwd,
                                         checkpoints=s.num_layers * tokens * h * (4 if autocast else 2))
+    if keep_attention:  # every layer's attention output (bf16) and log-sum-exp (fp32) live until its backward
+        kept = s.num_layers * tokens * (2 * s.num_heads * s.head_dim + 4 * s.num_heads)
+        loss["kept_attention"] = phases["backward_start"]["kept_attention"] = kept
     if tile_sums:
         for d in phases.values():
             if d is not loss:
@@ -383,7 +397,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         host["engine_overhead"] = int(ENGINE_HOST_BYTES_PER_PARAM * p.host_numel)
 
     return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {**phases, "step": step},
-                          host, untouched, tuple(notes), sequence_parallel, loss_chunk_tokens, mlp_tile_tokens)
+                          host, untouched, tuple(notes), sequence_parallel, loss_chunk_tokens, mlp_tile_tokens,
+                          keep_attention)
 
 
 # ---------------------------------------------------------------------------------------------- fit checks

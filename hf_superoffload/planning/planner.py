@@ -46,8 +46,9 @@ class Workload:
 
     Attributes:
         model: a transformers config, a dict of its fields, a preset name or a ``ModelShape``.
-        sequence_parallel, loss_chunk_tokens, mlp_tile_tokens: see ``memory_model.estimate``
-            (``mlp_tile_tokens``: the tile of ``enable_tiled_mlp``; ``None``: untiled).
+        sequence_parallel, loss_chunk_tokens, mlp_tile_tokens, keep_attention: see ``memory_model.estimate``
+            (``mlp_tile_tokens``: the tile of ``enable_tiled_mlp``; ``None``: untiled; ``keep_attention``:
+            checkpointing by ``enable_checkpointing_keep_attention``).
     """
 
     model: Any
@@ -57,12 +58,13 @@ class Workload:
     sequence_parallel: int = 1
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
+    keep_attention: bool = False
 
     def estimate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``memory_model.estimate`` this workload fixes."""
         return dict(batch_size=self.batch_size, seq_len=self.seq_len, grad_ckpt=self.grad_ckpt,
                     sequence_parallel=self.sequence_parallel, loss_chunk_tokens=self.loss_chunk_tokens,
-                    mlp_tile_tokens=self.mlp_tile_tokens)
+                    mlp_tile_tokens=self.mlp_tile_tokens, keep_attention=self.keep_attention)
 
 
 # Without a workload, "auto" streams the weights when their bf16 copy alone would take more than this share of
@@ -356,6 +358,11 @@ def make_plan(
     if config.defer_master:
         notes.append("deferred master stores: on (configured): the verdict-known pass writes the bf16 weights only "
                      "(16 B/param), the commit stores p, m, v (26 B/param)")
+    elif defer and cast_side is CastSide.CPU and host_numel and not device_numel:
+        notes.append("hint: every optimizer state is on the host, so the CPU pass is the step's critical path; "
+                     "defer_master=True with d2h_lead_buckets=4 moves 4 more B/param into idle-time commits (3.6B, "
+                     "clipping every step: 1.66 -> 1.44 s/step, docs/benchmarks.md); it helps when the GPU's forward "
+                     "and backward outlast those 26 B/param commits, so measure it on your workload")
 
     return OffloadPlan(
         buckets=tuple(buckets),

@@ -12,7 +12,8 @@ Usage, one process per GPU (``torchrun``)::
     out.loss.backward()                                    # SP ranks' gradients sum to the full-sequence one
 
 At 512k tokens and more, ``sp.enable_tiled_mlp(model, tile_tokens=8192)`` also runs each layer's MLP in tiles of
-tokens, forward and backward (see :mod:`.tiled_mlp`, docs/long_context.md).
+tokens, forward and backward (see :mod:`.tiled_mlp`, docs/long_context.md), and
+``sp.enable_checkpointing_keep_attention(model)`` checkpoints every layer but attention (see :mod:`.checkpointing`).
 
 See docs/sequence_parallel.md.
 """
@@ -36,6 +37,7 @@ from .attention import (
     ulysses_attention_forward,
 )
 from .batch import IGNORE_INDEX, shard_batch, shift_labels
+from .checkpointing import enable_checkpointing_keep_attention
 from .groups import SequenceParallelGroups
 from .groups import init_sequence_parallel as _init_groups
 from .loss import SequenceParallelLoss, causal_lm_loss, chunked_cross_entropy, sequence_parallel_loss
@@ -54,6 +56,7 @@ __all__ = [
     "check_heads",
     "chunked_cross_entropy",
     "disable_tiled_mlp",
+    "enable_checkpointing_keep_attention",
     "enable_sequence_parallel",
     "enable_tiled_mlp",
     "find_decoder_mlps",

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_superoffload import sequence_parallel as sp
 from hf_superoffload.testing import tiny_llama
@@ -36,11 +37,14 @@ def _reference(batch: dict[str, torch.Tensor], **model_kw: Any) -> tuple[float, 
     return float(out.loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _sp_grads(groups: sp.SequenceParallelGroups, batch: dict[str, torch.Tensor], *, ckpt: bool = False,
+def _sp_grads(groups: sp.SequenceParallelGroups, batch: dict[str, torch.Tensor], *, ckpt: bool | str = False,
               chunk_size: int = 7, tile: int | None = None, **model_kw: Any) -> tuple[float, float, dict[str, torch.Tensor]]:
     model = tiny_llama(seed=0, dtype=torch.float32, attn_implementation="sdpa", **model_kw)
     sp.enable_sequence_parallel(model, groups)
-    if ckpt:
+    if ckpt == "keep_attention":
+        sp.enable_checkpointing_keep_attention(model)
+        model.train()
+    elif ckpt:
         model.gradient_checkpointing_enable()
         model.train()
     if tile is not None:
@@ -65,7 +69,7 @@ def _compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> floa
     return worst
 
 
-def _parity(groups: sp.SequenceParallelGroups, batch: dict[str, torch.Tensor], *, ckpt: bool = False,
+def _parity(groups: sp.SequenceParallelGroups, batch: dict[str, torch.Tensor], *, ckpt: bool | str = False,
             tile: int | None = None, **model_kw: Any) -> dict[str, Any]:
     ref_loss, ref_grads = _reference(batch, **model_kw)
     loss, local, grads = _sp_grads(groups, batch, ckpt=ckpt, tile=tile, **model_kw)
@@ -89,6 +93,30 @@ def case_uneven(groups):  # 15 tokens over 2 ranks: padded to 16
 
 def case_ckpt(groups):
     return _parity(groups, _batch(4, 1, 16), ckpt=True)
+
+
+class _CountAttention(TorchDispatchMode):
+    """Counts the fused attention kernels (forward and backward) that run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in str(func):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def case_keepattn(groups):  # checkpointing that keeps attention's outputs, with the tiled MLP: parity, and
+    # attention runs once forward and once backward per layer (plain checkpointing: twice forward)
+    batch = _batch(7, 2, 15)
+    out = {}
+    for mode in (True, "keep_attention"):
+        with _CountAttention() as count:
+            res = _parity(groups, batch, ckpt=mode, tile=3)
+        out["plain" if mode is True else "keep"] = {**res, "attention_calls": count.calls}
+    return out
 
 
 def case_tiled(groups):  # tiled MLP (3 tokens per tile) + checkpointing, 2 x 15 tokens: 2 x 8 per rank, padded

@@ -62,7 +62,7 @@ def _launch(tmp: Path, nproc: int, sp_size: int, cases: list[str], timeout: floa
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict[str, Any]]:
-    return _launch(tmp_path_factory.mktemp("sp2"), 2, 2, ["a2a", "gqa", "kv1", "uneven", "ckpt", "tiled", "padmask", "errors",
+    return _launch(tmp_path_factory.mktemp("sp2"), 2, 2, ["a2a", "gqa", "kv1", "uneven", "ckpt", "tiled", "keepattn", "padmask", "errors",
                                                             "trainer_step"])
 
 
@@ -87,6 +87,19 @@ def test_two_rank_parity(two_ranks, case):
     the SP ranks) equal the single-process whole-sequence ones."""
     for rank_res in two_ranks:
         _assert_parity(rank_res[case])
+
+
+@pytest.mark.timeout(240)
+def test_checkpointing_that_keeps_attention(two_ranks):
+    """enable_checkpointing_keep_attention (with Ulysses and the tiled MLP): the same parity as plain checkpointing,
+    and attention's kernels run once fewer per layer (the reference model runs them too: 2 layers, fwd + bwd)."""
+    for rank_res in two_ranks:
+        plain, keep = rank_res["keepattn"]["plain"], rank_res["keepattn"]["keep"]
+        _assert_parity(plain)
+        _assert_parity(keep)
+        # per layer: the reference fwd + bwd (2), then Ulysses fwd, recompute fwd, bwd (3) or fwd, bwd (2)
+        assert plain["attention_calls"] == 2 * (2 + 3), plain
+        assert keep["attention_calls"] == 2 * (2 + 2), keep
 
 
 @pytest.mark.timeout(240)

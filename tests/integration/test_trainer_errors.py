@@ -133,3 +133,39 @@ def test_max_seq_len_gives_the_planner_the_batch_shape(hf: Any, tmp_path: Any) -
 def test_max_seq_len_is_validated(tmp_path: Any, bad: Any) -> None:
     with pytest.raises(ValueError, match=r"superoffload_max_seq_len=.* is invalid: use the longest training sequence"):
         _args(tmp_path, superoffload_max_seq_len=bad)
+
+
+def test_keep_attention_checkpointing_needs_checkpointing(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="set gradient_checkpointing=True too"):
+        _args(tmp_path, keep_attention_checkpointing=True)
+
+
+def test_keep_attention_checkpointing_skips_the_attention_recompute(hf: Any, tmp_path: Any) -> None:
+    """keep_attention_checkpointing: the Trainer's checkpointing keeps attention's outputs (the fused attention
+    kernel runs once forward and once backward per layer, not twice forward), the losses equal plain
+    checkpointing's, and the planner's workload counts the kept outputs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountAttention(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if "scaled_dot_product" in str(func):
+                CountAttention.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    runs = {}
+    for keep in (False, True):
+        CountAttention.calls = 0
+        args = SuperOffloadArguments(**hf.train_kwargs(tmp_path / str(keep), max_steps=2, gradient_checkpointing=True,
+                                                       logging_steps=1),
+                                     **hf.SMALL_BUCKETS, keep_attention_checkpointing=keep, superoffload_max_seq_len=16)
+        model = tiny_llama(seed=0, attn_implementation="sdpa")
+        trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=hf.TokenDataset(8))
+        with CountAttention():
+            trainer.train()
+        assert trainer.superoffload_optimizer.workload.keep_attention is keep
+        runs[keep] = (CountAttention.calls, [h["loss"] for h in trainer.state.log_history if "loss" in h])
+    layers, steps = 2, 2
+    assert runs[False][0] == 3 * layers * steps and runs[True][0] == 2 * layers * steps, runs
+    assert runs[True][1] == pytest.approx(runs[False][1], rel=1e-6)

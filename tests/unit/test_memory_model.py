@@ -247,6 +247,22 @@ def test_tiled_mlp_keeps_one_tile_of_mlp_intermediates():
         estimate(L8, **run, mlp_tile_tokens=0)
 
 
+def test_kept_attention_adds_every_layers_output_and_lse():
+    """``keep_attention``: each layer's attention output (bf16) and log-sum-exp (fp32) live from the forward to its
+    backward; with Ulysses the same bytes per rank (all tokens of 1/P of the heads)."""
+    s = ModelShape.from_config(L8)
+    run = dict(batch_size=1, seq_len=262_144, grad_ckpt=True, sequence_parallel=2, loss_chunk_tokens=4096)
+    plain, keep = estimate(L8, **run), estimate(L8, **run, keep_attention=True)
+    kept = s.num_layers * 131_072 * (2 * s.num_heads * s.head_dim + 4 * s.num_heads)
+    for phase in ("loss", "backward_start"):
+        assert keep.gpu_phases[phase]["kept_attention"] == kept
+        assert sum(keep.gpu_phases[phase].values()) - sum(plain.gpu_phases[phase].values()) == kept
+    assert keep.gpu_phases["backward"] == plain.gpu_phases["backward"]
+    assert keep.keep_attention and kept / 1e9 == pytest.approx(34.9, abs=0.1)  # 8B at 256k over 2 GPUs
+    with pytest.raises(ValueError, match="grad_ckpt=True"):
+        estimate(L8, batch_size=1, seq_len=4096, grad_ckpt=False, keep_attention=True)
+
+
 def test_planner_workload_with_tiled_mlp_leaves_room_for_a_bigger_tail():
     h200 = HardwareProfile.h200_pcie()
     numels = arrival_numels(load_model_config("8b"))

@@ -1,0 +1,88 @@
+"""Gradient checkpointing that keeps attention's outputs: every layer is recomputed in backward except attention.
+
+[Note: keep attention] in docs/long_context.md. At long sequences attention is most of a layer's FLOPs (8B at
+256k tokens: 81% of the model FLOPs), and plain checkpointing runs its forward twice. Selective activation
+checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) saves the outputs of the fused
+attention ops during the forward and hands them back during the recompute, so only the cheap parts (norms,
+projections, MLP, RoPE, the Ulysses all-to-alls) run again. Cost: each layer also keeps its attention output and
+log-sum-exp (``2 q_width + 4 heads`` bytes per token; with Ulysses the same bytes per rank), which the memory model
+counts (``Workload.keep_attention``).
+
+Only fused attention kernels are kept (SDPA's cuDNN, flash, memory-efficient and CPU-flash ops, and flash-attn's
+custom ops when that package is loaded); SDPA's math fallback is made of ordinary ops and is recomputed as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = ["attention_ops", "enable_checkpointing_keep_attention", "keep_attention_policy"]
+
+_ATEN_ATTENTION = (
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+# flash-attn registers its kernels as torch custom ops (flash_attn >= 2.6; FA3's hopper build)
+_CUSTOM_ATTENTION = (("flash_attn", "_flash_attn_forward"), ("flash_attn", "_flash_attn_varlen_forward"),
+                     ("flash_attn_3", "fwd"))
+
+
+def attention_ops() -> frozenset[Any]:
+    """The overloads whose outputs are kept: the fused attention forwards this torch build (and any loaded
+    flash-attn) provides."""
+    ops: set[Any] = set()
+    for name in _ATEN_ATTENTION:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            ops.add(packet.default)
+    for namespace, name in _CUSTOM_ATTENTION:
+        try:
+            packet = getattr(getattr(torch.ops, namespace), name)
+        except (AttributeError, RuntimeError):
+            continue
+        ops.update(getattr(packet, o) for o in packet.overloads())
+    return frozenset(ops)
+
+
+def keep_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing policy: save fused attention outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in _ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_OPS: frozenset[Any] | None = None
+
+
+def _ops() -> frozenset[Any]:
+    global _OPS
+    if _OPS is None:
+        _OPS = attention_ops()
+    return _OPS
+
+
+def _context_fn() -> Any:
+    return create_selective_checkpoint_contexts(keep_attention_policy)
+
+
+def enable_checkpointing_keep_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn on gradient checkpointing on a transformers model, keeping attention's outputs (see the module doc).
+
+    Uses non-reentrant checkpointing (selective checkpointing needs it). Composes with Ulysses
+    (:func:`~hf_superoffload.sequence_parallel.enable_sequence_parallel`, before or after) and the tiled MLP.
+    ``ValueError`` if the model does not support gradient checkpointing. Returns ``model``.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; keeping attention's "
+                         "outputs needs it (use a transformers model with supports_gradient_checkpointing=True)")
+    kwargs = {"use_reentrant": False, "context_fn": _context_fn}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name (the old one warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
