@@ -32,6 +32,10 @@ class HostBuffer:
     at once, every 8-byte statistics copy went to pageable memory, which makes ``cudaMemcpyAsync`` synchronous,
     and each bucket flush blocked the autograd thread until its D2H had finished.)
 
+    ``tensor.is_pinned()`` reports False even when pinned: torch asks CUDA about the storage's first byte, and the
+    registered pages start after it (page alignment). Copies into ``tensor`` still run as DMA without a host
+    sync: CUDA looks up the copy's own address.
+
     Attributes:
         tensor: the flat 1-D CPU tensor; views of it are handed to buckets.
         pinned: whether its pages are registered with CUDA (DMA without a bounce buffer).
