@@ -208,7 +208,7 @@ class SuperOffloadArguments(TrainingArguments):
         default=False,
         metadata=_help("With gradient checkpointing: keep every layer's attention output instead of recomputing "
                        "attention in backward (long sequences: attention is most of the FLOPs). Costs the outputs' "
-                       "memory; see docs/long_context.md."))
+                       "memory; see docs/sequence_parallel.md."))
 
     def __post_init__(self) -> None:
         if self.keep_attention_checkpointing and not (vars(self).get("activation_checkpointing")

@@ -1,10 +1,10 @@
 """Gradient checkpointing that keeps attention's outputs: every layer is recomputed in backward except attention.
 
-[Note: keep attention] in docs/long_context.md. At long sequences attention is most of a layer's FLOPs (8B at
-256k tokens: 81% of the model FLOPs), and plain checkpointing runs its forward twice. Selective activation
-checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) saves the outputs of the fused
-attention ops during the forward and hands them back during the recompute, so only the cheap parts (norms,
-projections, MLP, RoPE, the Ulysses all-to-alls) run again. Cost: each layer also keeps its attention output and
+See docs/sequence_parallel.md ("Checkpointing that keeps attention"). At long sequences attention is most of a
+layer's FLOPs (8B at 256k tokens: 81% of the model FLOPs), and plain checkpointing runs its forward twice.
+Selective activation checkpointing (``torch.utils.checkpoint.create_selective_checkpoint_contexts``) saves the
+outputs of the fused attention ops during the forward and hands them back during the recompute, so only the cheap
+parts (norms, projections, MLP, RoPE, the Ulysses all-to-alls) run again. Cost: each layer also keeps its attention output and
 log-sum-exp (``2 q_width + 4 heads`` bytes per token; with Ulysses the same bytes per rank), which the memory model
 counts (``Workload.keep_attention``).
 
@@ -80,6 +80,8 @@ def enable_checkpointing_keep_attention(model: torch.nn.Module) -> torch.nn.Modu
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; keeping attention's "
                          "outputs needs it (use a transformers model with supports_gradient_checkpointing=True)")
+    global _OPS
+    _OPS = None  # looked up again at the first op: a flash-attn imported since the last call counts too
     kwargs = {"use_reentrant": False, "context_fn": _context_fn}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name (the old one warns)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
