@@ -290,3 +290,40 @@ def test_trainer_arguments_sequence_parallel_size(tmp_path):
     assert "sequence_parallel_size" not in args.superoffload_fields()  # not a SuperOffloadConfig field
     with pytest.raises(ValueError, match="one process per GPU"):
         SuperOffloadTrainer(model=tiny_llama(dtype=torch.float32), args=args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_keep_attention_on_cuda_saves_the_fused_kernel_outputs() -> None:
+    """On the GPU (cuDNN or flash SDPA, bf16): attention's forward kernel runs once per layer, not twice, and the
+    gradients equal plain checkpointing's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_superoffload.testing import tiny_llama
+
+    class CountForward(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = str(func)
+            if "scaled_dot_product" in name and "backward" not in name:
+                CountForward.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(0, 100, (2, 256), device="cuda")
+    grads, calls = {}, {}
+    for keep in (False, True):
+        model = tiny_llama(seed=0, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().train()
+        if keep:
+            sp.enable_checkpointing_keep_attention(model)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        CountForward.calls = 0
+        with CountForward():
+            model(input_ids=ids, labels=ids).loss.backward()
+        calls[keep] = CountForward.calls
+        grads[keep] = {n: p.grad.float() for n, p in model.named_parameters()}
+    layers = 2
+    assert calls == {False: 2 * layers, True: layers}, calls
+    for n, g in grads[False].items():
+        torch.testing.assert_close(grads[True][n], g, rtol=2e-2, atol=1e-3, msg=n)
