@@ -152,20 +152,23 @@ class StepTime:
 
 def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareProfile, *, batch_size: int,
                       seq_len: int, grad_ckpt: bool, sequence_parallel: int = 1,
-                      mlp_tile_tokens: int | None = None) -> StepTime | None:
+                      mlp_tile_tokens: int | None = None, keep_attention: bool = False) -> StepTime | None:
     """The roofline of [Note: step-time roofline] for one rank; ``None`` when the profile lacks a rate it needs.
 
     ``sequence_parallel`` P: each of the P ranks on this host computes 1/P of every layer (its tokens outside
     attention, 1/P of the heads inside), and they share the host's cores and memory bandwidth; ``plan_like`` is
     one rank's plan (its shard of the optimizer state). ``mlp_tile_tokens`` below the tokens per rank: the tiled
-    MLP's backward runs one more MLP forward (2 FLOPs per MLP weight and token)."""
+    MLP's backward runs one more MLP forward (2 FLOPs per MLP weight and token). ``keep_attention``: checkpointing
+    keeps attention's outputs, so attention runs forward once (6 instead of 8 FLOPs per attention "parameter")."""
     p, host = profile, plan_like.host_numel
     need = (p.matmul_tflops, p.cpu_adam_gparams, p.h2d_gbps, p.d2h_gbps, p.device_memory_gbps)
     if any(x is None for x in need):
         return None
     tokens = batch_size * seq_len
     k = 8 if grad_ckpt else 6
-    flops = k * (shape.numel * tokens + shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens)
+    k_attn = 6 if keep_attention else k
+    flops = (k * shape.numel * tokens
+             + k_attn * shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens)
     if mlp_tile_tokens is not None and mlp_tile_tokens < -(-tokens // sequence_parallel):
         flops += 2 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers * tokens
     gpu_s = flops / sequence_parallel / (p.matmul_tflops * 1e12 * GEMM_EFFICIENCY)
@@ -216,6 +219,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
                    help="each decoder layer's MLP runs this many tokens at a time (sequence_parallel.enable_tiled_mlp; "
                         "0: untiled)")
+    p.add_argument("--keep-attention", action="store_true",
+                   help="with --grad-ckpt: checkpointing keeps attention's outputs instead of recomputing attention "
+                        "(sequence_parallel.enable_checkpointing_keep_attention)")
     p.set_defaults(func=main_plan)
     return p
 
@@ -237,6 +243,8 @@ def main_plan(args: argparse.Namespace) -> int:
             raise InputError("--sequence-parallel and --loss-chunk must be >= 1")
         if args.tiled_mlp < 0:
             raise InputError("--tiled-mlp must be >= 0 (0: untiled)")
+        if args.keep_attention and not args.grad_ckpt:
+            raise InputError("--keep-attention is a form of gradient checkpointing: add --grad-ckpt")
         config = load_model_config(args.model)
         shape = ModelShape.from_config(config)
         profile = resolve_profile(args.profile, gpu_mem_gb=args.gpu_mem, host_mem_gb=args.host_mem)
@@ -248,7 +256,8 @@ def main_plan(args: argparse.Namespace) -> int:
     run = dict(batch_size=args.batch_size, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
     sp = args.sequence_parallel
     chunk = args.loss_chunk if args.loss_chunk is not None else (4096 if sp > 1 else None)
-    sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk, mlp_tile_tokens=args.tiled_mlp or None)
+    sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk, mlp_tile_tokens=args.tiled_mlp or None,
+                 keep_attention=args.keep_attention)
     workload = Workload(shape, **run, **sp_kw)
     ranks: dict[str, Any] = {}
     if sp > 1:  # one rank per GPU of this host; the profile's cores are split between them
@@ -271,7 +280,7 @@ def main_plan(args: argparse.Namespace) -> int:
         reasons.append(f"the planner refuses: {e}")
         plan, plan_like = None, PlanLike.all_host(sum(numels))
     step = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp,
-                             mlp_tile_tokens=args.tiled_mlp or None)
+                             mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention)
     if step is not None and plan is not None and plan.rollback.value == "snapshot":
         plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
     est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
