@@ -237,6 +237,46 @@ def _copy_tiles(
     return acc_sq, acc_bad
 
 
+@triton.jit
+def _next_row(table_ptr, r, hi):
+    """Row ``r + 1``'s ``[src_off, dst_off, flags, n]`` (zeros at ``hi``): loaded one row ahead of its use."""
+    nxt = table_ptr + (r + 1) * 4  # int32 is plenty: a table has far fewer than 2**29 rows
+    more = r + 1 < hi
+    return (tl.load(nxt, mask=more, other=0), tl.load(nxt + 1, mask=more, other=0),
+            tl.load(nxt + 2, mask=more, other=0), tl.load(nxt + 3, mask=more, other=0))
+
+
+@triton.jit
+def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
+                   ONE_PASS: tl.constexpr, W: tl.constexpr):
+    """A rows program's statistics: its partial sums into the partials buffer; with ONE_PASS the program that
+    draws the last ticket adds every partial (in ``W``-wide chunks, a fixed order) to ``stats`` and resets the
+    counter for the next launch on this stream."""
+    s = tl.sum(acc_sq, axis=0)
+    c = tl.sum(acc_bad, axis=0)
+    if ONE_PASS:
+        tl.store(part_sq_ptr + pid, s)
+        tl.store(part_bad_ptr + pid, c)
+        # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
+        # draws the last ticket, and that one sees every other program's.
+        ticket = tl.atomic_add(counter_ptr, 1)
+        if ticket == n_prog - 1:
+            lane = tl.arange(0, W)
+            tot_sq = tl.zeros([W], dtype=tl.float32)
+            tot_bad = tl.zeros([W], dtype=tl.int64)
+            for start in range(0, n_prog, W):
+                offs = start + lane
+                m = offs < n_prog
+                tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
+            tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
+            tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
+            tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+    else:
+        tl.store(part_sq_ptr + part_base + pid, s)
+        tl.store(part_bad_ptr + part_base + pid, c)
+
+
 # NOTE: only the pointers are specialised (16-byte alignment): the integers are keys and offsets, where a
 # divisibility specialisation buys nothing and would compile more variants.
 @triton.jit(do_not_specialize=["part_base", "k0", "k1", "rng_offset"])
@@ -295,13 +335,7 @@ def _rows_kernel(
     flags = tl.load(row + 2, mask=lo < hi, other=0)
     n = tl.load(row + 3, mask=lo < hi, other=0)
     for r in range(lo, hi):
-        nxt = table_ptr + (r + 1) * 4  # int32 is plenty: a table has far fewer than 2**29 rows
-        more = r + 1 < hi
-        nxt_src_off = tl.load(nxt, mask=more, other=0)
-        nxt_dst_off = tl.load(nxt + 1, mask=more, other=0)
-        nxt_flags = tl.load(nxt + 2, mask=more, other=0)
-        nxt_n = tl.load(nxt + 3, mask=more, other=0)
-
+        nxt_src_off, nxt_dst_off, nxt_flags, nxt_n = _next_row(table_ptr, r, hi)
         n_src = tl.where((flags & 1) != 0, n, 0)  # elements to read; None rows read none and store zeros
         n_full = n_src - n_src % BLOCK
         src_al = (flags & 2) != 0
@@ -343,30 +377,8 @@ def _rows_kernel(
         flags = nxt_flags
         n = nxt_n
     if STATS:
-        s = tl.sum(acc_sq, axis=0)
-        c = tl.sum(acc_bad, axis=0)
-        if ONE_PASS:
-            tl.store(part_sq_ptr + pid, s)
-            tl.store(part_bad_ptr + pid, c)
-            # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
-            # draws the last ticket, and that one sees every other program's.
-            ticket = tl.atomic_add(counter_ptr, 1)
-            if ticket == n_prog - 1:
-                tot_sq = tl.zeros([BLOCK], dtype=tl.float32)
-                tot_bad = tl.zeros([BLOCK], dtype=tl.int64)
-                for start in range(0, n_prog, BLOCK):
-                    offs = start + lane
-                    m = offs < n_prog
-                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-                    tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(
-                        tl.int64
-                    )
-                tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
-                tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
-                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
-        else:
-            tl.store(part_sq_ptr + part_base + pid, s)
-            tl.store(part_bad_ptr + part_base + pid, c)
+        _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
+                       ONE_PASS, BLOCK)
 
 
 # ---------------------------------------------------- rows, kernel 2: 2-D tiles, small accumulators
@@ -516,13 +528,7 @@ def _rows2_kernel(
     flags = tl.load(head + 4)
     n = tl.load(head + 5)
     for r in range(lo, hi):
-        nxt = table_ptr + (r + 1) * 4
-        more = r + 1 < hi
-        nxt_src_off = tl.load(nxt, mask=more, other=0)
-        nxt_dst_off = tl.load(nxt + 1, mask=more, other=0)
-        nxt_flags = tl.load(nxt + 2, mask=more, other=0)
-        nxt_n = tl.load(nxt + 3, mask=more, other=0)
-
+        nxt_src_off, nxt_dst_off, nxt_flags, nxt_n = _next_row(table_ptr, r, hi)
         n_src = tl.where((flags & 1) != 0, n, 0)
         both_al = (flags & 6) == 6
         n8 = tl.where(both_al, (n_src // VW) * VW, 0)  # elements that go through whole vector rows
@@ -576,28 +582,8 @@ def _rows2_kernel(
         flags = nxt_flags
         n = nxt_n
     if STATS:
-        s = tl.sum(acc_sq, axis=0)
-        c = tl.sum(acc_bad, axis=0)
-        if ONE_PASS:
-            tl.store(part_sq_ptr + pid, s)
-            tl.store(part_bad_ptr + pid, c)
-            ticket = tl.atomic_add(counter_ptr, 1)  # acq_rel, GPU scope (see _rows_kernel)
-            if ticket == n_prog - 1:
-                old_sq = tl.load(stats_ptr)
-                old_bad = tl.load(stats_ptr + 1)
-                tot_sq = tl.zeros([R], dtype=tl.float32)
-                tot_bad = tl.zeros([R], dtype=tl.int64)
-                for start in range(0, n_prog, R):
-                    offs = start + r_idx
-                    m = offs < n_prog
-                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-                    tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
-                tl.store(stats_ptr, old_sq + tl.sum(tot_sq, axis=0))
-                tl.store(stats_ptr + 1, old_bad + tl.sum(tot_bad, axis=0).to(tl.float32))
-                tl.atomic_xchg(counter_ptr, 0)
-        else:
-            tl.store(part_sq_ptr + part_base + pid, s)
-            tl.store(part_bad_ptr + part_base + pid, c)
+        _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
+                       ONE_PASS, R)
 
 
 @triton.jit
