@@ -360,9 +360,9 @@ def make_plan(
                      "(16 B/param), the commit stores p, m, v (26 B/param)")
     elif defer and cast_side is CastSide.CPU and host_numel and not device_numel:
         notes.append("hint: every optimizer state is on the host, so the CPU pass is the step's critical path; "
-                     "defer_master=True with d2h_lead_buckets=4 moves 4 more B/param into idle-time commits (3.6B, "
-                     "clipping every step: 1.66 -> 1.44 s/step, docs/benchmarks.md); it helps when the GPU's forward "
-                     "and backward outlast those 26 B/param commits, so measure it on your workload")
+                     "defer_master=True with d2h_lead_buckets=4 moves 4 more B/param into idle-time commits (measured "
+                     "in docs/benchmarks.md); it helps when the GPU's forward and backward outlast those 26 B/param "
+                     "commits, so measure it on your workload")
 
     return OffloadPlan(
         buckets=tuple(buckets),

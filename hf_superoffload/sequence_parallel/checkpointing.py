@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["attention_ops", "enable_checkpointing_keep_attention", "keep_attention_policy"]
+__all__ = ["attention_ops", "enable_checkpointing_keep_attention"]
 
 _ATEN_ATTENTION = (
     "_scaled_dot_product_cudnn_attention",
@@ -51,25 +51,6 @@ def attention_ops() -> frozenset[Any]:
     return frozenset(ops)
 
 
-def keep_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective checkpointing policy: save fused attention outputs, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in _ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_OPS: frozenset[Any] | None = None
-
-
-def _ops() -> frozenset[Any]:
-    global _OPS
-    if _OPS is None:
-        _OPS = attention_ops()
-    return _OPS
-
-
-def _context_fn() -> Any:
-    return create_selective_checkpoint_contexts(keep_attention_policy)
-
-
 def enable_checkpointing_keep_attention(model: torch.nn.Module) -> torch.nn.Module:
     """Turn on gradient checkpointing on a transformers model, keeping attention's outputs (see the module doc).
 
@@ -80,9 +61,15 @@ def enable_checkpointing_keep_attention(model: torch.nn.Module) -> torch.nn.Modu
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; keeping attention's "
                          "outputs needs it (use a transformers model with supports_gradient_checkpointing=True)")
-    global _OPS
-    _OPS = None  # looked up again at the first op: a flash-attn imported since the last call counts too
-    kwargs = {"use_reentrant": False, "context_fn": _context_fn}
+    kept = attention_ops()  # looked up per call: a flash-attn imported since an earlier call counts too
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in kept else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn() -> Any:
+        return create_selective_checkpoint_contexts(policy)
+
+    kwargs = {"use_reentrant": False, "context_fn": context_fn}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name (the old one warns)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
