@@ -215,6 +215,12 @@ class SuperOffloadArguments(TrainingArguments):
                                                       or vars(self).get("gradient_checkpointing")):
             raise ValueError("SuperOffloadArguments.keep_attention_checkpointing=True is a form of gradient "
                              "checkpointing: set gradient_checkpointing=True too (or drop keep_attention_checkpointing)")
+        if self.keep_attention_checkpointing:
+            from ..sequence_parallel.checkpointing import check_checkpoint_kwargs
+
+            ck = _checkpoint_kwargs(self)
+            if isinstance(ck, dict):  # (a JSON string is parsed by TrainingArguments; checked again at train start)
+                check_checkpoint_kwargs(ck)
         if isinstance(self.sequence_parallel_size, bool) or not isinstance(self.sequence_parallel_size, int) \
                 or self.sequence_parallel_size < 1:
             raise ValueError(f"SuperOffloadArguments.sequence_parallel_size={self.sequence_parallel_size!r} is "
@@ -303,6 +309,11 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
         return SuperOffloadConfig(**kw)
     except ValueError as e:
         raise ValueError(str(e).replace("SuperOffloadConfig.", f"SuperOffloadArguments.{PREFIX}")) from None
+
+
+def _checkpoint_kwargs(args: Any) -> Any:
+    """The user's checkpointing options (``activation_checkpointing_kwargs``, or the older name)."""
+    return vars(args).get("activation_checkpointing_kwargs") or vars(args).get("gradient_checkpointing_kwargs")
 
 
 def _refuse_incompatible(args: SuperOffloadArguments) -> None:

@@ -74,7 +74,12 @@ from ._common import (
     save_optimizer_state,
     warn_if_threads_throttled,
 )
-from .arguments import SuperOffloadArguments, building_superoffload_trainer, superoffload_config_from_args
+from .arguments import (
+    SuperOffloadArguments,
+    _checkpoint_kwargs,
+    building_superoffload_trainer,
+    superoffload_config_from_args,
+)
 
 __all__ = ["SuperOffloadArguments", "SuperOffloadTrainer", "superoffload_config_from_args"]
 
@@ -304,7 +309,8 @@ class _SuperOffloadCallback(TrainerCallback):
         if args.keep_attention_checkpointing:  # Trainer has just enabled plain checkpointing: replace its policy
             from ..sequence_parallel import enable_checkpointing_keep_attention
 
-            enable_checkpointing_keep_attention(self._trainer.accelerator.unwrap_model(self._trainer.model))
+            enable_checkpointing_keep_attention(self._trainer.accelerator.unwrap_model(self._trainer.model),
+                                                _checkpoint_kwargs(args))
         opt = self._trainer.superoffload_optimizer
         if opt is not None and state.is_world_process_zero:
             from .. import ops

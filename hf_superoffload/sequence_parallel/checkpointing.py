@@ -14,12 +14,13 @@ custom ops when that package is loaded); SDPA's math fallback is made of ordinar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["attention_ops", "enable_checkpointing_keep_attention"]
+__all__ = ["attention_ops", "check_checkpoint_kwargs", "enable_checkpointing_keep_attention"]
 
 _ATEN_ATTENTION = (
     "_scaled_dot_product_cudnn_attention",
@@ -51,16 +52,34 @@ def attention_ops() -> frozenset[Any]:
     return frozenset(ops)
 
 
-def enable_checkpointing_keep_attention(model: torch.nn.Module) -> torch.nn.Module:
+def check_checkpoint_kwargs(checkpoint_kwargs: Mapping[str, Any] | None) -> None:
+    """``ValueError`` (with the fix) for checkpointing options that keeping attention cannot honour."""
+    kw = dict(checkpoint_kwargs or {})
+    if kw.get("use_reentrant") is True:
+        raise ValueError("keeping attention's outputs needs non-reentrant checkpointing (selective checkpointing): "
+                         "drop use_reentrant=True from the checkpointing kwargs")
+    if "context_fn" in kw:
+        raise ValueError("keeping attention's outputs sets the checkpoint's context_fn itself: drop context_fn from "
+                         "the checkpointing kwargs, or do not keep attention")
+
+
+def enable_checkpointing_keep_attention(model: torch.nn.Module,
+                                        checkpoint_kwargs: Mapping[str, Any] | None = None) -> torch.nn.Module:
     """Turn on gradient checkpointing on a transformers model, keeping attention's outputs (see the module doc).
 
-    Uses non-reentrant checkpointing (selective checkpointing needs it). Composes with Ulysses
-    (:func:`~hf_superoffload.sequence_parallel.enable_sequence_parallel`, before or after) and the tiled MLP.
-    ``ValueError`` if the model does not support gradient checkpointing. Returns ``model``.
+    ``checkpoint_kwargs``: the rest of the checkpointing options, as transformers takes them
+    (``activation_checkpointing_kwargs``: ``every_n_layers``, ``offload`` and ``torch.utils.checkpoint``
+    keywords); they are kept. Checkpointing is non-reentrant (selective checkpointing needs it). Composes with
+    Ulysses (:func:`~hf_superoffload.sequence_parallel.enable_sequence_parallel`, before or after) and the tiled
+    MLP. ``ValueError`` if the model does not support gradient checkpointing or the options conflict. Returns
+    ``model``.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"{type(model).__name__} does not support gradient checkpointing; keeping attention's "
                          "outputs needs it (use a transformers model with supports_gradient_checkpointing=True)")
+    check_checkpoint_kwargs(checkpoint_kwargs)
+    kw = dict(checkpoint_kwargs or {})
+    layout = {k: kw.pop(k) for k in ("every_n_layers", "offload") if k in kw}  # transformers' own, not checkpoint's
     kept = attention_ops()  # looked up per call: a flash-attn imported since an earlier call counts too
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -69,9 +88,9 @@ def enable_checkpointing_keep_attention(model: torch.nn.Module) -> torch.nn.Modu
     def context_fn() -> Any:
         return create_selective_checkpoint_contexts(policy)
 
-    kwargs = {"use_reentrant": False, "context_fn": context_fn}
+    kw.update(use_reentrant=False, context_fn=context_fn)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers' new name (the old one warns)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw, **layout)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw, **layout)
     return model

@@ -327,3 +327,24 @@ def test_keep_attention_on_cuda_saves_the_fused_kernel_outputs() -> None:
     assert calls == {False: 2 * layers, True: layers}, calls
     for n, g in grads[False].items():
         torch.testing.assert_close(grads[True][n], g, rtol=2e-2, atol=1e-3, msg=n)
+
+
+def test_keep_attention_keeps_the_users_checkpointing_options() -> None:
+    """The user's checkpointing options survive (every_n_layers here); the ones it cannot honour are refused."""
+    import inspect
+
+    from hf_superoffload.testing import tiny_llama
+
+    model = tiny_llama(seed=0, attn_implementation="sdpa")
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    if "every_n_layers" not in inspect.signature(enable).parameters:
+        pytest.skip("this transformers has no every_n_layers")
+    sp.enable_checkpointing_keep_attention(model, {"every_n_layers": 2, "preserve_rng_state": False})
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    func = model.model.layers[0]._gradient_checkpointing_func
+    assert func.keywords["preserve_rng_state"] is False and func.keywords["use_reentrant"] is False
+    assert "context_fn" in func.keywords
+    with pytest.raises(ValueError, match="drop use_reentrant=True"):
+        sp.enable_checkpointing_keep_attention(model, {"use_reentrant": True})
+    with pytest.raises(ValueError, match="drop context_fn"):
+        sp.enable_checkpointing_keep_attention(model, {"context_fn": lambda: None})

@@ -138,6 +138,9 @@ def test_max_seq_len_is_validated(tmp_path: Any, bad: Any) -> None:
 def test_keep_attention_checkpointing_needs_checkpointing(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="set gradient_checkpointing=True too"):
         _args(tmp_path, keep_attention_checkpointing=True)
+    with pytest.raises(ValueError, match="drop use_reentrant=True"):
+        _args(tmp_path, keep_attention_checkpointing=True, gradient_checkpointing=True,
+              gradient_checkpointing_kwargs={"use_reentrant": True})
 
 
 def test_keep_attention_checkpointing_skips_the_attention_recompute(hf: Any, tmp_path: Any) -> None:
