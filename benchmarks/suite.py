@@ -20,6 +20,7 @@ Systems:
                    the planner's auto choice when host RAM allows a second landing arena)
   ours_host_lead4 / ours_host_lead8   ours_host with d2h_lead_buckets=4 / 8 ([Note: D2H lead] in docs/design.md)
   ours_host_latep  ours_host with defer_master=True (the master stored by the commit too) and d2h_lead_buckets=4
+  ours_host_latep8 the same with d2h_lead_buckets=8
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -57,7 +58,7 @@ __all__ = ["ALL_SYSTEMS", "WORKLOADS", "Workload", "main"]
 
 SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
-        "ours_host_lead4", "ours_host_lead8", "ours_host_latep")
+        "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -72,6 +73,7 @@ LABELS = {
     "ours_host_lead4": "hf_superoffload, host, D2H lead 4 buckets",
     "ours_host_lead8": "hf_superoffload, host, D2H lead 8 buckets",
     "ours_host_latep": "hf_superoffload, host, D2H lead 4, master stored late",
+    "ours_host_latep8": "hf_superoffload, host, D2H lead 8, master stored late",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -299,8 +301,9 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
         kw["defer_moments"] = False
     if system.startswith("ours_host_lead"):
         kw["d2h_lead_buckets"] = int(system.removeprefix("ours_host_lead"))
-    if system == "ours_host_latep":
-        kw.update(defer_master=True, defer_moments=True, cast_side="cpu", d2h_lead_buckets=4)
+    if system.startswith("ours_host_latep"):
+        lead = int(system.removeprefix("ours_host_latep") or 4)
+        kw.update(defer_master=True, defer_moments=True, cast_side="cpu", d2h_lead_buckets=lead)
     if system == "ours_nospec":
         kw["speculation"] = False
     if system == "ours_flow":
