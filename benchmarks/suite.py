@@ -21,6 +21,7 @@ Systems:
   ours_host_lead4 / ours_host_lead8   ours_host with d2h_lead_buckets=4 / 8 ([Note: D2H lead] in docs/design.md)
   ours_host_latep  ours_host with defer_master=True (the master stored by the commit too) and d2h_lead_buckets=4
   ours_host_latep8 the same with d2h_lead_buckets=8
+  ours_host_latep_noup  ours_host_latep with upload_thread=False (the worker issues the uploads, as before session 7)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -58,7 +59,8 @@ __all__ = ["ALL_SYSTEMS", "WORKLOADS", "Workload", "main"]
 
 SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
-        "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8")
+        "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8",
+        "ours_host_latep_noup")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -74,6 +76,7 @@ LABELS = {
     "ours_host_lead8": "hf_superoffload, host, D2H lead 8 buckets",
     "ours_host_latep": "hf_superoffload, host, D2H lead 4, master stored late",
     "ours_host_latep8": "hf_superoffload, host, D2H lead 8, master stored late",
+    "ours_host_latep_noup": "hf_superoffload, host, D2H lead 4, master stored late, worker uploads",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -301,8 +304,10 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
         kw["defer_moments"] = False
     if system.startswith("ours_host_lead"):
         kw["d2h_lead_buckets"] = int(system.removeprefix("ours_host_lead"))
+    if system.endswith("_noup"):
+        kw["upload_thread"] = False
     if system.startswith("ours_host_latep"):
-        lead = int(system.removeprefix("ours_host_latep") or 4)
+        lead = int(system.removeprefix("ours_host_latep").removesuffix("_noup") or 4)
         kw.update(defer_master=True, defer_moments=True, cast_side="cpu", d2h_lead_buckets=lead)
     if system == "ours_nospec":
         kw["speculation"] = False

@@ -88,6 +88,11 @@ class SuperOffloadConfig:
             every bucket (measured: GPU 78% busy in the 3.6B all-host backward). ``k > 0``: the backward runs
             ahead by up to ``k`` copies (k flattened gradient buckets of device memory in flight) and the worker
             takes its tasks in arrival order until the verdict. [Note: D2H lead] in docs/design.md.
+        upload_thread: Issue the host buckets' H2D weight uploads (a copy, the scatter into the parameters, an
+            event) from a thread of their own, so the CPU worker starts the next bucket's Adam at once instead of
+            spending ~0.5 ms of Python and launches per bucket between Adam calls on the critical path. Single
+            process with stationary weights on CUDA (elsewhere the worker uploads). ``False``: the worker uploads
+            (the schedule of every measurement before session 7). [Note: upload thread] in docs/design.md.
     """
 
     bucket_size_mb: float = 32.0
@@ -109,6 +114,7 @@ class SuperOffloadConfig:
     defer_moments: bool | Literal["auto"] = "auto"
     defer_master: bool = False
     d2h_lead_buckets: int = 0
+    upload_thread: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, fix: str) -> ValueError:
@@ -148,6 +154,8 @@ class SuperOffloadConfig:
             raise bad("defer_master", self.defer_master, "use True or False")
         if isinstance(self.d2h_lead_buckets, bool) or not isinstance(self.d2h_lead_buckets, int) or self.d2h_lead_buckets < 0:
             raise bad("d2h_lead_buckets", self.d2h_lead_buckets, "use an integer >= 0 (0: no lead)")
+        if not isinstance(self.upload_thread, bool):
+            raise bad("upload_thread", self.upload_thread, "use True or False")
 
     def replace(self, **changes: Any) -> SuperOffloadConfig:
         """A copy with ``changes`` applied (validated again)."""

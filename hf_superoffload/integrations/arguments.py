@@ -187,6 +187,10 @@ class SuperOffloadArguments(TrainingArguments):
         default=_D.d2h_lead_buckets,
         metadata=_help("SuperOffload: how many host buckets' gradient copies the backward may run ahead of (0: each "
                        "bucket's hook waits for its own copy); see [Note: D2H lead] in docs/design.md."))
+    superoffload_upload_thread: bool = field(
+        default=_D.upload_thread,
+        metadata=_help("SuperOffload: issue the host buckets' weight uploads from a thread of their own so the CPU "
+                       "Adam worker never waits on them (CUDA, one process); see [Note: upload thread]."))
     superoffload_max_seq_len: int | None = field(
         default=None,
         metadata=_help("SuperOffload: the longest sequence (tokens) a training batch holds. When given, the planner "

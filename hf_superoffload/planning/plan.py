@@ -110,6 +110,8 @@ class OffloadPlan:
         defer_master: with ``defer_moments`` (and the CPU cast) the commit stores the fp32 master too; the
             verdict-known pass writes the bf16 weights only.
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
+        upload_thread: the H2D weight uploads are issued by a thread of their own, not the CPU worker ([Note:
+            upload thread]; the engine uses it on CUDA with stationary weights in a single process).
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -130,6 +132,7 @@ class OffloadPlan:
     defer_moments: bool = False
     defer_master: bool = False
     d2h_lead_buckets: int = 0
+    upload_thread: bool = False
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -182,6 +185,7 @@ class OffloadPlan:
             lines.append(f"  D2H lead: {self.d2h_lead_buckets} bucket(s)"
                          + (" (each host bucket's hook waits for its own gradient copy)" if not self.d2h_lead_buckets
                             else " in flight past the backward; first CPU tasks in arrival order until the verdict"))
+            lines.append(f"  uploads: issued by {'a thread of their own' if self.upload_thread else 'the CPU worker'}")
         if self.world_size > 1:
             cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"
             lines.append(f"  data parallel: rank {self.rank} of {self.world_size} owns 1/{self.world_size} of every "

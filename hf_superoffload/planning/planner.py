@@ -382,6 +382,8 @@ def make_plan(
         defer_moments=defer,
         defer_master=config.defer_master,
         d2h_lead_buckets=config.d2h_lead_buckets,
+        upload_thread=(config.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
+                       and profile.device_type == "cuda" and host_numel > 0),
     )
 
 

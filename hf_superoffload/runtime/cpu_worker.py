@@ -102,6 +102,11 @@ class CpuWorker:
             self._thread.join(timeout=60)
 
     @property
+    def thread(self) -> threading.Thread:
+        """The thread that runs the tasks (a task can tell whether it runs there)."""
+        return self._thread
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

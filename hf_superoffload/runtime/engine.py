@@ -210,6 +210,10 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         self._gatherer = (CpuWorker(device=self.device, on_error=self._wake_all, name="superoffload-gather")
                           if comm else None)
         self._gather_seq = 0
+        # [Note: upload thread]: the H2D uploads leave the worker's critical path (CUDA, stationary, one process)
+        self._uploader = (CpuWorker(device=self.device, on_error=self._wake_all, name="superoffload-upload")
+                          if plan.upload_thread and comm is None and self._flow is None else None)
+        self._upload_seq = 0
         self._present = [0] * len(self.buckets)
         for p in self.params:
             _ENGINE_OF_PARAM[id(p)] = self
@@ -593,8 +597,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                     "CPU is this slow, or report a bug."
                 )
         self._worker.raise_if_failed()
-        if self._gatherer is not None:
-            self._gatherer.raise_if_failed()
+        for helper in (self._gatherer, self._uploader):
+            if helper is not None:
+                helper.raise_if_failed()
         if for_stream and not b.stream_waited:
             if b.fwd_event is not None:
                 torch.cuda.current_stream(self.device).wait_event(b.fwd_event)
@@ -613,8 +618,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 self._worker.raise_if_failed()
             return  # abort_step undid the failed step in this thread: nothing is in flight or will be uploaded
         self._worker.drain(self.timeout_s)
-        if self._gatherer is not None:
-            self._gatherer.drain(self.timeout_s)
+        for helper in (self._gatherer, self._uploader):  # the worker queued them: drained after it
+            if helper is not None:
+                helper.drain(self.timeout_s)
         for b in self.host_buckets:
             self.wait_bucket(b)
 
@@ -623,6 +629,8 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
     def step(self, max_grad_norm: float | None) -> StepStats:
         """Validate this step's gradients and finish the update. Returns the step's telemetry."""
         self._worker.raise_if_failed()
+        if self._uploader is not None:
+            self._uploader.raise_if_failed()
         ctx = self._ensure_ctx()
         for b in self.buckets:
             if not self._flushed[b.index]:
@@ -776,8 +784,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 self.abort_step()  # e.g. KeyboardInterrupt in backward: back to the state before that step
             elif not self._worker.failed:
                 self._worker.drain(self.timeout_s)  # the last step's buckets are final before the worker stops
-                if self._gatherer is not None and not self._gatherer.failed:
-                    self._gatherer.drain(self.timeout_s)
+                for helper in (self._gatherer, self._uploader):
+                    if helper is not None and not helper.failed:
+                        helper.drain(self.timeout_s)
         finally:
             self._closed = True
             if self._flow is not None:  # the model keeps its final weights on the device
@@ -791,8 +800,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             for h in self._handles:
                 h.remove()
             self._worker.close()
-            if self._gatherer is not None:
-                self._gatherer.close()
+            for helper in (self._gatherer, self._uploader):
+                if helper is not None:
+                    helper.close()
 
     # ------------------------------------------------------------------------------------------------
     # state

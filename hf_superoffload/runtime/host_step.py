@@ -58,6 +58,8 @@ class HostStepMixin:
     _lock: threading.Lock
     _acc: Any
     _worker: Any
+    _uploader: Any
+    _upload_seq: int
 
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
         try:
@@ -143,7 +145,21 @@ class HostStepMixin:
             for start, end in b.gaps:
                 for d, s_ in zip(b.pmv[ctx.dst], b.pmv[ctx.src]):
                     d[start:end].copy_(s_[start:end])
-        self._upload(b, ctx.dst)
+        uploader = self._uploader
+        if uploader is not None and not uploader.failed and threading.current_thread() is self._worker.thread:
+            # [Note: upload thread]: the worker goes on to the next bucket's Adam; FIFO keeps the finishing order
+            self._upload_seq += 1
+            uploader.submit(self._upload_seq, f"upload of {b.describe()}", lambda: self._upload_task(b, ctx.dst))
+        else:
+            self._upload(b, ctx.dst)
+
+    def _upload_task(self, b: HostBucket, copy: int) -> None:
+        """The upload thread's task: a failure leaves a validated step's weights unfinished on the device."""
+        try:
+            self._upload(b, copy)
+        except BaseException:
+            self.consistent = False
+            raise
 
     def _finish_task(self, b: HostBucket, ctx: _StepContext, verdict: Verdict, speculated: bool) -> None:
         with self._lock:
