@@ -80,8 +80,11 @@ class SuperOffloadConfig:
         defer_master: With deferred moment stores and the CPU cast, also leave the fp32 master unstored in the
             verdict-known pass: it writes only the bf16 weights (16 instead of 20 B/param on the critical path)
             and the commit later runs the whole step again from the pre-step state (26 instead of 18 B/param,
-            off the critical path), bit for bit. Pays off when the commits fit in the backward; off by default
-            until measured ([Note: deferred moments]).
+            off the critical path), bit for bit. Pays off only while the commits fit in the worker's idle time
+            (the backward). ``True``: every host bucket; ``False``: none; ``"auto"`` (default, where deferred
+            moments and the CPU cast are on): the engine starts with none and moves the share each step from
+            what it measures, more while the commits finish early, fewer once they spill into the next pass
+            ([Note: adaptive master deferral] in docs/design.md).
         d2h_lead_buckets: How many host buckets' gradient copies may still be in flight when the backward hands
             over the next one (a rate limiter, like FSDP's ``limit_all_gathers``). ``0``: each bucket's hook waits
             for its own copy, so the worker always finds its gradients on the host, but the GPU queue drains at
@@ -112,7 +115,7 @@ class SuperOffloadConfig:
     accumulate_on_host: bool | Literal["auto"] = "auto"
     host_accumulation_dtype: AccumulationDtype = "auto"
     defer_moments: bool | Literal["auto"] = "auto"
-    defer_master: bool = False
+    defer_master: bool | Literal["auto"] = "auto"
     d2h_lead_buckets: int = 0
     upload_thread: bool = True
 
@@ -150,8 +153,8 @@ class SuperOffloadConfig:
             raise bad("host_accumulation_dtype", self.host_accumulation_dtype, "use 'auto', 'fp32' or 'landing'")
         if not (isinstance(self.defer_moments, bool) or self.defer_moments == "auto"):
             raise bad("defer_moments", self.defer_moments, "use True, False or 'auto'")
-        if not isinstance(self.defer_master, bool):
-            raise bad("defer_master", self.defer_master, "use True or False")
+        if not (isinstance(self.defer_master, bool) or self.defer_master == "auto"):
+            raise bad("defer_master", self.defer_master, "use True, False or 'auto'")
         if isinstance(self.d2h_lead_buckets, bool) or not isinstance(self.d2h_lead_buckets, int) or self.d2h_lead_buckets < 0:
             raise bad("d2h_lead_buckets", self.d2h_lead_buckets, "use an integer >= 0 (0: no lead)")
         if not isinstance(self.upload_thread, bool):

@@ -126,7 +126,7 @@ class SuperOffloadPlugin:
     accumulate_on_host: bool | str | None = None
     host_accumulation_dtype: str | None = None
     defer_moments: bool | str | None = None
-    defer_master: bool | None = None
+    defer_master: bool | str | None = None
     d2h_lead_buckets: int | None = None
     upload_thread: bool | None = None
     config_file: str | None = None
@@ -187,7 +187,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     v = value.strip()
     try:
-        if name in ("accumulate_on_host", "defer_moments"):  # true / false / auto
+        if name in ("accumulate_on_host", "defer_moments", "defer_master"):  # true / false / auto
             return "auto" if v.lower() == "auto" else _BOOLS[v.lower()]
         if name in ("gpu_resident_buckets", "cpu_threads"):
             if v.lower() in ("auto", "none", ""):

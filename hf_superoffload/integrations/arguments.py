@@ -41,7 +41,7 @@ PREFIX = "superoffload_"
 # superoffload_ arguments that describe the run (the planner's workload), not a SuperOffloadConfig field
 _RUN_SHAPE_FIELDS = frozenset({"superoffload_max_seq_len"})
 # SuperOffloadConfig fields that take True, False or "auto" (strings on the command line)
-_TRI_STATE_FIELDS = ("accumulate_on_host", "defer_moments")
+_TRI_STATE_FIELDS = ("accumulate_on_host", "defer_moments", "defer_master")
 
 # True while SuperOffloadTrainer.__init__ runs Trainer.__init__: a plain Trainer given these args is refused.
 _IN_SUPEROFFLOAD_TRAINER: ContextVar[bool] = ContextVar("hf_superoffload_in_trainer", default=False)
@@ -179,10 +179,11 @@ class SuperOffloadArguments(TrainingArguments):
                        "speculation, clipping certain, a redo) writes p and the bf16 weights only and stores the Adam "
                        "moments later, off the critical path (+2 B/param pinned host RAM); 'auto': the planner "
                        "decides."))
-    superoffload_defer_master: bool = field(
-        default=_D.defer_master,
-        metadata=_help("SuperOffload: with deferred moment stores and the CPU cast, the verdict-known CPU pass writes "
-                       "the bf16 weights only and the fp32 master is stored later too (off by default)."))
+    superoffload_defer_master: str = field(
+        default=str(_D.defer_master),
+        metadata=_help("SuperOffload: 'auto', 'true' or 'false': with deferred moment stores and the CPU cast, a "
+                       "verdict-known CPU pass writes the bf16 weights only and the fp32 master is stored later too; "
+                       "'auto': for as many host buckets as the engine measures the later stores to fit."))
     superoffload_d2h_lead_buckets: int = field(
         default=_D.d2h_lead_buckets,
         metadata=_help("SuperOffload: how many host buckets' gradient copies the backward may run ahead of (0: each "

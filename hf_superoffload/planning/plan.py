@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["BucketSpec", "CastSide", "HostAccumulation", "OffloadPlan", "Placement", "Rollback", "WeightMode"]
+__all__ = ["BucketSpec", "CastSide", "HostAccumulation", "MasterDeferral", "OffloadPlan", "Placement", "Rollback",
+           "WeightMode"]
 
 
 class Placement(enum.Enum):
@@ -36,6 +37,17 @@ class Rollback(enum.Enum):
     """Two copies of the host state; a step reads one and writes the other: bit-exact, free undo, +12 B/param."""
     INVERSE = "inverse"
     """Algebraic inverse of AdamW: no extra memory, fp32-rounding-exact undo."""
+
+
+class MasterDeferral(enum.Enum):
+    """Which verdict-known host passes leave the fp32 master to the commit ([Note: adaptive master deferral])."""
+
+    OFF = "off"
+    """Every pass stores p (20 B/param critical, 18 B/param commit)."""
+    ALL = "all"
+    """Every pass writes the bf16 weights only (16 B/param critical, 26 B/param commit)."""
+    ADAPTIVE = "adaptive"
+    """The runtime moves the split step by step so that the commits just fit the worker's idle time."""
 
 
 class HostAccumulation(enum.Enum):
@@ -107,8 +119,9 @@ class OffloadPlan:
         host_accumulation: where gradient accumulation sums the host buckets' gradients.
         defer_moments: a host bucket stepped with the verdict known stores its moments later, off the critical
             path; the landing arena is doubled ([Note: deferred moments] in docs/design.md).
-        defer_master: with ``defer_moments`` (and the CPU cast) the commit stores the fp32 master too; the
-            verdict-known pass writes the bf16 weights only.
+        defer_master: with ``defer_moments`` (and the CPU cast), which verdict-known passes write the bf16
+            weights only and leave the fp32 master to the commit: none, all, or an adaptive share of the host
+            buckets ([Note: adaptive master deferral] in docs/design.md).
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
         upload_thread: the H2D weight uploads are issued by a thread of their own, not the CPU worker ([Note:
             upload thread]; the engine uses it on CUDA with stationary weights in a single process).
@@ -130,7 +143,7 @@ class OffloadPlan:
     cpu_affinity: tuple[int, ...] | None = None
     host_accumulation: HostAccumulation = HostAccumulation.OFF
     defer_moments: bool = False
-    defer_master: bool = False
+    defer_master: MasterDeferral = MasterDeferral.OFF
     d2h_lead_buckets: int = 0
     upload_thread: bool = False
 
@@ -179,7 +192,7 @@ class OffloadPlan:
             f"pinned: {self.pin_memory}",
             f"  gradient accumulation: {_ACCUM_SUMMARY[self.host_accumulation]}",
             f"  deferred moment stores: {'on (second landing arena)' if self.defer_moments else 'off'}"
-            f"{'; master weights too' if self.defer_master else ''}",
+            f"{_MASTER_SUMMARY[self.defer_master] if self.defer_moments else ''}",
         ]
         if self.host_buckets:
             lines.append(f"  D2H lead: {self.d2h_lead_buckets} bucket(s)"
@@ -193,6 +206,12 @@ class OffloadPlan:
         lines += [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
 
+
+_MASTER_SUMMARY = {
+    MasterDeferral.OFF: "",
+    MasterDeferral.ALL: "; master weights too",
+    MasterDeferral.ADAPTIVE: "; master weights too for an adaptive share of the buckets",
+}
 
 _ACCUM_SUMMARY = {
     HostAccumulation.OFF: "on the device (param.grad)",

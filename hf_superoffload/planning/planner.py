@@ -14,6 +14,7 @@ from .plan import (
     BucketSpec,
     CastSide,
     HostAccumulation,
+    MasterDeferral,
     OffloadPlan,
     Placement,
     Rollback,
@@ -351,18 +352,9 @@ def make_plan(
         base += 12 * host_numel
     defer, defer_note = _defer_moments(config, weight_mode, accumulation, world_size, host_numel, base, room)
     notes.append(defer_note)
-    if config.defer_master and not (defer and cast_side is CastSide.CPU):
-        raise PlanError("defer_master=True needs deferred moment stores (defer_moments on) and the CPU cast "
-                        f"(cast_side='cpu'); this plan has defer_moments={defer}, cast_side={cast_side.value!r}: set "
-                        "them, or defer_master=False")
-    if config.defer_master:
-        notes.append("deferred master stores: on (configured): the verdict-known pass writes the bf16 weights only "
-                     "(16 B/param), the commit stores p, m, v (26 B/param)")
-    elif defer and cast_side is CastSide.CPU and host_numel and not device_numel:
-        notes.append("hint: every optimizer state is on the host, so the CPU pass is the step's critical path; "
-                     "defer_master=True with d2h_lead_buckets=4 moves 4 more B/param into idle-time commits (measured "
-                     "in docs/benchmarks.md); it helps when the GPU's forward and backward outlast those 26 B/param "
-                     "commits, so measure it on your workload")
+    master, master_note = _defer_master(config, defer, cast_side)
+    if master_note:
+        notes.append(master_note)
 
     return OffloadPlan(
         buckets=tuple(buckets),
@@ -380,11 +372,28 @@ def make_plan(
         cpu_affinity=affinity,
         host_accumulation=accumulation,
         defer_moments=defer,
-        defer_master=config.defer_master,
+        defer_master=master,
         d2h_lead_buckets=config.d2h_lead_buckets,
         upload_thread=(config.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )
+
+
+def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide) -> tuple[MasterDeferral, str]:
+    """[Note: adaptive master deferral]: whether verdict-known passes may leave the fp32 master to the commit."""
+    usable = defer and cast_side is CastSide.CPU
+    if config.defer_master is True:
+        if not usable:
+            raise PlanError("defer_master=True needs deferred moment stores (defer_moments on) and the CPU cast "
+                            f"(cast_side='cpu'); this plan has defer_moments={defer}, cast_side={cast_side.value!r}: "
+                            "set them, or defer_master='auto' / False")
+        return MasterDeferral.ALL, ("deferred master stores: every host bucket (configured): the verdict-known pass "
+                                    "writes the bf16 weights only (16 B/param), the commit stores p, m, v (26 B/param)")
+    if config.defer_master == "auto" and usable:
+        return MasterDeferral.ADAPTIVE, ("deferred master stores: adaptive (auto): each step the engine gives the "
+                                         "16 B/param pass to as many host buckets as the idle-time commits (26 "
+                                         "instead of 18 B/param) measured to fit, starting from none")
+    return MasterDeferral.OFF, ""
 
 
 def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, accumulation: HostAccumulation,

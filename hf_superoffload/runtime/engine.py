@@ -38,7 +38,15 @@ from typing import Any
 import torch
 
 from .. import ops
-from ..planning.plan import CastSide, HostAccumulation, OffloadPlan, Placement, Rollback, WeightMode
+from ..planning.plan import (
+    CastSide,
+    HostAccumulation,
+    MasterDeferral,
+    OffloadPlan,
+    Placement,
+    Rollback,
+    WeightMode,
+)
 from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
 from .accumulation import HostAccumulator
 from .bucket import BucketState, DeviceBucket, HostBucket
@@ -46,6 +54,7 @@ from .collectives import ShardGroup
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
 from .host_step import HostStepMixin, _StepContext
+from .master_deferral import COMMIT_BYTES, DeferralObservation, next_share
 from .sharding import DataParallelMixin, _add_stats_
 from .streams import Handoff, StreamSet
 from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
@@ -82,6 +91,9 @@ class StepStats:
     """Host buckets stepped before validation."""
     wasted_buckets: int = 0
     """Speculated buckets that had to be undone (redo or skip)."""
+    master_deferred_buckets: int = 0
+    """Host buckets whose verdict-known pass of this step left the fp32 master to the commit ([Note: adaptive
+    master deferral])."""
 
     @property
     def overlap(self) -> float:
@@ -97,6 +109,7 @@ class StepStats:
             f"{prefix}link_gb": round((self.d2h_bytes + self.h2d_bytes) / 1e9, 6),
             f"{prefix}clip_coef": round(self.clip_coef, 6),
             f"{prefix}speculative": float(self.speculative),
+            f"{prefix}master_deferred_buckets": float(self.master_deferred_buckets),
         }
 
 
@@ -178,18 +191,27 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         if plan.defer_moments and (comm is not None or plan.host_accumulation is not HostAccumulation.OFF):
             raise ValueError("deferred moment stores are single-process and without host accumulation (the planner "
                              "turns them off otherwise); build the plan with make_plan")
-        if plan.defer_master and not (plan.defer_moments and plan.cast_side is CastSide.CPU):
+        if plan.defer_master is not MasterDeferral.OFF and not (plan.defer_moments and plan.cast_side is CastSide.CPU):
             raise ValueError("deferred master stores need deferred moment stores and the CPU cast (the GPU cast "
                              "uploads the master itself); build the plan with make_plan")
         self._defer = plan.defer_moments
         """[Note: deferred moments]: a verdict-known CPU pass leaves m/v unstored; they are stored later."""
-        self._defer_master = plan.defer_master
-        """... and the fp32 master too (the pass writes the bf16 weights only; the commit re-runs the step)."""
+        self._master_mode = plan.defer_master
+        """... and the fp32 master too for the first ``_master_count`` host buckets (the pass writes the bf16 weights
+        only; the commit re-runs the step): all, none, or a share moved each step ([Note: adaptive master
+        deferral])."""
         self.commit_when_idle = True
         """[Note: deferred moments]: after a step's pass the worker stores the moments whenever it has nothing more
         urgent (lowest priority, in the next backward's arrival order). ``False``: only at the bucket's next CPU
         task or a reader's request (white-box tests of the pending path use it)."""
         self._build_buckets()
+        self._master_count = len(self.host_buckets) if self._master_mode is MasterDeferral.ALL else 0
+        self._master_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
+        self._commit_clock = [0.0, 0.0]
+        """Seconds and bytes of commit work since the last verdict (under the lock): the measured commit rate."""
+        self._commit_rate = 0.0
+        self._commits_done_at: float | None = None
+        """When the last idle-commit chain finished (None: still running, or it committed nothing)."""
         self._install_hooks(modules)
         self._flow: WeightStreamer | None = None
         if self.plan.weight_mode is WeightMode.FLOW:
@@ -561,6 +583,30 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         while len(self._d2h_in_flight) > self.plan.d2h_lead_buckets:
             self._d2h_in_flight.popleft().wait_host()
 
+    def _adapt_master_share(self) -> None:
+        """[Note: adaptive master deferral]: move the share of master-deferring buckets before this step's pass,
+        from the commit work still pending now and how early the last commits finished."""
+        now = time.perf_counter()
+        pending_bytes = 0.0
+        for b in self.host_buckets:
+            c = b.pending  # read without the commit lock: an estimate (the worker may be storing it right now)
+            if c is not None:
+                pending_bytes += b.spec.shard * COMMIT_BYTES[c.master is not None]
+        with self._lock:
+            seconds, nbytes = self._commit_clock
+            self._commit_clock = [0.0, 0.0]
+            done_at = self._commits_done_at
+        if nbytes > 0:
+            self._commit_rate = seconds / nbytes
+        # slack counts only after commits that did something (a speculative step's empty chain says nothing)
+        slack = now - done_at if (done_at is not None and nbytes > 0 and not pending_bytes) else 0.0
+        self._master_count = next_share([b.spec.shard for b in self.host_buckets], self._master_count,
+                                        DeferralObservation(pending_bytes, slack, self._commit_rate))
+
+    def defers_master(self, b: HostBucket) -> bool:
+        """Whether ``b``'s verdict-known pass of this step leaves the fp32 master to the commit."""
+        return self._defer and self._master_rank[b.index] < self._master_count
+
     def _wake_all(self) -> None:
         if self._accum is not None:
             self._accum.wake_all()
@@ -659,6 +705,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             self._worker.raise_if_failed()
             raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
         pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
+        if (self._master_mode is MasterDeferral.ADAPTIVE and verdict.kind is not StepVerdict.SKIP
+                and any(states[b.index] is BucketState.DEFERRED for b in pending)):
+            self._adapt_master_share()
         self._d2h_in_flight.clear()  # the backward is over: nothing left to hold back (the worker waits per copy)
         if self.plan.d2h_lead_buckets:  # first tasks still waiting: the next forward's need order from now on
             self._worker.reprioritize(lambda b: self._need_order(b) if isinstance(b, HostBucket) else None)

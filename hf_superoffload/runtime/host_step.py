@@ -21,6 +21,7 @@ from .. import ops
 from ..triton_kernels import scatter_flat_
 from .bucket import HostBucket, MomentCommit
 from .cpu_worker import WorkerError
+from .master_deferral import COMMIT_BYTES
 from .validation import Hyper, StepVerdict, Verdict
 
 __all__ = ["HostStepMixin"]
@@ -58,6 +59,9 @@ class HostStepMixin:
     _lock: threading.Lock
     _acc: Any
     _worker: Any
+    _commit_clock: list[float]
+    _commits_done_at: float | None
+    defers_master: Any
     _uploader: Any
     _upload_seq: int
 
@@ -129,11 +133,15 @@ class HostStepMixin:
                 self._undo(b, ctx)
             # the verdict is known: with deferred moments this pass stores p and the bf16 weights only (with
             # deferred master stores the bf16 weights only)
+            late_master = self.defers_master(b)
             self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments=not self._defer,
-                           store_master=not self._defer_master)
+                           store_master=not late_master)
+            if late_master:
+                with self._lock:
+                    self._acc.master_deferred_buckets += 1
             if self._defer and b.runs:
                 master = None
-                if self._defer_master:
+                if late_master:
                     master = tuple((verdict.hyper[r.group][0], *verdict.hyper[r.group][3:5]) for r in b.runs)
                 record = MomentCommit(runs=b.runs, betas=tuple(verdict.hyper[r.group][1:3] for r in b.runs),
                                       grad_scale=verdict.grad_scale, src=ctx.src, dst=ctx.dst, grad=b.grad,
@@ -227,8 +235,11 @@ class HostStepMixin:
                     self.consistent = False
                 raise
             b.pending = None
+        seconds = time.perf_counter() - t0
         with self._lock:
-            self._acc.commit_s += time.perf_counter() - t0
+            self._acc.commit_s += seconds
+            self._commit_clock[0] += seconds
+            self._commit_clock[1] += b.spec.shard * COMMIT_BYTES[c.master is not None]
 
     def _queue_idle_commits(self, k: int = 0) -> None:
         """Store the pending moments of host buckets ``k``, ``k + 1``, ... one task at a time, at the lowest worker
@@ -239,9 +250,15 @@ class HostStepMixin:
         if k >= len(buckets):
             return
         b = buckets[k]
+        if k == 0:
+            with self._lock:
+                self._commits_done_at = None
 
         def task() -> None:
             self._commit_moments(b)
+            if k + 1 == len(buckets):
+                with self._lock:  # [Note: adaptive master deferral]: the slack before the next verdict
+                    self._commits_done_at = time.perf_counter()
             self._queue_idle_commits(k + 1)
 
         with contextlib.suppress(WorkerError):

@@ -20,10 +20,12 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload import ops as ops_module
+from hf_superoffload.planning.plan import MasterDeferral
 from hf_superoffload.runtime.cpu_worker import WorkerError
 from hf_superoffload.testing import ReferenceAdamW, tiny_llama
 
 LR = 1e-3
+MODES = {False: MasterDeferral.OFF, True: MasterDeferral.ALL, "auto": MasterDeferral.ADAPTIVE}
 BASE = dict(bucket_size_mb=0.004, gpu_resident_buckets=2, worker_timeout_s=60)
 
 
@@ -135,9 +137,9 @@ def always(norm: float | None) -> Callable[[int], float | None]:
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 @pytest.mark.parametrize("schedule", ["speculation_off", "clip_every_step"])
 @pytest.mark.parametrize("commit", ["when_idle", "next_task"])
-@pytest.mark.parametrize("master", [False, True], ids=["moments", "moments_and_master"])
+@pytest.mark.parametrize("master", [False, True, "auto"], ids=["moments", "moments_and_master", "adaptive"])
 def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str, schedule: str, commit: str,
-                                                                   master: bool) -> None:
+                                                                   master: bool | str) -> None:
     """Two param groups, a frozen parameter and one without gradient every third step. ``master``: the pass writes
     the bf16 weights only and the commit stores p too (deferred master stores)."""
     spec = schedule != "speculation_off"
@@ -148,7 +150,7 @@ def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str
     eager = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=False), clip=clip)
     ref = Run(None, clip=clip)
     assert lazy.opt.plan.defer_moments and not eager.opt.plan.defer_moments
-    assert lazy.opt.plan.defer_master is master
+    assert lazy.opt.plan.defer_master is MODES[master]
     assert len(lazy.opt.engine._arenas["landing1"].tensor) == lazy.opt.plan.host_numel
     pending_seen, commit_s = 0, 0.0
     for ids in data:
@@ -171,8 +173,8 @@ def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str
 
 
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
-@pytest.mark.parametrize("master", [False, True], ids=["moments", "moments_and_master"])
-def test_speculative_commits_redos_and_deferred_steps_mixed(rollback: str, master: bool) -> None:
+@pytest.mark.parametrize("master", [False, True, "auto"], ids=["moments", "moments_and_master", "adaptive"])
+def test_speculative_commits_redos_and_deferred_steps_mixed(rollback: str, master: bool | str) -> None:
     """Clipping fires on some steps only (certain early, or decided late after speculation: a redo after an undo
     steps with deferred moments) and never on others (speculation commits, moments stored in the pass). Double
     buffer: bitwise the run without deferred moments."""
@@ -318,7 +320,7 @@ def assert_kept_after_a_failed_commit(lazy: Run, eager: Run, rollback: str) -> N
 def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsistent_in_place(rollback: str,
                                                                                           monkeypatch) -> None:
     data = batches(3)
-    config = cfg(rollback=rollback, speculation=False, defer_moments=True, worker_timeout_s=30)
+    config = cfg(rollback=rollback, speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False, commit_when_idle=False)
     eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
     lazy.train(data[:2])
@@ -344,7 +346,7 @@ def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(rollback: 
     interaction; double buffer: the record survives and a reader stores it (state bitwise the eager run's);
     in place: the state is marked inconsistent and is never checkpointed."""
     data = batches(3)
-    config = cfg(rollback=rollback, speculation=False, defer_moments=True, worker_timeout_s=30)
+    config = cfg(rollback=rollback, speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False)
     eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
     lazy.train(data[:1])

@@ -7,7 +7,7 @@ import pytest
 from hf_superoffload import SuperOffloadConfig
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import ENGINE_HOST_BYTES_PER_PARAM, PlanLike, estimate
-from hf_superoffload.planning.plan import HostAccumulation, Rollback, WeightMode
+from hf_superoffload.planning.plan import HostAccumulation, MasterDeferral, Rollback, WeightMode
 from hf_superoffload.planning.planner import _HOST_HEADROOM_BYTES, PlanError, make_plan
 
 GiB = 1024**3
@@ -107,15 +107,25 @@ def test_plugin_and_trainer_arguments_parse_it(monkeypatch):
 
 def test_defer_master_needs_deferred_moments_and_the_cpu_cast():
     on = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="cpu"))
-    assert on.defer_moments and on.defer_master and "master weights too" in on.summary()
+    assert on.defer_moments and on.defer_master is MasterDeferral.ALL and "master weights too" in on.summary()
     assert on.host_bytes() == plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="cpu")).host_bytes()
-    assert not plan().defer_master  # off unless asked for
+    off = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=False, cast_side="cpu"))
+    assert off.defer_master is MasterDeferral.OFF and "master weights" not in off.summary()
     with pytest.raises(PlanError, match="defer_master=True needs deferred moment stores"):
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, defer_moments=False))
     with pytest.raises(PlanError, match="cast_side='cpu'"):
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="gpu"))
-    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*True or False"):
+    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*True, False or 'auto'"):
         SuperOffloadConfig(defer_master="yes")
+
+
+def test_defer_master_auto_is_adaptive_where_it_can_work_and_off_elsewhere():
+    auto = plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="cpu"))  # the default is "auto"
+    assert auto.defer_master is MasterDeferral.ADAPTIVE and "adaptive share" in auto.summary()
+    assert any("deferred master stores: adaptive" in n for n in auto.notes)
+    # no deferred moments or the GPU cast: nothing to adapt, and no error (unlike an explicit True)
+    assert plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=False)).defer_master is MasterDeferral.OFF
+    assert plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="gpu")).defer_master is MasterDeferral.OFF
 
 
 def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
