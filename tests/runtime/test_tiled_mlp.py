@@ -295,7 +295,8 @@ def _assert_same_training(a, b, *, loss_tol: float, weight_tol: float) -> None:
     (la, wa, _), (lb, wb, _) = a, b
     for k, (x, y) in enumerate(zip(la, lb, strict=True)):
         assert math.isclose(x, y, rel_tol=loss_tol, abs_tol=loss_tol), f"step {k}: {x} vs {y}"
-    worst = max(float((wa[n] - wb[n]).abs().max()) for n in wa)
+    # host masters are CPU tensors, GPU-resident ones and the reference's CUDA tensors: compare on the CPU
+    worst = max(float((wa[n].cpu() - wb[n].cpu()).abs().max()) for n in wa)
     assert worst < weight_tol, worst
 
 
