@@ -127,7 +127,7 @@ class SuperOffloadPlugin:
     host_accumulation_dtype: str | None = None
     defer_moments: bool | str | None = None
     defer_master: bool | str | None = None
-    d2h_lead_buckets: int | None = None
+    d2h_lead_buckets: int | str | None = None
     upload_thread: bool | None = None
     config_file: str | None = None
 
@@ -189,6 +189,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
     try:
         if name in ("accumulate_on_host", "defer_moments", "defer_master"):  # true / false / auto
             return "auto" if v.lower() == "auto" else _BOOLS[v.lower()]
+        if name == "d2h_lead_buckets":
+            return "auto" if v.lower() == "auto" else int(v)
         if name in ("gpu_resident_buckets", "cpu_threads"):
             if v.lower() in ("auto", "none", ""):
                 return "auto" if name == "gpu_resident_buckets" else None

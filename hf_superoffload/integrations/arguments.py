@@ -184,10 +184,11 @@ class SuperOffloadArguments(TrainingArguments):
         metadata=_help("SuperOffload: 'auto', 'true' or 'false': with deferred moment stores and the CPU cast, a "
                        "verdict-known CPU pass writes the bf16 weights only and the fp32 master is stored later too; "
                        "'auto': for as many host buckets as the engine measures the later stores to fit."))
-    superoffload_d2h_lead_buckets: int = field(
-        default=_D.d2h_lead_buckets,
+    superoffload_d2h_lead_buckets: str = field(
+        default=str(_D.d2h_lead_buckets),
         metadata=_help("SuperOffload: how many host buckets' gradient copies the backward may run ahead of (0: each "
-                       "bucket's hook waits for its own copy); see [Note: D2H lead] in docs/design.md."))
+                       "bucket's hook waits for its own copy; 'auto': 4 when the host holds most of the optimizer "
+                       "state, else 0); see [Note: D2H lead] in docs/design.md."))
     superoffload_upload_thread: bool = field(
         default=_D.upload_thread,
         metadata=_help("SuperOffload: issue the host buckets' weight uploads from a thread of their own so the CPU "
@@ -304,6 +305,14 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
             raise ValueError(f"SuperOffloadArguments.superoffload_gpu_resident_buckets={resident!r} is invalid: "
                              "use 'auto' or an integer >= 0") from None
     kw["gpu_resident_buckets"] = resident
+    lead = str(kw["d2h_lead_buckets"]).strip().lower()
+    if lead != "auto":
+        try:
+            lead = int(lead)
+        except ValueError:
+            raise ValueError(f"SuperOffloadArguments.superoffload_d2h_lead_buckets={kw['d2h_lead_buckets']!r} is "
+                             "invalid: use 'auto' or an integer >= 0") from None
+    kw["d2h_lead_buckets"] = lead
     for name in _TRI_STATE_FIELDS:  # 'auto' / 'true' / 'false' -> "auto" / True / False
         value = str(kw[name]).lower()
         if value not in ("auto", "true", "false"):

@@ -21,7 +21,11 @@ from .plan import (
     WeightMode,
 )
 
-__all__ = ["PlanError", "Workload", "make_plan", "partition_buckets", "split_cores"]
+__all__ = ["AUTO_D2H_LEAD", "PlanError", "Workload", "d2h_lead", "make_plan", "partition_buckets", "split_cores"]
+
+AUTO_D2H_LEAD = 4
+"""``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state (measured: benchmarks/NOTES.md,
+session 7)."""
 
 # Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
 _HOST_HEADROOM_BYTES = 2 * 1024**3
@@ -140,9 +144,18 @@ def _cast_side(config: SuperOffloadConfig, profile: HardwareProfile) -> tuple[Ca
     return CastSide.CPU, f"casts fused into the CPU Adam; bf16 crosses {shown} link both ways (auto)"
 
 
+def d2h_lead(config: SuperOffloadConfig, host_numel: int, device_numel: int) -> int:
+    """[Note: D2H lead]: the configured lead, or for ``"auto"`` 4 when the host holds most of the optimizer state
+    (its CPU pass is then the critical path and the backward should not drain at every host bucket) and 0 when the
+    GPU holds most of it (the default plans measured with 0)."""
+    if config.d2h_lead_buckets != "auto":
+        return int(config.d2h_lead_buckets)
+    return AUTO_D2H_LEAD if host_numel > device_numel else 0
+
+
 def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_tail: int, workload: Workload,
                              profile: HardwareProfile, world_size: int, weight_mode: WeightMode,
-                             bucket_bytes: int) -> int:
+                             bucket_bytes: int, config: SuperOffloadConfig) -> int:
     """The largest device tail (at most ``n_tail`` buckets) with which the memory model says the workload fits the
     free device memory, less ``_DEVICE_MARGIN`` (the model's own slack covers the allocator; the margin covers
     its calibration error, within +-4% of measured peaks for stationary weights)."""
@@ -157,7 +170,8 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
     def fits(k: int) -> bool:
         tail = sum(shards[len(shards) - k :]) if k else 0
         plan_like = PlanLike(device_numel=tail, host_numel=total - tail, bucket_bytes=bucket_bytes,
-                             weight_mode="flow" if weight_mode is WeightMode.FLOW else "stationary")
+                             weight_mode="flow" if weight_mode is WeightMode.FLOW else "stationary",
+                             d2h_lead_buckets=d2h_lead(config, total - tail, tail))
         est = estimate(workload.model, plan_like=plan_like, **workload.estimate_kwargs())
         return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
 
@@ -262,7 +276,7 @@ def make_plan(
             # the memory model knows the activations: the tail takes every byte they leave (a bucket on the device
             # is one the CPU need not step and the next forward need not wait for); everything, when it all fits
             n_tail = _fit_tail_to_activations(groups, numels, len(groups), workload, profile, world_size,
-                                              weight_mode, largest)
+                                              weight_mode, largest, config)
             covered = sum(sum(numels[i] for i in g) for g in groups[len(groups) - n_tail :]) if n_tail else 0
             sp_note = (f", {workload.sequence_parallel} ranks per sequence" if workload.sequence_parallel > 1 else "")
             sp_note += f", MLP tiles of {workload.mlp_tile_tokens} tokens" if workload.mlp_tile_tokens else ""
@@ -373,7 +387,7 @@ def make_plan(
         host_accumulation=accumulation,
         defer_moments=defer,
         defer_master=master,
-        d2h_lead_buckets=config.d2h_lead_buckets,
+        d2h_lead_buckets=d2h_lead(config, host_numel, device_numel),
         upload_thread=(config.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )
