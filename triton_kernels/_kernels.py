@@ -732,6 +732,8 @@ def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic
     return meta
 
 
+# A launch of fewer elements than this sums its per-program non-finite counts in int32 in the wide epilogue.
+_CNT32_LIMIT = 2**31
 # NOTE: the wide epilogue's widest chunk: 2048 partials = 16 fp32 + 16 int32 values per thread on 4 warps, one
 # round trip for a grid of up to 2048 programs (132 SMs x 8-12 programs fit; larger grids loop).
 _EPI_MAX = 2048
@@ -743,7 +745,7 @@ def _epilogue_meta(meta: dict[str, Any], grid: int, total: int) -> dict[str, Any
     if not meta.get("EPI_W"):
         return meta
     width = min(_EPI_MAX, max(16, triton.next_power_of_2(grid)))
-    return {**meta, "EPI_W": width, "EPI_CNT64": total >= 2**31}
+    return {**meta, "EPI_W": width, "EPI_CNT64": total >= _CNT32_LIMIT}
 
 
 def _scalar_rows(cfg: RowsConfig, dst_kind: int) -> int:
