@@ -400,6 +400,7 @@ class _KernelChecks:
         host[1][5] = float("inf")
         host[2][0], host[2][BIG // 2] = float("nan"), float("-inf")
         host[2][BIG - 1], host[3][7] = 3.0e38, float("inf")
+        host[2][1000:1100] = float("nan")  # one program counts 100
         grads = [self.t(g) for g in host]
         with _configs.forced(flatten=cfg):
             out = self.t(torch.full((sum(sizes),), 7.0, dtype=torch.bfloat16))
@@ -411,10 +412,11 @@ class _KernelChecks:
             nan = exp.isnan()
             assert torch.equal(out.isnan(), nan)
             assert torch.equal(out.view(torch.int16)[~nan], exp.view(torch.int16)[~nan])
-            # 3.0e38 stays finite in bf16 (its square does not in fp32): 4 counted + the start value 2
-            assert stats[1].item() == exp_stats[1].item() == 2 + 4 and torch.isnan(stats[0])
+            # 3.0e38 stays finite in bf16 (its square does not in fp32): 104 counted + the start value 2
+            assert stats[1].item() == exp_stats[1].item() == 2 + 104 and torch.isnan(stats[0])
             # finite values only: the sum against float64, bitwise the same on a second call
             host[1][5] = host[2][0] = host[2][BIG // 2] = host[2][BIG - 1] = host[3][7] = 1.5
+            host[2][1000:1100] = -0.25
             grads = [self.t(g) for g in host]
             runs = []
             for _ in range(2):
