@@ -75,10 +75,10 @@ SMALL_VARIANTS = [
     _configs.RowsConfig(0, 256, 2, 8, kernel=2, stream=True, min_per_program=2048),
 ]
 K2_CONFIGS += [c for c in SMALL_VARIANTS if c.kernel == 2]
-# One of each fixed-cost variant on large tiles, for the 2**20 + 3 flatten, with its source dtype: several
-# pieces per program (16 programs under the interpreter), a grid of 4 capped by min_per_program.
+# The fixed-cost variants on large tiles, for the 2**20 + 3 flatten, with a source dtype: kernel 1 with
+# several pieces per program (16 programs under the interpreter), kernel 2 on a grid of 4 capped by
+# min_per_program, each program with several pieces.
 BIG_VARIANTS = [
-    (_configs.RowsConfig(0, 4096, 4, 8, kernel=2, packed=True, epilogue="wide", stream=True), torch.bfloat16),
     (_configs.RowsConfig(0, 4096, 4, 8, epilogue="wide", stream=True, interleave=8192), torch.float32),
     (
         _configs.RowsConfig(
