@@ -23,9 +23,11 @@ statistics on the packed bits. docs/triton_kernels.md has the reasoning.
 Aimed at the fixed costs and the memory system (issue #4's last item; docs/triton_kernels.md, "Fixed costs"):
 
 * ``epilogue``: how the last-ticket program adds the partials (ONE_PASS): ``"loop"`` in chunks as wide as
-  the tile's accumulator (several dependent L2 round trips for ~1000 partials); ``"wide"`` all at once, one
-  vector of the next power of two >= the grid (at most 4096; more partials loop), with ``stats`` loaded
-  alongside. Either order is fixed: deterministic.
+  the tile's accumulator (5 serial L2 round trips for ~1000 partials at kernel 2's b2048); ``"wide"`` in
+  chunks of up to 128 per warp (as many as fit without costing registers: 3 round trips) with ``stats``
+  loaded first; ``"tree"``: groups of 32 programs, each with its own ticket, the last of a group adds its
+  group, the last group's finisher the ~33 group sums (two short round trips, and 32 atomics per address
+  instead of ~1000 on one). Every order is fixed: deterministic.
 * ``stream``: cache hints on the streaming tile loads / stores (``evict_first`` loads, ``.cs`` stores):
   the data is touched once, so it should not displace what stays in L2.
 * ``min_per_program``: a persistent grid gets at most ``ceil(elements / min_per_program)`` programs (0: a
@@ -64,7 +66,7 @@ __all__ = [
 # bit copy) and the stochastic-rounding scatter (ALU-heavier: a hash per element).
 FAMILIES = ("flatten", "scatter", "scatter_sr")
 # RowsConfig.epilogue values
-EPILOGUES = ("loop", "wide")
+EPILOGUES = ("loop", "wide", "tree")
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,10 @@ class RowsConfig:
     def tag(self) -> str:
         """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
         kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``; then ``/ew`` (wide
-        epilogue), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave)."""
+        epilogue; ``/et`` tree), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave)."""
         grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
         k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
-        extra = "/ew" if self.epilogue == "wide" else ""
+        extra = {"loop": "", "wide": "/ew", "tree": "/et"}[self.epilogue]
         extra += "/s" if self.stream else ""
         extra += f"/m{_k(self.min_per_program)}" if self.min_per_program else ""
         extra += f"/i{_k(self.interleave)}" if self.interleave else ""
@@ -286,10 +288,12 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 2048, 4, 8, kernel=2),
             RowsConfig(0, 2048, 4, 8, **k2w),
             RowsConfig(0, 4096, 4, 4, **k2w),
-            # the last-ticket reduction in one round trip
+            # the last-ticket reduction in fewer round trips: wide chunks, or a two-level tree
             RowsConfig(0, 2048, 4, 8, epilogue="wide", **k2w),
-            RowsConfig(0, 4096, 4, 4, epilogue="wide", **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="wide"),
+            RowsConfig(0, 2048, 4, 8, epilogue="tree", **k2w),
+            RowsConfig(0, 4096, 4, 4, epilogue="tree", **k2w),
+            RowsConfig(0, 1024, 4, 8, epilogue="tree"),
             # fewer, longer programs on small buckets (16 MB: 512 programs instead of ~1056)
             RowsConfig(0, 2048, 4, 8, epilogue="wide", min_per_program=16384, **k2w),
             # 8 vectors of 16 bytes per thread in flight per iteration (b4096: 4)

@@ -252,7 +252,8 @@ def _copy_tiles(
     """Whole tiles ``[0, stop)`` without masks; returns the updated stats accumulators."""
     for start in range(0, stop, BLOCK):
         offs = start + lane
-        y = _convert(_sload(src + offs, None, False, STREAM), ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+        x = _sload(src + offs, None, False, STREAM)
+        y = _convert(x, ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
         _sstore(dst + offs, y, None, False, STREAM)
         if STATS:
             v = _to_f32(y, DST_KIND)
@@ -271,57 +272,94 @@ def _next_row(table_ptr, r, hi):
 
 
 @triton.jit
+def _sum_parts(sq_ptr, bad_ptr, n, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr):
+    """``(sum of sq_ptr[:n], sum of bad_ptr[:n])`` in ``EPI_W``-wide chunks (a fixed order); the counts in
+    int64 when EPI_CNT64, else int32."""
+    lane = tl.arange(0, EPI_W)
+    tot_sq = tl.zeros([EPI_W], dtype=tl.float32)
+    if EPI_CNT64:
+        tot_bad = tl.zeros([EPI_W], dtype=tl.int64)
+    else:
+        tot_bad = tl.zeros([EPI_W], dtype=tl.int32)
+    for start in range(0, n, EPI_W):
+        offs = start + lane
+        m = offs < n
+        tot_sq += tl.load(sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+        b = tl.load(bad_ptr + offs, mask=m, other=0, cache_modifier=".cg")
+        if EPI_CNT64:
+            tot_bad += b.to(tl.int64)
+        else:
+            tot_bad += b
+    return tl.sum(tot_sq, axis=0), tl.sum(tot_bad, axis=0)
+
+
+@triton.jit
 def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                   ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr):
+                   ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr,
+                   EPI_G: tl.constexpr):
     """A rows program's statistics: its partial sums into the partials buffer; with ONE_PASS the program that
     draws the last ticket adds every partial (in a fixed order) to ``stats`` and resets the counter for the
-    next launch on this stream.
+    next launch on this stream (``RowsConfig.epilogue``):
 
-    ``EPI_W == 0`` (``RowsConfig.epilogue == "loop"``): the partials in ``W``-wide chunks, ``stats`` after them,
-    counts in int64. ``EPI_W > 0`` (``"wide"``): ``EPI_W``-wide chunks (the launcher makes that cover the whole
-    grid up to 2048 programs: one round trip), ``stats`` loaded before, counts summed in int64 only when
-    ``EPI_CNT64`` (a launch of 2**31 elements or more; below that an int32 sum of counts cannot overflow)."""
+    * ``EPI_W == 0`` (``"loop"``): the partials in ``W``-wide chunks, ``stats`` after them, counts in int64;
+    * ``EPI_W > 0, EPI_G == 0`` (``"wide"``): ``EPI_W``-wide chunks (the launcher sizes them: the next power
+      of two >= the grid, at most ``_kernels._EPI_MAX`` lanes per thread), ``stats`` loaded first;
+    * ``EPI_G > 0`` (``"tree"``): programs in groups of EPI_G, each with its own ticket counter
+      (``counter_ptr[1 + group]``); the last of a group adds the group's partials (one EPI_G-wide load) into
+      a group partial (``part_*_ptr[n_prog + group]``), then draws a ticket on ``counter_ptr[0]``; the last
+      group's finisher adds the group partials (``EPI_W``-wide chunks) to ``stats``. Two short round trips
+      instead of one long one, and ~n_prog / EPI_G atomics on any one address instead of n_prog.
+
+    With EPI_W > 0 the counts are summed in int64 only when ``EPI_CNT64`` (a launch of 2**31 elements or
+    more; below that an int32 sum cannot overflow). Every order is fixed: deterministic."""
     s = tl.sum(acc_sq, axis=0)
     c = tl.sum(acc_bad, axis=0)
     if ONE_PASS:
         tl.store(part_sq_ptr + pid, s)
         tl.store(part_bad_ptr + pid, c)
-        # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
-        # draws the last ticket, and that one sees every other program's.
-        ticket = tl.atomic_add(counter_ptr, 1)
-        if ticket == n_prog - 1:
-            if EPI_W > 0:
-                old_sq = tl.load(stats_ptr, cache_modifier=".cg")
-                old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
-                lane = tl.arange(0, EPI_W)
-                tot_sq = tl.zeros([EPI_W], dtype=tl.float32)
-                if EPI_CNT64:
-                    tot_bad = tl.zeros([EPI_W], dtype=tl.int64)
+        if EPI_G > 0:
+            n_groups = (n_prog + EPI_G - 1) // EPI_G
+            group = pid // EPI_G
+            first = group * EPI_G
+            size = tl.minimum(n_prog - first, EPI_G)
+            # acq_rel at GPU scope (Triton's default), as below
+            ticket = tl.atomic_add(counter_ptr + 1 + group, 1)
+            if ticket == size - 1:
+                gsq, gbad = _sum_parts(part_sq_ptr + first, part_bad_ptr + first, size, EPI_G, EPI_CNT64)
+                tl.store(part_sq_ptr + n_prog + group, gsq)
+                tl.store(part_bad_ptr + n_prog + group, gbad.to(tl.int32))
+                tl.atomic_xchg(counter_ptr + 1 + group, 0)  # ready for the next launch on this stream
+                top = tl.atomic_add(counter_ptr, 1)
+                if top == n_groups - 1:
+                    old_sq = tl.load(stats_ptr, cache_modifier=".cg")
+                    old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
+                    tsq, tbad = _sum_parts(part_sq_ptr + n_prog, part_bad_ptr + n_prog, n_groups, EPI_W, EPI_CNT64)
+                    tl.store(stats_ptr, old_sq + tsq)
+                    tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
+                    tl.atomic_xchg(counter_ptr, 0)
+        else:
+            # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
+            # draws the last ticket, and that one sees every other program's.
+            ticket = tl.atomic_add(counter_ptr, 1)
+            if ticket == n_prog - 1:
+                if EPI_W > 0:
+                    old_sq = tl.load(stats_ptr, cache_modifier=".cg")
+                    old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
+                    tsq, tbad = _sum_parts(part_sq_ptr, part_bad_ptr, n_prog, EPI_W, EPI_CNT64)
+                    tl.store(stats_ptr, old_sq + tsq)
+                    tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
                 else:
-                    tot_bad = tl.zeros([EPI_W], dtype=tl.int32)
-                for start in range(0, n_prog, EPI_W):
-                    offs = start + lane
-                    m = offs < n_prog
-                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-                    b = tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg")
-                    if EPI_CNT64:
-                        tot_bad += b.to(tl.int64)
-                    else:
-                        tot_bad += b
-                tl.store(stats_ptr, old_sq + tl.sum(tot_sq, axis=0))
-                tl.store(stats_ptr + 1, old_bad + tl.sum(tot_bad, axis=0).to(tl.float32))
-            else:
-                lane = tl.arange(0, W)
-                tot_sq = tl.zeros([W], dtype=tl.float32)
-                tot_bad = tl.zeros([W], dtype=tl.int64)
-                for start in range(0, n_prog, W):
-                    offs = start + lane
-                    m = offs < n_prog
-                    tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-                    tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
-                tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
-                tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
-            tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+                    lane = tl.arange(0, W)
+                    tot_sq = tl.zeros([W], dtype=tl.float32)
+                    tot_bad = tl.zeros([W], dtype=tl.int64)
+                    for start in range(0, n_prog, W):
+                        offs = start + lane
+                        m = offs < n_prog
+                        tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                        tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
+                    tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
+                    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
+                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
     else:
         tl.store(part_sq_ptr + part_base + pid, s)
         tl.store(part_bad_ptr + part_base + pid, c)
@@ -352,6 +390,7 @@ def _rows_kernel(
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
+    EPI_G: tl.constexpr,
 ):
     """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
@@ -431,7 +470,7 @@ def _rows_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, BLOCK, EPI_W, EPI_CNT64)
+                       ONE_PASS, BLOCK, EPI_W, EPI_CNT64, EPI_G)
 
 
 # ---------------------------------------------------- rows, kernel 2: 2-D tiles, small accumulators
@@ -534,6 +573,7 @@ def _rows2_kernel(
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
+    EPI_G: tl.constexpr,
 ):
     """:func:`_rows_kernel`'s contract (same rows, flags, statistics, counters, reduction), with tiles laid
     out for a read-mostly stream with statistics (``RowsConfig.kernel == 2``; see docs/triton_kernels.md):
@@ -636,7 +676,7 @@ def _rows2_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, R, EPI_W, EPI_CNT64)
+                       ONE_PASS, R, EPI_W, EPI_CNT64, EPI_G)
 
 
 @triton.jit
@@ -721,31 +761,45 @@ def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic
     """The row kernel's constexprs for this config and dtype pair (kernel 2 also takes PACKED)."""
     one_pass = cfg.one_pass and stats
     meta = dict(
-        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=one_pass,
-        STOCHASTIC=stochastic, BLOCK=cfg.block, STREAM=cfg.stream,
-        # the widest variant; _launch_rows narrows it to the launch's grid
-        EPI_W=_EPI_MAX if one_pass and cfg.epilogue == "wide" else 0, EPI_CNT64=True,
+        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=one_pass, STOCHASTIC=stochastic, BLOCK=cfg.block,
     )  # fmt: skip
     if cfg.kernel == 2:
         meta["PACKED"] = cfg.packed
         meta["SCALAR_ROWS"] = _scalar_rows(cfg, dst_kind)
+    # NOTE: in the kernels' parameter order (benchmarks/triton_offline_sass.py maps constexprs by position).
+    meta["STREAM"] = cfg.stream
+    # the widest variant; _launch_rows narrows EPI_W to the launch's grid
+    meta["EPI_W"] = _EPI_MAX * cfg.warps if one_pass and cfg.epilogue != "loop" else 0
+    meta["EPI_CNT64"] = True
+    meta["EPI_G"] = _TREE_G if one_pass and cfg.epilogue == "tree" else 0
     return meta
 
 
 # A launch of fewer elements than this sums its per-program non-finite counts in int32 in the wide epilogue.
 _CNT32_LIMIT = 2**31
-# NOTE: the wide epilogue's widest chunk: 2048 partials = 16 fp32 + 16 int32 values per thread on 4 warps, one
-# round trip for a grid of up to 2048 programs (132 SMs x 8-12 programs fit; larger grids loop).
-_EPI_MAX = 2048
+# NOTE: the wide epilogue's widest chunk, in partials per warp: 128 = 4 fp32 + 4 int32 per thread. Compiled
+# offline for sm_90 (benchmarks/triton_offline_sass.py, Triton 3.9), kernel 2 packed b2048/b4096 on 4 warps
+# keeps its 40 registers (12 programs per SM) up to 512 lanes and takes 50-55 at 1024, 80-90 at 2048: a
+# wider chunk would cost the whole kernel occupancy. A 1056-program grid (132 SMs x 8) is 3 chunks of 512
+# (the loop at kernel 2's b2048 accumulator width: 5 of 256).
+_EPI_MAX = 128
+# NOTE: programs per group of the tree epilogue: one 32-wide load per group, then ~33 group partials for a
+# 1056-program grid (one chunk).
+_TREE_G = 32
 
 
 def _epilogue_meta(meta: dict[str, Any], grid: int, total: int) -> dict[str, Any]:
-    """``meta`` with the wide epilogue sized to this launch: the next power of two >= ``grid`` (16 to
-    ``_EPI_MAX``), and int64 counts only for a launch of 2**31 elements or more."""
+    """``meta`` with the wide / tree epilogue sized to this launch: chunks of the next power of two >= the
+    partials to add (``grid``, or its groups for the tree), at least 16 and at most the variant's width, and
+    int64 counts only for a launch of 2**31 elements or more (the tree then runs as ``"wide"``: its group
+    partials are int32)."""
     if not meta.get("EPI_W"):
         return meta
-    width = min(_EPI_MAX, max(16, triton.next_power_of_2(grid)))
-    return {**meta, "EPI_W": width, "EPI_CNT64": total >= _CNT32_LIMIT}
+    wide_counts = total >= _CNT32_LIMIT
+    tree = meta.get("EPI_G", 0) if not wide_counts else 0  # group partials are int32: "wide" past 2**31
+    n = -(-grid // tree) if tree else grid
+    width = min(meta["EPI_W"], max(16, triton.next_power_of_2(n)))
+    return {**meta, "EPI_W": width, "EPI_CNT64": wide_counts, "EPI_G": tree}
 
 
 def _scalar_rows(cfg: RowsConfig, dst_kind: int) -> int:
@@ -1006,10 +1060,11 @@ def _flatten_plan(
     part_sq = part_bad = counter = None
     if want_stats and groups:
         grids = [w[2] for w, _, _ in groups]
-        n_parts = max(grids) if cfg.one_pass else sum(grids)
+        # the tree epilogue keeps its group partials after the programs' and a counter per group
+        n_parts = 2 * max(grids) if cfg.one_pass else sum(grids)
         part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
         part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = torch.zeros(1 + max(grids), dtype=torch.int32, device=device)
     return _FlattenPlan(groups, part_sq, part_bad, counter)
 
 

@@ -21,7 +21,7 @@ from hf_superoffload.triton_kernels._configs import HEURISTIC, LEGACY, RowsConfi
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=-1), "programs_per_sm"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, kernel=3), "kernel"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, packed=True), "packed"),
-        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, epilogue="tree"), "epilogue"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, epilogue="fast"), "epilogue"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, min_per_program=100), "min_per_program"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, interleave=-8), "interleave"),
         (dict(chunk=4096, block=1024, warps=4, programs_per_sm=0, interleave=8192), "interleave"),
@@ -95,7 +95,8 @@ def test_sweep_candidates() -> None:
     # issue #4's fixed-cost variants, on kernel 2 and kernel 1
     for k in (1, 2):
         mine = [c for c in flatten if c.kernel == k]
-        assert any(c.epilogue == "wide" for c in mine) and any(c.stream for c in mine)
+        assert any(c.epilogue == "wide" for c in mine) and any(c.epilogue == "tree" for c in mine)
+        assert any(c.stream for c in mine)
         assert any(c.interleave for c in mine)
     assert any(c.min_per_program for c in flatten) and any(c.block == 8192 for c in flatten)
     assert all(c in flatten for _, c in HEURISTIC["flatten"])
@@ -109,6 +110,7 @@ def test_tags_name_kernel_2() -> None:
                       interleave=8192)  # fmt: skip
     assert wide.tag == "p8/b2048/w4/1p/k2w/ew/s/m16k/i8k"
     assert RowsConfig(4096, 1024, 4, 0, stream=True).tag == "c4096/b1024/w4/1p/s"
+    assert RowsConfig(0, 1024, 4, 8, epilogue="tree").tag == "p8/b1024/w4/1p/et"
     assert RowsConfig(0, 1024, 4, 8, interleave=1000).tag == "p8/b1024/w4/1p/i1000"
 
 
