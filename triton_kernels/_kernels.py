@@ -314,52 +314,58 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
     more; below that an int32 sum cannot overflow). Every order is fixed: deterministic."""
     s = tl.sum(acc_sq, axis=0)
     c = tl.sum(acc_bad, axis=0)
-    if ONE_PASS:
+    if ONE_PASS and EPI_W == 0:
+        # NOTE: the session 5 code as it was, so that "loop" compiles to the same registers (Triton 3.6, sm_90:
+        # restructured, p8/b1024/w4 bf16 went from 64 registers to 56 with spills).
         tl.store(part_sq_ptr + pid, s)
         tl.store(part_bad_ptr + pid, c)
-        if EPI_G > 0:
-            n_groups = (n_prog + EPI_G - 1) // EPI_G
-            group = pid // EPI_G
-            first = group * EPI_G
-            size = tl.minimum(n_prog - first, EPI_G)
-            # acq_rel at GPU scope (Triton's default), as below
-            ticket = tl.atomic_add(counter_ptr + 1 + group, 1)
-            if ticket == size - 1:
-                gsq, gbad = _sum_parts(part_sq_ptr + first, part_bad_ptr + first, size, EPI_G, EPI_CNT64)
-                tl.store(part_sq_ptr + n_prog + group, gsq)
-                tl.store(part_bad_ptr + n_prog + group, gbad.to(tl.int32))
-                tl.atomic_xchg(counter_ptr + 1 + group, 0)  # ready for the next launch on this stream
-                top = tl.atomic_add(counter_ptr, 1)
-                if top == n_groups - 1:
-                    old_sq = tl.load(stats_ptr, cache_modifier=".cg")
-                    old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
-                    tsq, tbad = _sum_parts(part_sq_ptr + n_prog, part_bad_ptr + n_prog, n_groups, EPI_W, EPI_CNT64)
-                    tl.store(stats_ptr, old_sq + tsq)
-                    tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
-                    tl.atomic_xchg(counter_ptr, 0)
-        else:
-            # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
-            # draws the last ticket, and that one sees every other program's.
-            ticket = tl.atomic_add(counter_ptr, 1)
-            if ticket == n_prog - 1:
-                if EPI_W > 0:
-                    old_sq = tl.load(stats_ptr, cache_modifier=".cg")
-                    old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
-                    tsq, tbad = _sum_parts(part_sq_ptr, part_bad_ptr, n_prog, EPI_W, EPI_CNT64)
-                    tl.store(stats_ptr, old_sq + tsq)
-                    tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
-                else:
-                    lane = tl.arange(0, W)
-                    tot_sq = tl.zeros([W], dtype=tl.float32)
-                    tot_bad = tl.zeros([W], dtype=tl.int64)
-                    for start in range(0, n_prog, W):
-                        offs = start + lane
-                        m = offs < n_prog
-                        tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-                        tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
-                    tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
-                    tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
-                tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+        # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
+        # draws the last ticket, and that one sees every other program's.
+        ticket = tl.atomic_add(counter_ptr, 1)
+        if ticket == n_prog - 1:
+            lane = tl.arange(0, W)
+            tot_sq = tl.zeros([W], dtype=tl.float32)
+            tot_bad = tl.zeros([W], dtype=tl.int64)
+            for start in range(0, n_prog, W):
+                offs = start + lane
+                m = offs < n_prog
+                tot_sq += tl.load(part_sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                tot_bad += tl.load(part_bad_ptr + offs, mask=m, other=0, cache_modifier=".cg").to(tl.int64)
+            tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
+            tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
+            tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+    elif ONE_PASS and EPI_G == 0:
+        tl.store(part_sq_ptr + pid, s)
+        tl.store(part_bad_ptr + pid, c)
+        ticket = tl.atomic_add(counter_ptr, 1)  # acq_rel, as above
+        if ticket == n_prog - 1:
+            old_sq = tl.load(stats_ptr, cache_modifier=".cg")
+            old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
+            tsq, tbad = _sum_parts(part_sq_ptr, part_bad_ptr, n_prog, EPI_W, EPI_CNT64)
+            tl.store(stats_ptr, old_sq + tsq)
+            tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
+            tl.atomic_xchg(counter_ptr, 0)
+    elif ONE_PASS:
+        tl.store(part_sq_ptr + pid, s)
+        tl.store(part_bad_ptr + pid, c)
+        n_groups = (n_prog + EPI_G - 1) // EPI_G
+        group = pid // EPI_G
+        first = group * EPI_G
+        size = tl.minimum(n_prog - first, EPI_G)
+        ticket = tl.atomic_add(counter_ptr + 1 + group, 1)  # acq_rel, as above
+        if ticket == size - 1:
+            gsq, gbad = _sum_parts(part_sq_ptr + first, part_bad_ptr + first, size, EPI_G, EPI_CNT64)
+            tl.store(part_sq_ptr + n_prog + group, gsq)
+            tl.store(part_bad_ptr + n_prog + group, gbad.to(tl.int32))
+            tl.atomic_xchg(counter_ptr + 1 + group, 0)  # ready for the next launch on this stream
+            top = tl.atomic_add(counter_ptr, 1)
+            if top == n_groups - 1:
+                old_sq = tl.load(stats_ptr, cache_modifier=".cg")
+                old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
+                tsq, tbad = _sum_parts(part_sq_ptr + n_prog, part_bad_ptr + n_prog, n_groups, EPI_W, EPI_CNT64)
+                tl.store(stats_ptr, old_sq + tsq)
+                tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
+                tl.atomic_xchg(counter_ptr, 0)
     else:
         tl.store(part_sq_ptr + part_base + pid, s)
         tl.store(part_bad_ptr + part_base + pid, c)
@@ -457,9 +463,15 @@ def _rows_kernel(
         dst = dst_base_ptr + dst_off
         for start in range(n_full, n, BLOCK):  # the tail (and None rows)
             offs = start + lane
-            x = _sload(src + offs, offs < n_src, True, STREAM)
+            if STREAM:
+                x = tl.load(src + offs, mask=offs < n_src, other=0, eviction_policy="evict_first")
+            else:
+                x = tl.load(src + offs, mask=offs < n_src, other=0)
             y = _convert(x, ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
-            _sstore(dst + offs, y, offs < n, True, STREAM)
+            if STREAM:
+                tl.store(dst + offs, y, mask=offs < n, cache_modifier=".cs")
+            else:
+                tl.store(dst + offs, y, mask=offs < n)
             if STATS:
                 v = _to_f32(y, DST_KIND)  # masked lanes loaded 0 -> contribute 0
                 acc_sq += v * v
