@@ -303,12 +303,12 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
 
     * ``EPI_W == 0`` (``"loop"``): the partials in ``W``-wide chunks, ``stats`` after them, counts in int64;
     * ``EPI_W > 0, EPI_G == 0`` (``"wide"``): ``EPI_W``-wide chunks (the launcher sizes them: the next power
-      of two >= the grid, at most ``_kernels._EPI_MAX`` lanes per thread), ``stats`` loaded first;
+      of two >= the grid, at most ``_EPI_MAX`` partials per warp), ``stats`` loaded first;
     * ``EPI_G > 0`` (``"tree"``): programs in groups of EPI_G, each with its own ticket counter
       (``counter_ptr[1 + group]``); the last of a group adds the group's partials (one EPI_G-wide load) into
       a group partial (``part_*_ptr[n_prog + group]``), then draws a ticket on ``counter_ptr[0]``; the last
       group's finisher adds the group partials (``EPI_W``-wide chunks) to ``stats``. Two short round trips
-      instead of one long one, and ~n_prog / EPI_G atomics on any one address instead of n_prog.
+      instead of several, and ~n_prog / EPI_G atomics on any one address instead of n_prog.
 
     With EPI_W > 0 the counts are summed in int64 only when ``EPI_CNT64`` (a launch of 2**31 elements or
     more; below that an int32 sum cannot overflow). Every order is fixed: deterministic."""
