@@ -24,8 +24,8 @@ Aimed at the fixed costs and the memory system (issue #4's last item; docs/trito
 
 * ``epilogue``: how the last-ticket program adds the partials (ONE_PASS): ``"loop"`` in chunks as wide as
   the tile's accumulator (5 serial L2 round trips for ~1000 partials at kernel 2's b2048); ``"wide"`` in
-  chunks of up to 128 per warp (as many as fit without costing registers: 3 round trips) with ``stats``
-  loaded first; ``"tree"``: groups of 32 programs, each with its own ticket, the last of a group adds its
+  chunks of up to 128 per warp (512 on 4 warps: 3 round trips; wider chunks cost the kernel registers)
+  with ``stats`` loaded first; ``"tree"``: groups of 32 programs, each with its own ticket, the last of a group adds its
   group, the last group's finisher the ~33 group sums (two short round trips, and 32 atomics per address
   instead of ~1000 on one). Every order is fixed: deterministic.
 * ``stream``: cache hints on the streaming tile loads / stores (``evict_first`` loads, ``.cs`` stores):
@@ -273,7 +273,7 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
     if family == "flatten":
         # NOTE: session 5 sweep (benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt): the
         # kernel-1 w8 configs lost by 5-25 points on the bf16 statistics (2-5 programs per SM fit), c4096 by
-        # 8-15, the two-launch and p12 / non-packed kernel-2 variants by 1-8; they are dropped for the
+        # 8-15, the kernel-2 two-launch, p12 and b4096 non-packed ones by 1-8; they are dropped for the
         # fixed-cost variants below (issue #4's last item, docs/triton_kernels.md "Fixed costs"), one change
         # at a time on the session's best configs, then combined. Registers per thread as compiled there:
         # kernel 2 packed 40 (12 programs per SM fit), kernel 1 b1024/w4 64 (bf16) / 48 (fp32 source).
