@@ -14,8 +14,11 @@ working set exceeds L2):
 * ``upcast``: flat bf16 -> fp32                              vs ``dst.copy_(src)``
 * ``adamw``: fused AdamW, bf16 grad, bf16 param copy out     vs ``torch._fused_adamw_`` + a bf16 ``copy_``
 
-Achieved GB/s counts bytes read plus bytes written once each; the ceiling is a large device-to-device
-``copy_`` measured in the same run. The ``graph`` column is device time (calls captured in a CUDA graph and
+Achieved GB/s counts bytes read plus bytes written once each; the ceiling is a large (2 GB) device-to-device
+``copy_`` measured in the same run: issue #4's target is a fraction of it. Beside it, per bucket size, the
+*size-matched copy*: a contiguous bf16 -> bf16 ``copy_`` of the bucket's size (inputs rotated like the
+kernels', graph-timed like them), i.e. what a plain copy of that many bytes reaches; the table's ``%szcp``
+column is an op's graph GB/s over it. The ``graph`` column is device time (calls captured in a CUDA graph and
 replayed), the eager ``triton`` column includes Python launch overhead; ``legacy`` is the graph time of the
 flatten / scatter kernels under their pre-table launch config (``_configs.LEGACY``).
 
@@ -24,8 +27,8 @@ flatten / scatter kernels under their pre-table launch config (``_configs.LEGACY
 LEGACY is the old kernel shape) on every size and layout, graph time only, each checked for correct
 output first; prints the best per op and size and a filled-in ``HEURISTIC`` table for ``_configs.py``;
 then (unless ``--no-table``) produces the normal table with that suggested table applied in-process. The
-sweep stops early, keeping what it has, when ``--budget-s`` is spent. Writes everything as JSON to
-``--out``.
+sweep stops early, keeping what it has, when ``--budget-s`` is spent; ``--families`` limits it to some op
+families (e.g. ``flatten``). Writes everything as JSON to ``--out``.
 
 Needs a CUDA GPU: without one it exits with status 2 and says so. ``--cpu-rehearsal`` runs every code
 path on the CPU instead (Triton's interpreter, ``--sizes-mb`` read as KiB, wall-clock timing, no graphs):
@@ -80,6 +83,7 @@ class Row:
     speedup: float
     config: str | None = None
     legacy_graph_gbps: float | None = None
+    size_copy_gbps: float | None = None  # the size-matched bf16 copy (module docstring)
 
 
 def time_ms(fn: Callable[[int], None], n_sets: int, reps: int, warmup: int = 3) -> float:
@@ -153,6 +157,18 @@ def copy_ceiling_gbps(device: torch.device, nbytes: int = 2 << 30, reps: int = 2
     a.random_()
     ms = time_ms(lambda _i: b.copy_(a), 1, reps)
     return 2 * nbytes / ms / 1e6
+
+
+def size_matched_copy_gbps(bucket_mb: int, device: torch.device, l2_bytes: int, reps: int) -> float | None:
+    """Graph-timed GB/s (read + write) of a contiguous bf16 -> bf16 ``copy_`` of one bucket's size, the
+    sources rotated like :func:`build_ops`' (so that consecutive copies do not hit in L2); ``None`` if the
+    capture fails."""
+    n = bucket_mb * MB // 2
+    n_sets = min(8, max(1, math.ceil(3 * l2_bytes / (6 * n))))
+    srcs = [torch.randn(n, device=device).to(torch.bfloat16) for _ in range(n_sets)]
+    dst = torch.empty(n, dtype=torch.bfloat16, device=device)
+    ms = time_graph_ms(lambda i: dst.copy_(srcs[i]), n_sets, reps)
+    return 4 * n / ms / 1e6 if ms else None
 
 
 def param_sizes(total_elems: int, layout: str = "odd") -> list[int]:
@@ -338,6 +354,7 @@ def bench_bucket(
     l2_bytes: int,
     layout: str = "odd",
     ops: frozenset[str] | None = None,
+    size_copy: float | None = None,
 ) -> list[Row]:
     """Time every op (or those in ``ops``) on one bucket size and parameter layout, launch configs from
     the size table (plus the LEGACY config's graph time for the flatten / scatter ops)."""
@@ -361,7 +378,7 @@ def bench_bucket(
         tg, rg = op.nbytes / t_ms / 1e6, op.nbytes / r_ms / 1e6
         gg = op.nbytes / g_ms / 1e6 if g_ms else None
         rows.append(Row(op.name, bucket_mb, n_tensors, op.nbytes, layout, t_ms, tg, tg / ceiling, g_ms, gg, r_ms,
-                        rg, r_ms / t_ms, cfg.tag if cfg else None, legacy))  # fmt: skip
+                        rg, r_ms / t_ms, cfg.tag if cfg else None, legacy, size_copy if fam else None))  # fmt: skip
         gtxt = f"graph {g_ms:7.3f} ms {gg:5.0f} GB/s ({gg / ceiling:4.0%})" if g_ms and gg else "graph n/a"
         ltxt = f"  legacy {legacy / ceiling:4.0%}" if legacy else ""
         print(f"  {op.name:22s} {bucket_mb:4d} MB {layout:7s} triton {t_ms:7.3f} ms {tg:5.0f} GB/s "
@@ -377,6 +394,7 @@ def sweep(
     sizes_mb: list[int],
     layouts: list[str],
     budget_s: float,
+    families: frozenset[str] | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
     """Graph-time every candidate config of each flatten / scatter op, on each size and layout (sizes in
     the given order, so the small buckets that matter most come first). Each config's output is checked
@@ -391,7 +409,7 @@ def sweep(
             built, n_sets, n_tensors = build_ops(mb, device, l2, layout)
             for op in built:
                 fam = FAMILY.get(op.name)
-                if fam is None:
+                if fam is None or (families is not None and fam not in families):
                     continue
                 for cfg in _configs.sweep_candidates(fam):
                     if time.perf_counter() - t0 > budget_s:
@@ -469,6 +487,10 @@ def config_of(rec: dict[str, Any]) -> Any:
     return RowsConfig(**{f.name: rec[f.name] for f in fields(RowsConfig) if f.name in rec})
 
 
+# RowsConfig fields printed only when not at their default (issue #4's fixed-cost variants)
+_EXTRA_FIELDS: dict[str, Any] = {"epilogue": "loop", "stream": False, "min_per_program": 0, "interleave": 0}
+
+
 def heuristic_source(table: dict[str, Any]) -> str:
     """The suggested table as Python source for ``HEURISTIC`` in triton_kernels/_configs.py."""
     lines = ["HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {"]
@@ -477,8 +499,9 @@ def heuristic_source(table: dict[str, Any]) -> str:
         for e in entries:
             b = "None" if e["max_elements"] is None else str(e["max_elements"])
             k2 = f", kernel={e['kernel']}, packed={e['packed']}" if e.get("kernel", 1) != 1 else ""
+            extra = "".join(f", {f}={e[f]!r}" for f, dflt in _EXTRA_FIELDS.items() if e.get(f, dflt) != dflt)
             lines.append(f"        ({b}, RowsConfig(chunk={e['chunk']}, block={e['block']}, warps={e['warps']}, "
-                         f"programs_per_sm={e['programs_per_sm']}, one_pass={e['one_pass']}{k2})),"
+                         f"programs_per_sm={e['programs_per_sm']}, one_pass={e['one_pass']}{k2}{extra})),"
                          f"  # {e['mean_frac']:.1%}")  # fmt: skip
         lines.append("    ),")
     lines.append("}")
@@ -495,15 +518,17 @@ def apply_table(table: dict[str, Any]) -> None:
 
 def print_table(rows: list[Row]) -> None:
     print(f"\n{'op':22s} {'MB':>4s} {'layout':7s} {'tensors':>7s} {'triton ms':>9s} {'GB/s':>6s} {'%copy':>6s} "
-          f"{'graph GB/s':>10s} {'%copy':>6s} {'legacy':>6s} {'torch ms':>9s} {'GB/s':>6s} {'speedup':>7s}  config")  # fmt: skip
+          f"{'graph GB/s':>10s} {'%copy':>6s} {'legacy':>6s} {'%szcp':>6s} {'torch ms':>9s} {'GB/s':>6s} {'speedup':>7s}  "
+          "config")  # fmt: skip
     ceiling = rows[0].triton_gbps / rows[0].frac_of_copy if rows else 1.0
     for r in rows:
         gg = (
             f"{r.graph_gbps:10.0f} {r.graph_gbps / ceiling:6.1%}" if r.graph_gbps else f"{'n/a':>10s} {'':6s}"
         )
         lg = f"{r.legacy_graph_gbps / ceiling:6.1%}" if r.legacy_graph_gbps else f"{'':6s}"
+        sz = f"{r.graph_gbps / r.size_copy_gbps:6.1%}" if r.graph_gbps and r.size_copy_gbps else f"{'':6s}"
         print(f"{r.op:22s} {r.bucket_mb:4d} {r.layout:7s} {r.n_tensors:7d} {r.triton_ms:9.3f} {r.triton_gbps:6.0f} "
-              f"{r.frac_of_copy:6.1%} {gg} {lg} {r.torch_ms:9.3f} {r.torch_gbps:6.0f} {r.speedup:7.2f}  "
+              f"{r.frac_of_copy:6.1%} {gg} {lg} {sz} {r.torch_ms:9.3f} {r.torch_gbps:6.0f} {r.speedup:7.2f}  "
               f"{r.config or ''}")  # fmt: skip
 
 
@@ -518,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time every candidate launch config first, suggest a size table, apply it to the table")  # fmt: skip
     ap.add_argument("--sweep-reps", type=int, default=15)
     ap.add_argument("--budget-s", type=float, default=110.0, help="wall-clock budget of the sweep part")
+    ap.add_argument("--families", nargs="+", choices=list(dict.fromkeys(FAMILY.values())), default=None,
+                    help="with --sweep: sweep only these op families (default: all)")  # fmt: skip
     ap.add_argument("--no-table", action="store_true", help="with --sweep: skip the normal table")
     ap.add_argument("--cpu-rehearsal", action="store_true",
                     help="run every code path on the CPU (interpreter, sizes in KiB): a script check only")  # fmt: skip
@@ -555,11 +582,18 @@ def main(argv: list[str] | None = None) -> int:
         ceiling = copy_ceiling_gbps(device)
     print(f"{name}: device copy ceiling {ceiling:.0f} GB/s (read + write), L2 {l2 / MB:.0f} MB, {sms} SMs",
           flush=True)  # fmt: skip
+    size_copy: dict[int, float | None] = {}
+    for mb in args.sizes_mb:
+        size_copy[mb] = size_matched_copy_gbps(mb, device, l2, args.reps)
+        sc = size_copy[mb]
+        txt = f"{sc:.0f} GB/s ({sc / ceiling:.1%} of the ceiling)" if sc else "n/a (graph capture failed)"
+        print(f"  size-matched bf16 copy, {mb:4d} MB bucket: {txt}", flush=True)
     result: dict[str, Any] = {
         "device": name,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_ceiling_gbps": ceiling,
+        "size_matched_copy_gbps": {str(mb): v for mb, v in size_copy.items()},
         "triton_status": {k: v for k, v in status.items() if k != "smoke"},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -570,18 +604,24 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=2))
 
     if args.sweep:
+        fams = frozenset(args.families) if args.families else None
         records, complete = sweep(
-            device, ceiling, args.sweep_reps, l2, args.sizes_mb, args.layouts, args.budget_s
+            device, ceiling, args.sweep_reps, l2, args.sizes_mb, args.layouts, args.budget_s, fams
         )
         best, table = summarize(records, ceiling)
         result.update(sweep=records, sweep_complete=complete, best=best, suggested_heuristic=table)
         write()
         print(f"\nbest config per op and size (mean graph GB/s over layouts; ceiling {ceiling:.0f} GB/s)")
-        print(f"{'op':22s} {'MB':>4s} {'config':24s} {'GB/s':>6s} {'%copy':>6s} {'legacy':>7s}")
+        print(f"{'op':22s} {'MB':>4s} {'config':32s} {'GB/s':>6s} {'%copy':>6s} {'legacy':>7s} {'%szcp':>6s}")
         for b in best:
-            lg = f"{b['legacy_gbps'] / ceiling:7.1%}" if b["legacy_gbps"] else ""
-            print(f"{b['op']:22s} {b['bucket_mb']:4d} {b['config']:24s} {b['graph_gbps']:6.0f} "
-                  f"{b['frac_of_copy']:6.1%} {lg}")  # fmt: skip
+            lg = f"{b['legacy_gbps'] / ceiling:7.1%}" if b["legacy_gbps"] else f"{'':7s}"
+            sc = size_copy.get(b["bucket_mb"])
+            b["size_copy_gbps"] = sc
+            sz = f"{b['graph_gbps'] / sc:6.1%}" if sc else ""
+            print(f"{b['op']:22s} {b['bucket_mb']:4d} {b['config']:32s} {b['graph_gbps']:6.0f} "
+                  f"{b['frac_of_copy']:6.1%} {lg} {sz}")  # fmt: skip
+        print(f"(%copy: of the 2 GB copy ceiling, issue #4's target; %szcp: of the size-matched bf16 copy: "
+              f"{', '.join(f'{mb} MB {v / ceiling:.1%}' for mb, v in size_copy.items() if v)} of the ceiling)")
         print("\nrow-kernel variants: registers, spills, programs per SM that fit")
         for occ in _kernels.occupancy.values():
             print("  " + " ".join(f"{k}={v}" for k, v in occ.items()))
@@ -596,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for mb in args.sizes_mb:
         for layout in args.layouts:
-            rows.extend(bench_bucket(mb, device, ceiling, args.reps, l2, layout))
+            rows.extend(bench_bucket(mb, device, ceiling, args.reps, l2, layout, size_copy=size_copy.get(mb)))
             _empty_cache()
     result["rows"] = [asdict(r) for r in rows]
     write()

@@ -20,6 +20,22 @@ wide tile keeps more bytes in flight without costing registers; vector-granular 
 misaligned rows), and ``packed`` makes kernel 2 move bf16 -> bf16 aligned rows as int32 words with the
 statistics on the packed bits. docs/triton_kernels.md has the reasoning.
 
+Aimed at the fixed costs and the memory system (issue #4's last item; docs/triton_kernels.md, "Fixed costs"):
+
+* ``epilogue``: how the last-ticket program adds the partials (ONE_PASS): ``"loop"`` in chunks as wide as
+  the tile's accumulator (5 serial L2 round trips for ~1000 partials at kernel 2's b2048); ``"wide"`` in
+  chunks of up to 128 per warp (512 on 4 warps: 3 round trips; wider chunks cost the kernel registers)
+  with ``stats`` loaded first; ``"tree"``: groups of 32 programs, each with its own ticket, the last of a group adds its
+  group, the last group's finisher the ~33 group sums (two short round trips, and 32 atomics per address
+  instead of ~1000 on one). Every order is fixed: deterministic.
+* ``stream``: cache hints on the streaming tile loads / stores (``evict_first`` loads, ``.cs`` stores):
+  the data is touched once, so it should not displace what stays in L2.
+* ``min_per_program``: a persistent grid gets at most ``ceil(elements / min_per_program)`` programs (0: a
+  tile each), so a small bucket runs fewer, longer programs: fewer partials, atomics and start-ups.
+* ``interleave``: on a persistent grid, each program's share is cut into pieces of about this many
+  elements, dealt round-robin over the programs (piece ``i`` to program ``i % grid``), so at any moment the
+  grid streams through one region of memory instead of ``grid`` distant ones (0: one contiguous share).
+
 :func:`choose` picks a config from a table keyed by the bucket's element count (the first row whose bound
 is at least the count): deterministic, no run-time autotuning, so nothing is compiled or timed inside a
 CUDA-graph capture or under ``TRITON_INTERPRET=1``. :func:`forced` overrides the choice for one op family
@@ -34,6 +50,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = [
+    "EPILOGUES",
     "FAMILIES",
     "HEURISTIC",
     "LEGACY",
@@ -48,6 +65,8 @@ __all__ = [
 # Op families with their own table: flatten (with or without statistics), the plain scatter (RNE cast or
 # bit copy) and the stochastic-rounding scatter (ALU-heavier: a hash per element).
 FAMILIES = ("flatten", "scatter", "scatter_sr")
+# RowsConfig.epilogue values
+EPILOGUES = ("loop", "wide", "tree")
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,10 @@ class RowsConfig:
     one_pass: bool = True
     kernel: int = 1
     packed: bool = False
+    epilogue: str = "loop"
+    stream: bool = False
+    min_per_program: int = 0
+    interleave: int = 0
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, fix: str) -> ValueError:
@@ -84,14 +107,37 @@ class RowsConfig:
             raise bad("kernel", self.kernel, "use 1 (_rows_kernel) or 2 (_rows2_kernel)")
         if self.packed and self.kernel != 2:
             raise bad("packed", self.packed, "use packed=True only with kernel=2")
+        if self.epilogue not in EPILOGUES:
+            raise bad("epilogue", self.epilogue, f"use one of {EPILOGUES}")
+        if self.min_per_program < 0 or self.min_per_program % 8:
+            raise bad(
+                "min_per_program", self.min_per_program, "use 0 or a positive multiple of 8 (e.g. 32768)"
+            )
+        if self.interleave < 0 or self.interleave % 8:
+            raise bad("interleave", self.interleave, "use 0 or a positive multiple of 8 (e.g. 8192)")
+        if (self.min_per_program or self.interleave) and not self.programs_per_sm:
+            field = "min_per_program" if self.min_per_program else "interleave"
+            raise bad(
+                field, getattr(self, field), "use it with a persistent grid (programs_per_sm > 0), or 0"
+            )
 
     @property
     def tag(self) -> str:
         """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
-        kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``."""
+        kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``; then ``/ew`` (wide
+        epilogue; ``/et`` tree), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave)."""
         grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
         k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
-        return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}{k}"
+        extra = {"loop": "", "wide": "/ew", "tree": "/et"}[self.epilogue]
+        extra += "/s" if self.stream else ""
+        extra += f"/m{_k(self.min_per_program)}" if self.min_per_program else ""
+        extra += f"/i{_k(self.interleave)}" if self.interleave else ""
+        return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}{k}{extra}"
+
+
+def _k(n: int) -> str:
+    """``32768`` -> ``32k``; other counts as they are."""
+    return f"{n >> 10}k" if n and n % 1024 == 0 else str(n)
 
 
 # The kernels as they were before this table existed: 16 Ki-element rows, one program each, 1024-element
@@ -213,7 +259,7 @@ def max_resident_programs(
 def sweep_candidates(family: str) -> list[RowsConfig]:
     """The configurations ``bench_triton.py --sweep`` times for ``family`` (LEGACY first), bounded so that
     a sweep over three sizes and two layouts stays within a few minutes of one H200."""
-    cands = [
+    base = [
         LEGACY,
         RowsConfig(4096, 1024, 4, 0, one_pass=False),  # the legacy kernel shape with 4x more programs
         RowsConfig(0, 1024, 4, 8),
@@ -224,27 +270,52 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
         RowsConfig(0, 2048, 8, 8),
         RowsConfig(0, 4096, 8, 4),
     ]
-    if family == "flatten":  # what the single-launch reduction buys
-        cands += [RowsConfig(0, 2048, 4, 8, one_pass=False), RowsConfig(0, 1024, 4, 8, one_pass=False)]
     if family == "flatten":
-        # NOTE: kernel 2 (issue #4: bf16 statistics at 56-76% of the copy ceiling with the configs above;
-        # measured in the session 5 sweep: it wins at 16 MB only, see HEURISTIC). Registers per thread (compiled offline for sm_90 with Triton 3.6's ptxas; kernel 1's
-        # as the H200 run reported them), bf16 -> bf16 with statistics: kernel 1 b1024/w4 64, b2048/w4 95;
-        # kernel 2 b2048/w4 47, b4096/w4 45, packed 40 at either; fp32 -> bf16: kernel 1 b2048/w4 96, kernel 2
-        # b4096/w4 58. 16-byte loads in flight per thread and iteration on aligned rows: block / 1024 on 4
-        # warps (kernel 1 at b1024/w4: one). p4 / p8 / p12 (all that fit at 40 registers): fewer programs with
-        # longer shares vs more warps in flight.
+        # NOTE: session 5 sweep (benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt): the
+        # kernel-1 w8 configs lost by 5-25 points on the bf16 statistics (2-5 programs per SM fit), c4096 by
+        # 8-15, the kernel-2 two-launch, p12 and b4096 non-packed ones by 1-8; they are dropped for the
+        # fixed-cost variants below (issue #4's last item, docs/triton_kernels.md "Fixed costs"), one change
+        # at a time on the session's best configs, then combined. Registers per thread as compiled there:
+        # kernel 2 packed 40 (12 programs per SM fit), kernel 1 b1024/w4 64 (bf16) / 48 (fp32 source).
+        k2w = dict(kernel=2, packed=True)
+        cands = [
+            LEGACY,
+            # the session 5 winners (HEURISTIC and the best per op): baselines of the new variants
+            RowsConfig(0, 1024, 4, 8),
+            RowsConfig(0, 1024, 4, 16),
+            RowsConfig(0, 2048, 4, 16),
+            RowsConfig(0, 1024, 4, 8, one_pass=False),  # what the single-launch reduction buys
+            RowsConfig(0, 2048, 4, 8, kernel=2),
+            RowsConfig(0, 2048, 4, 8, **k2w),
+            RowsConfig(0, 4096, 4, 4, **k2w),
+            # the last-ticket reduction in fewer round trips: wide chunks, or a two-level tree
+            RowsConfig(0, 2048, 4, 8, epilogue="wide", **k2w),
+            RowsConfig(0, 1024, 4, 8, epilogue="wide"),
+            RowsConfig(0, 2048, 4, 8, epilogue="tree", **k2w),
+            RowsConfig(0, 4096, 4, 4, epilogue="tree", **k2w),
+            RowsConfig(0, 1024, 4, 8, epilogue="tree"),
+            # fewer, longer programs on small buckets (16 MB: 512 programs instead of ~1056)
+            RowsConfig(0, 2048, 4, 8, epilogue="wide", min_per_program=16384, **k2w),
+            # 8 vectors of 16 bytes per thread in flight per iteration (b4096: 4)
+            RowsConfig(0, 8192, 4, 8, epilogue="wide", **k2w),
+            # streaming cache hints
+            RowsConfig(0, 2048, 4, 8, epilogue="wide", stream=True, **k2w),
+            RowsConfig(0, 1024, 4, 8, epilogue="wide", stream=True),
+            # shares dealt round-robin in ~8 Ki-element pieces (one piece per program at 16 MB: no change)
+            RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, **k2w),
+            RowsConfig(0, 1024, 4, 8, epilogue="wide", interleave=8192),
+            RowsConfig(0, 1024, 4, 16, epilogue="wide", stream=True, interleave=4096),
+        ]
+    else:
+        cands = list(base)
+    if family == "scatter":  # the same tiles for the plain copies (bf16 -> bf16 at 74-86%)
         cands += [
             RowsConfig(0, 2048, 4, 8, kernel=2),
-            RowsConfig(0, 4096, 4, 8, kernel=2),
-            RowsConfig(0, 2048, 4, 8, kernel=2, packed=True),
-            RowsConfig(0, 4096, 4, 4, kernel=2, packed=True),
             RowsConfig(0, 4096, 4, 8, kernel=2, packed=True),
-            RowsConfig(0, 4096, 4, 12, kernel=2, packed=True),
-            RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True),
+            # many short rows in program order won from 64 MB up (c4096): the persistent grid interleaved
+            RowsConfig(0, 2048, 4, 8, kernel=2, interleave=8192),
+            RowsConfig(4096, 1024, 4, 0, one_pass=False, stream=True),
         ]
-    if family == "scatter":  # the same tiles for the plain copies (bf16 -> bf16 at 74-86%)
-        cands += [RowsConfig(0, 2048, 4, 8, kernel=2), RowsConfig(0, 4096, 4, 8, kernel=2, packed=True)]
     if family == "scatter_sr":
         cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048 and c.programs_per_sm != 16]]
     for _, c in HEURISTIC[family]:

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from . import _configs
 from ._configs import RowsConfig
-from ._tables import PlanCache, aligned16, balanced_rows, chunk_rows
+from ._tables import PlanCache, aligned16, chunk_rows, interleaved_rows
 from .reference import sr_keys
 
 # torch dtype -> (storage kind constexpr, element size in bytes)
@@ -164,6 +164,30 @@ def _store(ptrs, value, mask, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _sload(ptrs, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """:func:`_load` of data read once: with STREAM, ``evict_first`` (``RowsConfig.stream``)."""
+    if STREAM:
+        if MASKED:
+            return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+        else:
+            return tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        return _load(ptrs, mask, MASKED)
+
+
+@triton.jit
+def _sstore(ptrs, value, mask, MASKED: tl.constexpr, STREAM: tl.constexpr):
+    """:func:`_store` of data written once: with STREAM, a streaming store (``.cs``)."""
+    if STREAM:
+        if MASKED:
+            tl.store(ptrs, value, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(ptrs, value, cache_modifier=".cs")
+    else:
+        _store(ptrs, value, mask, MASKED)
+
+
+@triton.jit
 def _aligned_off(off, V: tl.constexpr):
     """``off`` rebuilt as ``(off // V) * V``: the same value for a row known (from its flags) to be aligned,
     but now a *new* SSA value whose divisibility the compiler derives by itself. (``tl.multiple_of`` would
@@ -223,13 +247,14 @@ _DST_AL = 4  # the row's destination address is 16-byte aligned
 @triton.jit
 def _copy_tiles(
     src, dst, stop, lane, ctr_base, k0, k1, acc_sq, acc_bad,
-    SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK: tl.constexpr,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Whole tiles ``[0, stop)`` without masks; returns the updated stats accumulators."""
     for start in range(0, stop, BLOCK):
         offs = start + lane
-        y = _convert(tl.load(src + offs), ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
-        tl.store(dst + offs, y)
+        x = _sload(src + offs, None, False, STREAM)
+        y = _convert(x, ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+        _sstore(dst + offs, y, None, False, STREAM)
         if STATS:
             v = _to_f32(y, DST_KIND)
             acc_sq += v * v
@@ -247,14 +272,51 @@ def _next_row(table_ptr, r, hi):
 
 
 @triton.jit
+def _sum_parts(sq_ptr, bad_ptr, n, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr):
+    """``(sum of sq_ptr[:n], sum of bad_ptr[:n])`` in ``EPI_W``-wide chunks (a fixed order); the counts in
+    int64 when EPI_CNT64, else int32."""
+    lane = tl.arange(0, EPI_W)
+    tot_sq = tl.zeros([EPI_W], dtype=tl.float32)
+    if EPI_CNT64:
+        tot_bad = tl.zeros([EPI_W], dtype=tl.int64)
+    else:
+        tot_bad = tl.zeros([EPI_W], dtype=tl.int32)
+    for start in range(0, n, EPI_W):
+        offs = start + lane
+        m = offs < n
+        tot_sq += tl.load(sq_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+        b = tl.load(bad_ptr + offs, mask=m, other=0, cache_modifier=".cg")
+        if EPI_CNT64:
+            tot_bad += b.to(tl.int64)
+        else:
+            tot_bad += b
+    return tl.sum(tot_sq, axis=0), tl.sum(tot_bad, axis=0)
+
+
+@triton.jit
 def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                   ONE_PASS: tl.constexpr, W: tl.constexpr):
+                   ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr,
+                   EPI_G: tl.constexpr):
     """A rows program's statistics: its partial sums into the partials buffer; with ONE_PASS the program that
-    draws the last ticket adds every partial (in ``W``-wide chunks, a fixed order) to ``stats`` and resets the
-    counter for the next launch on this stream."""
+    draws the last ticket adds every partial (in a fixed order) to ``stats`` and resets the counter for the
+    next launch on this stream (``RowsConfig.epilogue``):
+
+    * ``EPI_W == 0`` (``"loop"``): the partials in ``W``-wide chunks, ``stats`` after them, counts in int64;
+    * ``EPI_W > 0, EPI_G == 0`` (``"wide"``): ``EPI_W``-wide chunks (the launcher sizes them: the next power
+      of two >= the grid, at most ``_EPI_MAX`` partials per warp), ``stats`` loaded first;
+    * ``EPI_G > 0`` (``"tree"``): programs in groups of EPI_G, each with its own ticket counter
+      (``counter_ptr[1 + group]``); the last of a group adds the group's partials (one EPI_G-wide load) into
+      a group partial (``part_*_ptr[n_prog + group]``), then draws a ticket on ``counter_ptr[0]``; the last
+      group's finisher adds the group partials (``EPI_W``-wide chunks) to ``stats``. Two short round trips
+      instead of several, and ~n_prog / EPI_G atomics on any one address instead of n_prog.
+
+    With EPI_W > 0 the counts are summed in int64 only when ``EPI_CNT64`` (a launch of 2**31 elements or
+    more; below that an int32 sum cannot overflow). Every order is fixed: deterministic."""
     s = tl.sum(acc_sq, axis=0)
     c = tl.sum(acc_bad, axis=0)
-    if ONE_PASS:
+    if ONE_PASS and EPI_W == 0:
+        # NOTE: the session 5 code as it was, so that "loop" compiles to the same registers (Triton 3.6, sm_90:
+        # restructured, p8/b1024/w4 bf16 went from 64 registers to 56 with spills).
         tl.store(part_sq_ptr + pid, s)
         tl.store(part_bad_ptr + pid, c)
         # acq_rel at GPU scope (Triton's default): the partials above are visible to whichever program
@@ -272,6 +334,38 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
             tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
             tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
             tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+    elif ONE_PASS and EPI_G == 0:
+        tl.store(part_sq_ptr + pid, s)
+        tl.store(part_bad_ptr + pid, c)
+        ticket = tl.atomic_add(counter_ptr, 1)  # acq_rel, as above
+        if ticket == n_prog - 1:
+            old_sq = tl.load(stats_ptr, cache_modifier=".cg")
+            old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
+            tsq, tbad = _sum_parts(part_sq_ptr, part_bad_ptr, n_prog, EPI_W, EPI_CNT64)
+            tl.store(stats_ptr, old_sq + tsq)
+            tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
+            tl.atomic_xchg(counter_ptr, 0)
+    elif ONE_PASS:
+        tl.store(part_sq_ptr + pid, s)
+        tl.store(part_bad_ptr + pid, c)
+        n_groups = (n_prog + EPI_G - 1) // EPI_G
+        group = pid // EPI_G
+        first = group * EPI_G
+        size = tl.minimum(n_prog - first, EPI_G)
+        ticket = tl.atomic_add(counter_ptr + 1 + group, 1)  # acq_rel, as above
+        if ticket == size - 1:
+            gsq, gbad = _sum_parts(part_sq_ptr + first, part_bad_ptr + first, size, EPI_G, EPI_CNT64)
+            tl.store(part_sq_ptr + n_prog + group, gsq)
+            tl.store(part_bad_ptr + n_prog + group, gbad.to(tl.int32))
+            tl.atomic_xchg(counter_ptr + 1 + group, 0)  # ready for the next launch on this stream
+            top = tl.atomic_add(counter_ptr, 1)
+            if top == n_groups - 1:
+                old_sq = tl.load(stats_ptr, cache_modifier=".cg")
+                old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
+                tsq, tbad = _sum_parts(part_sq_ptr + n_prog, part_bad_ptr + n_prog, n_groups, EPI_W, EPI_CNT64)
+                tl.store(stats_ptr, old_sq + tsq)
+                tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
+                tl.atomic_xchg(counter_ptr, 0)
     else:
         tl.store(part_sq_ptr + part_base + pid, s)
         tl.store(part_bad_ptr + part_base + pid, c)
@@ -299,6 +393,10 @@ def _rows_kernel(
     ONE_PASS: tl.constexpr,
     STOCHASTIC: tl.constexpr,
     BLOCK: tl.constexpr,
+    STREAM: tl.constexpr,
+    EPI_W: tl.constexpr,
+    EPI_CNT64: tl.constexpr,
+    EPI_G: tl.constexpr,
 ):
     """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
@@ -344,30 +442,36 @@ def _rows_kernel(
         if src_al & dst_al:
             acc_sq, acc_bad = _copy_tiles(
                 src_base_ptr + _aligned_off(src_off, VS), dst_base_ptr + _aligned_off(dst_off, VD), n_full,
-                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, BLOCK,
             )  # fmt: skip
         elif src_al:
             acc_sq, acc_bad = _copy_tiles(
                 src_base_ptr + _aligned_off(src_off, VS), dst_base_ptr + dst_off, n_full,
-                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, BLOCK,
             )  # fmt: skip
         elif dst_al:
             acc_sq, acc_bad = _copy_tiles(
                 src_base_ptr + src_off, dst_base_ptr + _aligned_off(dst_off, VD), n_full,
-                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, BLOCK,
             )  # fmt: skip
         else:
             acc_sq, acc_bad = _copy_tiles(
                 src_base_ptr + src_off, dst_base_ptr + dst_off, n_full,
-                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, BLOCK,
+                lane, ctr_base, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, BLOCK,
             )  # fmt: skip
         src = src_base_ptr + src_off
         dst = dst_base_ptr + dst_off
         for start in range(n_full, n, BLOCK):  # the tail (and None rows)
             offs = start + lane
-            x = tl.load(src + offs, mask=offs < n_src, other=0)
+            if STREAM:
+                x = tl.load(src + offs, mask=offs < n_src, other=0, eviction_policy="evict_first")
+            else:
+                x = tl.load(src + offs, mask=offs < n_src, other=0)
             y = _convert(x, ctr_base + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
-            tl.store(dst + offs, y, mask=offs < n)
+            if STREAM:
+                tl.store(dst + offs, y, mask=offs < n, cache_modifier=".cs")
+            else:
+                tl.store(dst + offs, y, mask=offs < n)
             if STATS:
                 v = _to_f32(y, DST_KIND)  # masked lanes loaded 0 -> contribute 0
                 acc_sq += v * v
@@ -378,7 +482,7 @@ def _rows_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, BLOCK)
+                       ONE_PASS, BLOCK, EPI_W, EPI_CNT64, EPI_G)
 
 
 # ---------------------------------------------------- rows, kernel 2: 2-D tiles, small accumulators
@@ -412,13 +516,13 @@ def _word_sums(w):
 @triton.jit
 def _vec_tile(
     src, dst, offs, mask, ctr, k0, k1, acc_sq, acc_bad,
-    SRC_KIND, DST_KIND, STATS, STOCHASTIC, MASKED: tl.constexpr,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One ``[R, VW]`` tile at ``src`` / ``dst`` of a row aligned on both sides (``offs``: int32 element
     offsets, VW contiguous per tile row, so every access is a whole vector); ``mask`` is ``[R, 1]``, per
     tile row, when MASKED. ``ctr``: the stochastic-rounding counter of the tile's first element."""
-    y = _convert(_load(src + offs, mask, MASKED), ctr + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
-    _store(dst + offs, y, mask, MASKED)
+    y = _convert(_sload(src + offs, mask, MASKED, STREAM), ctr + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+    _sstore(dst + offs, y, mask, MASKED, STREAM)
     if STATS:
         s, c = _row_sums(_to_f32(y, DST_KIND), 1)
         acc_sq += s
@@ -427,10 +531,10 @@ def _vec_tile(
 
 
 @triton.jit
-def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, MASKED: tl.constexpr):
+def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr):
     """One ``[R, 4]`` tile of int32 words (bf16 -> bf16 rows aligned on both sides: a bit copy)."""
-    w = _load(src + offs, mask, MASKED)
-    _store(dst + offs, w, mask, MASKED)
+    w = _sload(src + offs, mask, MASKED, STREAM)
+    _sstore(dst + offs, w, mask, MASKED, STREAM)
     if STATS:
         s, c = _word_sums(w)
         acc_sq += s
@@ -441,17 +545,14 @@ def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, MASKED: tl.constexp
 @triton.jit
 def _scalar_tile(
     src, dst, offs, rem_src, rem, ctr, k0, k1, acc_sq, acc_bad,
-    SRC_KIND, DST_KIND, STATS, STOCHASTIC, MASKED: tl.constexpr,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, MASKED: tl.constexpr,
 ):  # fmt: skip
     """One ``[8, R]`` tile element by element (``offs``: column ``c`` holds elements ``c, c + R, ...``, so a
     warp's accesses are contiguous and load and store share one layout); when MASKED, loads keep
     ``offs < rem_src`` and stores ``offs < rem`` (int32 counts left in the row from the tile's start)."""
-    if MASKED:
-        x = tl.load(src + offs, mask=offs < rem_src, other=0)
-    else:
-        x = tl.load(src + offs)
+    x = _sload(src + offs, offs < rem_src, MASKED, STREAM)
     y = _convert(x, ctr + offs, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
-    _store(dst + offs, y, offs < rem, MASKED)
+    _sstore(dst + offs, y, offs < rem, MASKED, STREAM)
     if STATS:
         s, c = _row_sums(_to_f32(y, DST_KIND), 0)  # masked-out lanes hold 0: they add nothing
         acc_sq += s
@@ -481,6 +582,10 @@ def _rows2_kernel(
     BLOCK: tl.constexpr,
     PACKED: tl.constexpr,
     SCALAR_ROWS: tl.constexpr,
+    STREAM: tl.constexpr,
+    EPI_W: tl.constexpr,
+    EPI_CNT64: tl.constexpr,
+    EPI_G: tl.constexpr,
 ):
     """:func:`_rows_kernel`'s contract (same rows, flags, statistics, counters, reduction), with tiles laid
     out for a read-mostly stream with statistics (``RowsConfig.kernel == 2``; see docs/triton_kernels.md):
@@ -542,23 +647,23 @@ def _rows2_kernel(
                 dst_w = dst_v.to(tl.pointer_type(tl.int32), bitcast=True)
                 for start in range(0, n_full, BLOCK):
                     acc_sq, acc_bad = _word_tile(
-                        src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, False
+                        src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM, False
                     )
                 if n_full < n8:
                     acc_sq, acc_bad = _word_tile(
                         src_w + n_full // 2, dst_w + n_full // 2, word_offs,
-                        vec_rows < (n8 - n_full).to(tl.int32), acc_sq, acc_bad, STATS, True,
+                        vec_rows < (n8 - n_full).to(tl.int32), acc_sq, acc_bad, STATS, STREAM, True,
                     )  # fmt: skip
             else:
                 for start in range(0, n_full, BLOCK):
                     acc_sq, acc_bad = _vec_tile(
                         src_v + start, dst_v + start, vec_offs, None, ctr_base + start, k0, k1, acc_sq, acc_bad,
-                        SRC_KIND, DST_KIND, STATS, STOCHASTIC, False,
+                        SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, False,
                     )  # fmt: skip
                 if n_full < n8:
                     acc_sq, acc_bad = _vec_tile(
                         src_v + n_full, dst_v + n_full, vec_offs, vec_rows < (n8 - n_full).to(tl.int32),
-                        ctr_base + n_full, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, True,
+                        ctr_base + n_full, k0, k1, acc_sq, acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, True,
                     )  # fmt: skip
         # Element by element: whole tiles of rows not aligned on both sides, then every row's rest (the
         # last < VW elements of an aligned row; all of a row without a source, which stores zeros).
@@ -568,14 +673,14 @@ def _rows2_kernel(
         for start in range(n8, s_full, S * R):
             acc_sq, acc_bad = _scalar_tile(
                 src + start, dst + start, sca_offs, 0, 0, ctr_base + start, k0, k1, acc_sq, acc_bad,
-                SRC_KIND, DST_KIND, STATS, STOCHASTIC, False,
+                SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, False,
             )  # fmt: skip
         for start in range(s_full, n, S * R):
             rem_src = tl.minimum(tl.maximum(n_src - start, 0), S * R).to(tl.int32)
             rem = tl.minimum(n - start, S * R).to(tl.int32)
             acc_sq, acc_bad = _scalar_tile(
                 src + start, dst + start, sca_offs, rem_src, rem, ctr_base + start, k0, k1, acc_sq, acc_bad,
-                SRC_KIND, DST_KIND, STATS, STOCHASTIC, True,
+                SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, True,
             )  # fmt: skip
         src_off = nxt_src_off
         dst_off = nxt_dst_off
@@ -583,7 +688,7 @@ def _rows2_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, R)
+                       ONE_PASS, R, EPI_W, EPI_CNT64, EPI_G)
 
 
 @triton.jit
@@ -666,14 +771,47 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic: bool) -> dict[str, Any]:
     """The row kernel's constexprs for this config and dtype pair (kernel 2 also takes PACKED)."""
+    one_pass = cfg.one_pass and stats
     meta = dict(
-        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=cfg.one_pass and stats,
-        STOCHASTIC=stochastic, BLOCK=cfg.block,
+        SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=one_pass, STOCHASTIC=stochastic, BLOCK=cfg.block,
     )  # fmt: skip
     if cfg.kernel == 2:
         meta["PACKED"] = cfg.packed
         meta["SCALAR_ROWS"] = _scalar_rows(cfg, dst_kind)
+    # NOTE: in the kernels' parameter order (benchmarks/triton_offline_sass.py maps constexprs by position).
+    meta["STREAM"] = cfg.stream
+    # the widest variant; _launch_rows narrows EPI_W to the launch's grid
+    meta["EPI_W"] = _EPI_MAX * cfg.warps if one_pass and cfg.epilogue != "loop" else 0
+    meta["EPI_CNT64"] = True
+    meta["EPI_G"] = _TREE_G if one_pass and cfg.epilogue == "tree" else 0
     return meta
+
+
+# A launch of fewer elements than this sums its per-program non-finite counts in int32 in the wide epilogue.
+_CNT32_LIMIT = 2**31
+# NOTE: the wide epilogue's widest chunk, in partials per warp: 128 = 4 fp32 + 4 int32 per thread. Compiled
+# offline for sm_90 (benchmarks/triton_offline_sass.py, Triton 3.9), kernel 2 packed b2048/b4096 on 4 warps
+# keeps its 40 registers (12 programs per SM) up to 512 lanes and takes 50-55 at 1024, 80-90 at 2048: a
+# wider chunk would cost the whole kernel occupancy. A 1056-program grid (132 SMs x 8) is 3 chunks of 512
+# (the loop at kernel 2's b2048 accumulator width: 5 of 256).
+_EPI_MAX = 128
+# NOTE: programs per group of the tree epilogue: one 32-wide load per group, then ~33 group partials for a
+# 1056-program grid (one chunk).
+_TREE_G = 32
+
+
+def _epilogue_meta(meta: dict[str, Any], grid: int, total: int) -> dict[str, Any]:
+    """``meta`` with the wide / tree epilogue sized to this launch: chunks of the next power of two >= the
+    partials to add (``grid``, or its groups for the tree), at least 16 and at most the variant's width, and
+    int64 counts only for a launch of 2**31 elements or more (the tree then runs as ``"wide"``: its group
+    partials are int32)."""
+    if not meta.get("EPI_W"):
+        return meta
+    wide_counts = total >= _CNT32_LIMIT
+    tree = meta.get("EPI_G", 0) if not wide_counts else 0  # group partials are int32: "wide" past 2**31
+    n = -(-grid // tree) if tree else grid
+    width = min(meta["EPI_W"], max(16, triton.next_power_of_2(n)))
+    return {**meta, "EPI_W": width, "EPI_CNT64": wide_counts, "EPI_G": tree}
 
 
 def _scalar_rows(cfg: RowsConfig, dst_kind: int) -> int:
@@ -694,6 +832,8 @@ def _rows_fn(cfg: RowsConfig) -> Any:
 
 
 _STORAGE = {0: torch.float32, 1: torch.int16, 2: torch.float16}
+# One launch's work on the device: (row table, starts or kernel 2's heads, grid, elements in the launch).
+_Work = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
 def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> int:
@@ -750,13 +890,16 @@ def _work(
     flags: np.ndarray,
     device: torch.device,
     meta: dict[str, Any],
-) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """One launch's work on the device: ``(row table, per-program row starts, grid)``; None if no rows.
+) -> _Work | None:
+    """One launch's work on the device: ``(row table, per-program row starts, grid, elements)``; None if no
+    rows.
 
     One program per ``chunk``-element row, or a persistent grid of ``programs_per_sm`` per SM (clamped to
-    the variant's occupancy, and to one tile per program) with an equal share each. Kernel 2 takes
-    per-program *heads* instead of the starts: ``[lo, hi, first row's 4 columns, 0, 0]`` (int64).
+    the variant's occupancy, to one tile per program and to ``min_per_program`` elements per program) with
+    an equal share each: one contiguous run of rows, or (``interleave``) pieces dealt round-robin. Kernel 2
+    takes per-program *heads* instead of the starts: ``[lo, hi, first row's 4 columns, 0, 0]`` (int64).
     """
+    total = int(np.asarray(numel, dtype=np.int64).sum())
     if cfg.programs_per_sm == 0:
         rows = chunk_rows(src_off, dst_off, numel, flags, cfg.chunk)
         starts = np.arange(len(rows) + 1, dtype=np.int32)
@@ -764,14 +907,14 @@ def _work(
         pps = cfg.programs_per_sm
         if device.type == "cuda":
             pps = min(pps, _fit_per_sm(cfg, device, meta))
-        total = int(np.asarray(numel, dtype=np.int64).sum())
-        grid = max(1, min(_sm_count(device) * pps, -(-total // cfg.block)))
-        rows, starts = balanced_rows(src_off, dst_off, numel, flags, grid)
+        grid = max(1, min(_sm_count(device) * pps, -(-total // max(cfg.block, cfg.min_per_program))))
+        pieces = max(1, (total // grid) // cfg.interleave) if cfg.interleave else 1
+        rows, starts = interleaved_rows(src_off, dst_off, numel, flags, grid, pieces)
     if len(rows) == 0:
         return None
     if cfg.kernel == 2:
-        return _upload(rows, device), _upload(_heads(rows, starts), device), len(starts) - 1
-    return _upload(rows, device), _upload(starts, device), len(starts) - 1
+        return _upload(rows, device), _upload(_heads(rows, starts), device), len(starts) - 1, total
+    return _upload(rows, device), _upload(starts, device), len(starts) - 1, total
 
 
 def _heads(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -789,7 +932,7 @@ def _heads(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 def _launch_rows(
     cfg: RowsConfig,
-    work: tuple[torch.Tensor, torch.Tensor, int],
+    work: _Work,
     src_base: torch.Tensor,
     dst_base: torch.Tensor,
     parts: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None,
@@ -798,7 +941,7 @@ def _launch_rows(
 ) -> None:
     """One row-kernel launch. ``parts``: ``(part_sq, part_bad, part_base, counter, stats)`` when the launch
     computes statistics."""
-    table, starts, grid = work
+    table, starts, grid, total = work
     if parts is None:  # unused (STATS=False); typed like real ones: the same compiled variant either way
         device = table.device
         part_sq, stats = _dummy(device, torch.float32), _dummy(device, torch.float32)
@@ -808,7 +951,7 @@ def _launch_rows(
         part_sq, part_bad, part_base, counter, stats = parts
     _rows_fn(cfg)[(grid,)](
         table, starts, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys,
-        num_warps=cfg.warps, **meta,
+        num_warps=cfg.warps, **_epilogue_meta(meta, grid, total),
     )  # fmt: skip
 
 
@@ -820,9 +963,7 @@ class _FlattenPlan:
     """Cached per exact call layout: each dtype group's work and base tensor, and the statistics scratch
     (one partial per program and, for ONE_PASS, the ticket counter, zero between launches)."""
 
-    groups: list[
-        tuple[tuple[torch.Tensor, torch.Tensor, int], int, int]
-    ]  # (work, base index or -1, src kind)
+    groups: list[tuple[_Work, int, int]]  # (work, base index or -1, src kind)
     part_sq: torch.Tensor | None
     part_bad: torch.Tensor | None
     counter: torch.Tensor | None
@@ -931,10 +1072,11 @@ def _flatten_plan(
     part_sq = part_bad = counter = None
     if want_stats and groups:
         grids = [w[2] for w, _, _ in groups]
-        n_parts = max(grids) if cfg.one_pass else sum(grids)
+        # the tree epilogue keeps its group partials after the programs' and a counter per group
+        n_parts = 2 * max(grids) if cfg.one_pass else sum(grids)
         part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
         part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = torch.zeros(1 + max(grids), dtype=torch.int32, device=device)
     return _FlattenPlan(groups, part_sq, part_bad, counter)
 
 
@@ -973,9 +1115,7 @@ def launch_scatter(
         flat.dtype,
         tuple((p.data_ptr(), p.dtype, p.numel()) for p in params),
     )
-    plan: list[tuple[tuple[torch.Tensor, torch.Tensor, int], int, dict[str, Any]]] | None = (
-        _scatter_plans.get(key)
-    )
+    plan: list[tuple[_Work, int, dict[str, Any]]] | None = _scatter_plans.get(key)
     if plan is None:
         plan = _scatter_plan(cfg, flat, params, stochastic)
         _scatter_plans.put(key, plan)
@@ -988,7 +1128,7 @@ def launch_scatter(
 
 def _scatter_plan(
     cfg: RowsConfig, flat: torch.Tensor, params: list[torch.Tensor], stochastic: bool
-) -> list[tuple[tuple[torch.Tensor, torch.Tensor, int], int, dict[str, Any]]]:
+) -> list[tuple[_Work, int, dict[str, Any]]]:
     """Group by parameter dtype; ``[(work, base index in params, kernel constexprs)]``."""
     src_kind, src_es = _KIND[flat.dtype]
     sizes_np = np.asarray([p.numel() for p in params], dtype=np.int64)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHUNK", "PlanCache", "aligned16", "balanced_rows", "chunk_rows"]
+__all__ = ["CHUNK", "PlanCache", "aligned16", "balanced_rows", "chunk_rows", "interleaved_rows"]
 
 # NOTE: the default row length only; the launchers take theirs from the launch config (see _configs.py,
 # where the sizes were measured). Must stay a multiple of 8 (rows keep their entry's 16-byte alignment).
@@ -183,3 +183,40 @@ def balanced_rows(
     owner = (entry_start[r_ent] + r_rel) // share  # nondecreasing
     starts = np.searchsorted(owner, np.arange(parts + 1), side="left").astype(np.int32)
     return rows, starts
+
+
+def interleaved_rows(
+    src_off: np.ndarray,
+    dst_off: np.ndarray,
+    numel: np.ndarray,
+    flags: np.ndarray,
+    parts: int,
+    pieces: int = 1,
+    align: int = 8,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`balanced_rows` for ``parts`` programs, each share cut into ``pieces`` pieces dealt round-robin.
+
+    The group is cut into ``parts * pieces`` equal pieces (as :func:`balanced_rows` cuts it); program ``p``
+    owns pieces ``p, p + parts, p + 2 * parts, ...``, whose rows are stored back to back in that order, so
+    ``starts`` keeps its meaning (program ``p``: rows ``starts[p]`` to ``starts[p + 1]``). At any moment the
+    programs then work in one ``parts``-piece window of the bucket rather than in ``parts`` distant places.
+    ``pieces == 1`` is :func:`balanced_rows` itself.
+
+    Returns:
+        ``(rows [R, 4] int64, starts [parts + 1] int32)``.
+    """
+    rows, pstarts = balanced_rows(src_off, dst_off, numel, flags, parts * pieces, align)
+    if pieces == 1 or len(rows) == 0:
+        return rows, pstarts
+    pstarts = pstarts.astype(np.int64)
+    # piece q = k * parts + p goes to program p, as its k-th piece
+    order = np.arange(parts * pieces, dtype=np.int64).reshape(pieces, parts).T.reshape(-1)
+    counts = (pstarts[1:] - pstarts[:-1])[order]
+    first = pstarts[:-1][order]
+    # row indices of the pieces in the new order: first[i], first[i] + 1, ..., first[i] + counts[i] - 1
+    out_start = np.cumsum(counts) - counts
+    idx = np.repeat(first - out_start, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    per_prog = counts.reshape(parts, pieces).sum(axis=1)
+    starts = np.zeros(parts + 1, dtype=np.int32)
+    starts[1:] = np.cumsum(per_prog)
+    return rows[idx], starts

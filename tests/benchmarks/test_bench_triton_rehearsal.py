@@ -61,3 +61,35 @@ def test_suggested_table_round_trips_kernel_2() -> None:
     exec(src.replace("HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] =", "HEURISTIC ="), ns)
     assert ns["HEURISTIC"] == {"flatten": ((1000, cfgs[0]), (None, cfgs[1]))}
     assert "kernel=2, packed=True" in src and src.count("kernel=") == 1
+
+
+def test_suggested_table_round_trips_fixed_cost_fields() -> None:
+    """A winner with the fixed-cost fields (wide epilogue, stream, min_per_program, interleave) survives the
+    record -> table -> Python source trip; fields at their defaults are not printed."""
+    import importlib.util
+    from dataclasses import asdict
+
+    from hf_superoffload.triton_kernels._configs import RowsConfig
+
+    spec = importlib.util.spec_from_file_location("bench_triton", BENCH)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_triton"] = bench
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.modules.pop("bench_triton", None)
+    cfgs = [
+        RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, epilogue="wide", stream=True, min_per_program=16384,
+                   interleave=8192),
+        RowsConfig(0, 1024, 4, 8, epilogue="wide"),
+        RowsConfig(4096, 1024, 4, 0, one_pass=False),
+    ]  # fmt: skip
+    table = {"flatten": [{"max_elements": b, **asdict(c), "mean_frac": 0.9} for b, c in
+                         zip((1000, 5000, None), cfgs)]}  # fmt: skip
+    assert [bench.config_of(e) for e in table["flatten"]] == cfgs
+    src = bench.heuristic_source(table)
+    ns: dict[str, object] = {"RowsConfig": RowsConfig}
+    exec(src.replace("HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] =", "HEURISTIC ="), ns)
+    assert ns["HEURISTIC"] == {"flatten": ((1000, cfgs[0]), (5000, cfgs[1]), (None, cfgs[2]))}
+    assert src.count("epilogue=") == 2 and src.count("stream=") == 1 and src.count("interleave=") == 1

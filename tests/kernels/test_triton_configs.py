@@ -21,9 +21,14 @@ from hf_superoffload.triton_kernels._configs import HEURISTIC, LEGACY, RowsConfi
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=-1), "programs_per_sm"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, kernel=3), "kernel"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, packed=True), "packed"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, epilogue="fast"), "epilogue"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, min_per_program=100), "min_per_program"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, interleave=-8), "interleave"),
+        (dict(chunk=4096, block=1024, warps=4, programs_per_sm=0, interleave=8192), "interleave"),
+        (dict(chunk=4096, block=1024, warps=4, programs_per_sm=0, min_per_program=8192), "min_per_program"),
     ],
 )
-def test_rows_config_rejects(kwargs: dict[str, int], field: str) -> None:
+def test_rows_config_rejects(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=rf"RowsConfig\.{field}="):
         RowsConfig(**kwargs)
 
@@ -87,12 +92,26 @@ def test_sweep_candidates() -> None:
     flatten = _configs.sweep_candidates("flatten")
     assert any(not c.one_pass and c.programs_per_sm for c in flatten)
     assert any(c.kernel == 2 and c.packed for c in flatten) and any(c.kernel == 2 and not c.packed for c in flatten)
+    # issue #4's fixed-cost variants, on kernel 2 and kernel 1
+    for k in (1, 2):
+        mine = [c for c in flatten if c.kernel == k]
+        assert any(c.epilogue == "wide" for c in mine) and any(c.epilogue == "tree" for c in mine)
+        assert any(c.stream for c in mine)
+        assert any(c.interleave for c in mine)
+    assert any(c.min_per_program for c in flatten) and any(c.block == 8192 for c in flatten)
+    assert all(c in flatten for _, c in HEURISTIC["flatten"])
 
 
 def test_tags_name_kernel_2() -> None:
     assert RowsConfig(0, 2048, 4, 8).tag == "p8/b2048/w4/1p"
     assert RowsConfig(0, 4096, 4, 8, kernel=2).tag == "p8/b4096/w4/1p/k2"
     assert RowsConfig(0, 4096, 4, 8, one_pass=False, kernel=2, packed=True).tag == "p8/b4096/w4/2p/k2w"
+    wide = RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, epilogue="wide", stream=True, min_per_program=16384,
+                      interleave=8192)  # fmt: skip
+    assert wide.tag == "p8/b2048/w4/1p/k2w/ew/s/m16k/i8k"
+    assert RowsConfig(4096, 1024, 4, 0, stream=True).tag == "c4096/b1024/w4/1p/s"
+    assert RowsConfig(0, 1024, 4, 8, epilogue="tree").tag == "p8/b1024/w4/1p/et"
+    assert RowsConfig(0, 1024, 4, 8, interleave=1000).tag == "p8/b1024/w4/1p/i1000"
 
 
 # ------------------------------------------------------------------------------- the hash twin
@@ -160,3 +179,40 @@ def test_balanced_rows_cover_align_and_balance(trial: int) -> None:
         share = -(-share // 8) * 8
         per = [int(rows[starts[p] : starts[p + 1], 3].sum()) for p in range(parts)]
         assert sum(per) == numel.sum() and max(per) <= share + 7, (per, share)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_interleaved_rows_deal_pieces_round_robin(trial: int) -> None:
+    """The rows of ``parts * pieces`` balanced pieces, program ``p`` owning pieces ``p, p + parts, ...`` in that
+    order: the same rows as balanced_rows, reordered; shares balanced as before."""
+    import numpy as np
+    from hf_superoffload.triton_kernels._tables import balanced_rows, interleaved_rows
+
+    rng = np.random.default_rng(100 + trial)
+    for _ in range(30):
+        k = int(rng.integers(1, 10))
+        numel = rng.integers(0, 3000, k)
+        numel[int(rng.integers(0, k))] = int(rng.integers(0, 100_000))
+        parts, pieces = int(rng.integers(1, 20)), int(rng.integers(1, 6))
+        src = rng.integers(0, 10**6, k) * 8
+        dst = np.cumsum(numel) - numel + 5
+        flags = rng.integers(0, 8, k)
+        rows, starts = interleaved_rows(src, dst, numel, flags, parts, pieces)
+        ref_rows, ref_starts = balanced_rows(src, dst, numel, flags, parts * pieces)
+        assert len(starts) == parts + 1 and starts[0] == 0 and starts[-1] == len(rows) == len(ref_rows)
+        want = []
+        for p in range(parts):
+            mine = np.concatenate(
+                [ref_rows[ref_starts[q] : ref_starts[q + 1]] for q in range(p, parts * pieces, parts)]
+            )
+            assert np.array_equal(rows[starts[p] : starts[p + 1]], mine), (p, parts, pieces)
+            want.append(int(mine[:, 3].sum()) if len(mine) else 0)
+        assert sum(want) == numel.sum()
+        if numel.sum() >= 8 * parts * pieces:
+            share = -(-int(numel.sum()) // (parts * pieces))
+            assert max(want) <= pieces * (-(-share // 8) * 8 + 7)
+    # pieces == 1 is balanced_rows itself
+    numel = np.asarray([100, 3, 5000])
+    a = interleaved_rows(np.zeros(3), np.cumsum(numel) - numel, numel, np.zeros(3), 7, 1)
+    b = balanced_rows(np.zeros(3), np.cumsum(numel) - numel, numel, np.zeros(3), 7)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])

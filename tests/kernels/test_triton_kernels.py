@@ -37,18 +37,56 @@ else:
 
 BIG = 2**20 + 3  # the large odd size; keep the interpreter time sane (~1 s per kernel call)
 
-# Every launch config the size table or the benchmark sweep can pick, each forced in turn below.
-ALL_CONFIGS = sorted(
-    {c for fam in _configs.FAMILIES for c in _configs.sweep_candidates(fam)}
-    | {c for fam in _configs.FAMILIES for _, c in _configs.HEURISTIC[fam]},
-    key=lambda c: c.tag,
-)
-# Kernel 2's configs, plus small tiles on one or two warps (many tiles, rows and programs on small inputs;
-# one program per 512-element row with a second reduction launch).
-K2_CONFIGS = [c for c in ALL_CONFIGS if c.kernel == 2] + [
+
+
+def _family_configs(*families: str) -> list[_configs.RowsConfig]:
+    """Every launch config the size tables or the benchmark sweep can pick for these op families."""
+    return sorted(
+        {c for fam in families for c in _configs.sweep_candidates(fam)}
+        | {c for fam in families for _, c in _configs.HEURISTIC[fam]},
+        key=lambda c: c.tag,
+    )
+
+
+# Each forced in turn below, per op (each family has its own table: a flatten config never runs a scatter).
+FLATTEN_CONFIGS = _family_configs("flatten")
+SCATTER_CONFIGS = _family_configs("scatter", "scatter_sr")
+ALL_CONFIGS = sorted(set(FLATTEN_CONFIGS) | set(SCATTER_CONFIGS), key=lambda c: c.tag)
+_NEW_FIELDS_AT_DEFAULT = dict(epilogue="loop", stream=False, min_per_program=0, interleave=0)
+# Kernel 2's configs (those of the fixed-cost variants through SMALL_VARIANTS below: they leave kernel 2's
+# tile paths as they are), plus small tiles on one or two warps (many tiles, rows and programs on small
+# inputs; one program per 512-element row with a second reduction launch).
+K2_CONFIGS = [
+    c
+    for c in ALL_CONFIGS
+    if c.kernel == 2 and all(getattr(c, f) == v for f, v in _NEW_FIELDS_AT_DEFAULT.items())
+] + [
     _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True),
     _configs.RowsConfig(0, 256, 2, 8, kernel=2),
     _configs.RowsConfig(512, 256, 2, 0, one_pass=False, kernel=2, packed=True),
+]
+# The fixed-cost variants (epilogue, stream, min_per_program, interleave) at sizes where they act on the small
+# forced-config layouts (2 stand-in SMs under the interpreter): programs with several interleaved pieces, a grid
+# capped by min_per_program, a wide epilogue over one program per 512-element row.
+SMALL_VARIANTS = [
+    _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True, epilogue="wide", interleave=128),
+    _configs.RowsConfig(0, 256, 2, 8, epilogue="tree", interleave=256),
+    _configs.RowsConfig(0, 256, 2, 4, epilogue="wide", stream=True, interleave=256, min_per_program=1024),
+    _configs.RowsConfig(512, 256, 2, 0, kernel=2, packed=True, epilogue="wide", stream=True),
+    _configs.RowsConfig(0, 256, 2, 8, kernel=2, stream=True, min_per_program=2048),
+]
+K2_CONFIGS += [c for c in SMALL_VARIANTS if c.kernel == 2]
+# The fixed-cost variants on large tiles, for the 2**20 + 3 flatten, with a source dtype: kernel 1 with
+# several pieces per program (16 programs under the interpreter), kernel 2 on a grid of 4 capped by
+# min_per_program, each program with several pieces.
+BIG_VARIANTS = [
+    (_configs.RowsConfig(0, 4096, 4, 8, epilogue="wide", stream=True, interleave=8192), torch.float32),
+    (
+        _configs.RowsConfig(
+            0, 8192, 4, 8, kernel=2, packed=True, epilogue="wide", min_per_program=262144, interleave=8192
+        ),
+        torch.bfloat16,
+    ),
 ]
 
 
@@ -307,7 +345,7 @@ class _KernelChecks:
         chunk = cfg.chunk or 4 * cfg.block
         return [1, 127, *small, 2 * chunk + 5, cfg.block * 3, chunk + cfg.block // 2 + 1, 8]
 
-    @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.tag)
+    @pytest.mark.parametrize("cfg", FLATTEN_CONFIGS + SMALL_VARIANTS, ids=lambda c: c.tag)
     def test_flatten_forced_config(self, cfg: _configs.RowsConfig) -> None:
         sizes = self._mixed_layout(cfg, 21)
         gen = self.gen(22)
@@ -341,7 +379,7 @@ class _KernelChecks:
             assert torch.equal(out32, exp32)
 
     @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy fp16 casts (interpreter)
-    @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.tag)
+    @pytest.mark.parametrize("cfg", SCATTER_CONFIGS + SMALL_VARIANTS, ids=lambda c: c.tag)
     def test_scatter_forced_config(self, cfg: _configs.RowsConfig) -> None:
         sizes = self._mixed_layout(cfg, 23)
         gen = self.gen(24)
@@ -365,6 +403,84 @@ class _KernelChecks:
             for p, e in zip(params, exp):
                 if p.dtype == torch.bfloat16:
                     assert_bf16_bitwise(p, _slice_of(flat, params, p), e)
+
+    # ---- the fixed-cost variants on the large odd size, and the wide epilogue's loop and int64 counts
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the interpreter
+    @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+    @pytest.mark.parametrize(("cfg", "src_dtype"), BIG_VARIANTS, ids=lambda x: getattr(x, "tag", str(x)))
+    def test_flatten_big_variants(self, cfg: _configs.RowsConfig, src_dtype: torch.dtype) -> None:
+        """2**20 + 3 elements after a 1- and a 127-element entry (odd bucket offsets), NaN / +-Inf / the largest
+        finite value at both ends and inside, 100 NaNs in one program: bucket bits, exact count, then the sum
+        against float64 without them."""
+        gen = self.gen(41)
+        sizes = [1, 127, BIG, 8]
+        host = [torch.randn(n, generator=gen).to(src_dtype) for n in sizes]
+        host[1][5] = float("inf")
+        host[2][0], host[2][BIG // 2] = float("nan"), float("-inf")
+        host[2][BIG - 1], host[3][7] = 3.0e38, float("inf")
+        host[2][1000:1100] = float("nan")  # one program counts 100
+        grads = [self.t(g) for g in host]
+        with _configs.forced(flatten=cfg):
+            out = self.t(torch.full((sum(sizes),), 7.0, dtype=torch.bfloat16))
+            stats = self.t(torch.tensor([0.5, 2.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+            assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+            exp, exp_stats = torch.empty_like(out), self.t(torch.tensor([0.5, 2.0]))
+            ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
+            nan = exp.isnan()
+            assert torch.equal(out.isnan(), nan)
+            assert torch.equal(out.view(torch.int16)[~nan], exp.view(torch.int16)[~nan])
+            # 3.0e38 stays finite in bf16 (its square does not in fp32): 104 counted + the start value 2
+            assert stats[1].item() == exp_stats[1].item() == 2 + 104 and torch.isnan(stats[0])
+            # finite values only: the sum against float64 (run-to-run bits: the forced-config tests)
+            host[1][5] = host[2][0] = host[2][BIG // 2] = host[2][BIG - 1] = host[3][7] = 1.5
+            host[2][1000:1100] = -0.25
+            st = self.t(torch.zeros(2))
+            tk.flatten_grads_with_stats_([self.t(g) for g in host], sizes, out, st)
+            f = torch.cat([g.to(torch.bfloat16).double() for g in host])
+            torch.testing.assert_close(st[0].double().cpu(), (f * f).sum(), rtol=1e-5, atol=0.0)
+            assert st[1].item() == 0.0
+
+    @pytest.mark.parametrize("cnt64", [False, True])
+    @pytest.mark.parametrize("epilogue", ["wide", "tree"])
+    def test_flatten_epilogue_loops_and_wide_counts(
+        self, epilogue: str, cnt64: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The wide epilogue narrowed to 16 partials per round (a grid of one program per 256-element row
+        loops over them); the tree in groups of 2 (20 groups, the last of one program, two rounds of 16 at the top;
+        past 2**31 elements it runs as the wide one); int32 or int64 count sums: the twin's statistics,
+        counters reset between calls."""
+        from hf_superoffload.triton_kernels import _kernels
+
+        monkeypatch.setattr(_kernels, "_EPI_MAX", 8)  # per warp: 16 on 2 warps
+        monkeypatch.setattr(_kernels, "_TREE_G", 2)
+        if cnt64:
+            monkeypatch.setattr(_kernels, "_CNT32_LIMIT", 0)
+        cfg = _configs.RowsConfig(256, 256, 2, 0, kernel=2, packed=True, epilogue=epilogue)
+        gen = self.gen(43)
+        sizes = [300, 4099, 1, 2560, 77, 2051]  # 1 + 17 + 1 + 10 + 1 + 9 = 39 programs
+        host = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+        for e, i, v in [(0, 0, float("inf")), (1, 4098, float("nan")), (3, 1000, float("-inf")), (4, 76, float("inf"))]:
+            host[e][i] = v
+        grads = [self.t(g) for g in host]
+        with _configs.forced(flatten=cfg):
+            for _ in range(2):
+                out = self.t(torch.empty(sum(sizes), dtype=torch.bfloat16))
+                stats = self.t(torch.tensor([0.5, 3.0]))
+                tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+                assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+                exp, exp_stats = torch.empty_like(out), self.t(torch.tensor([0.5, 3.0]))
+                ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
+                assert stats[1].item() == exp_stats[1].item() == 3 + 4 and torch.isnan(stats[0])
+            host[1][4098] = host[0][0] = host[3][1000] = host[4][76] = 0.5
+            grads = [self.t(g) for g in host]
+            stats = self.t(torch.tensor([0.5, 3.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+            exp_stats = self.t(torch.tensor([0.5, 3.0]))
+            ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
+            assert_stats(stats, exp_stats)
+            assert torch.equal(out.view(torch.int16), exp.view(torch.int16))
 
     # ---- kernel 2: non-finite values where its paths meet
 
