@@ -422,21 +422,13 @@ class _KernelChecks:
         host[2][1000:1100] = float("nan")  # one program counts 100
         grads = [self.t(g) for g in host]
         with _configs.forced(flatten=cfg):
-            out = self.t(torch.full((sum(sizes),), 7.0, dtype=torch.bfloat16))
-            stats = self.t(torch.tensor([0.5, 2.0]))
-            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
-            assert tk.last_backend("flatten_grads_with_stats_") == "triton"
-            exp, exp_stats = torch.empty_like(out), self.t(torch.tensor([0.5, 2.0]))
-            ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
-            nan = exp.isnan()
-            assert torch.equal(out.isnan(), nan)
-            assert torch.equal(out.view(torch.int16)[~nan], exp.view(torch.int16)[~nan])
-            # 3.0e38 stays finite in bf16 (its square does not in fp32): 104 counted + the start value 2
-            assert stats[1].item() == exp_stats[1].item() == 2 + 104 and torch.isnan(stats[0])
+            stats, exp_stats = self._k2_run(grads, sizes)  # bucket bits, NaN-ness, statistics against the twin
+            # 3.0e38 stays finite in bf16 (its square does not in fp32): 104 counted + the start value 1
+            assert stats[1].item() == exp_stats[1].item() == 1 + 104 and torch.isnan(stats[0])
             # finite values only: the sum against float64 (run-to-run bits: the forced-config tests)
             host[1][5] = host[2][0] = host[2][BIG // 2] = host[2][BIG - 1] = host[3][7] = 1.5
             host[2][1000:1100] = -0.25
-            st = self.t(torch.zeros(2))
+            out, st = self.t(torch.empty(sum(sizes), dtype=torch.bfloat16)), self.t(torch.zeros(2))
             tk.flatten_grads_with_stats_([self.t(g) for g in host], sizes, out, st)
             f = torch.cat([g.to(torch.bfloat16).double() for g in host])
             torch.testing.assert_close(st[0].double().cpu(), (f * f).sum(), rtol=1e-5, atol=0.0)
