@@ -32,6 +32,10 @@ Aimed at the fixed costs and the memory system (issue #4's last item; docs/trito
   the data is touched once, so it should not displace what stays in L2.
 * ``min_per_program``: a persistent grid gets at most ``ceil(elements / min_per_program)`` programs (0: a
   tile each), so a small bucket runs fewer, longer programs: fewer partials, atomics and start-ups.
+* ``realign`` (kernel 2, packed): bf16 -> bf16 rows that are not 16-byte aligned on both sides (an entry
+  at an odd bucket offset) move whole 16-byte vectors too: aligned on the destination, each built from two
+  aligned source vectors shifted by the row's phase difference, instead of element by element (8 2-byte
+  loads and 8 2-byte stores per 16 bytes). docs/triton_kernels.md, "Per-byte costs in the SASS".
 * ``interleave``: on a persistent grid, each program's share is cut into pieces of about this many
   elements, dealt round-robin over the programs (piece ``i`` to program ``i % grid``), so at any moment the
   grid streams through one region of memory instead of ``grid`` distant ones (0: one contiguous share).
@@ -84,6 +88,7 @@ class RowsConfig:
     stream: bool = False
     min_per_program: int = 0
     interleave: int = 0
+    realign: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, fix: str) -> ValueError:
@@ -107,6 +112,8 @@ class RowsConfig:
             raise bad("kernel", self.kernel, "use 1 (_rows_kernel) or 2 (_rows2_kernel)")
         if self.packed and self.kernel != 2:
             raise bad("packed", self.packed, "use packed=True only with kernel=2")
+        if self.realign and not (self.kernel == 2 and self.packed):
+            raise bad("realign", self.realign, "use realign=True only with kernel=2 and packed=True")
         if self.epilogue not in EPILOGUES:
             raise bad("epilogue", self.epilogue, f"use one of {EPILOGUES}")
         if self.min_per_program < 0 or self.min_per_program % 8:
@@ -125,13 +132,15 @@ class RowsConfig:
     def tag(self) -> str:
         """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
         kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``; then ``/ew`` (wide
-        epilogue; ``/et`` tree), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave)."""
+        epilogue; ``/et`` tree), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave),
+        ``/ra`` (realign)."""
         grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
         k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
         extra = {"loop": "", "wide": "/ew", "tree": "/et"}[self.epilogue]
         extra += "/s" if self.stream else ""
         extra += f"/m{_k(self.min_per_program)}" if self.min_per_program else ""
         extra += f"/i{_k(self.interleave)}" if self.interleave else ""
+        extra += "/ra" if self.realign else ""
         return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}{k}{extra}"
 
 
@@ -305,6 +314,12 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="wide", interleave=8192),
             RowsConfig(0, 1024, 4, 16, epilogue="wide", stream=True, interleave=4096),
+            # per-byte cost: rows not aligned on both sides (the odd layout from 64 MB up) as whole 16-byte
+            # vectors instead of 2-byte loads and stores (docs/triton_kernels.md, "Per-byte costs in the
+            # SASS"), on the session 7 winners of kernel 2
+            RowsConfig(0, 2048, 4, 8, realign=True, **k2w),
+            RowsConfig(0, 2048, 4, 8, epilogue="wide", min_per_program=16384, realign=True, **k2w),
+            RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, realign=True, **k2w),
         ]
     else:
         cands = list(base)
@@ -315,6 +330,8 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             # many short rows in program order won from 64 MB up (c4096): the persistent grid interleaved
             RowsConfig(0, 2048, 4, 8, kernel=2, interleave=8192),
             RowsConfig(4096, 1024, 4, 0, one_pass=False, stream=True),
+            # bf16 -> bf16 from a flat buffer at odd offsets as whole vectors (realign)
+            RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, realign=True),
         ]
     if family == "scatter_sr":
         cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048 and c.programs_per_sm != 16]]

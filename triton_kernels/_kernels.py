@@ -543,6 +543,96 @@ def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.
 
 
 @triton.jit
+def _cols(w):
+    """The 4 columns of an ``[R, 4]`` int32 tile as ``[R]`` tensors (register renaming within a thread)."""
+    e0, e1 = tl.split(tl.reshape(w, [w.shape[0], 2, 2]))  # (w0, w2), (w1, w3)
+    w0, w2 = tl.split(e0)
+    w1, w3 = tl.split(e1)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _pick(w0, w1, w2, w3, w4, w5, w6, w7, K: tl.constexpr):
+    """Word ``K`` (a constexpr) of eight."""
+    if K == 0:  # noqa: SIM116 (a dict of tensors does not compile in a Triton kernel)
+        return w0
+    elif K == 1:
+        return w1
+    elif K == 2:
+        return w2
+    elif K == 3:
+        return w3
+    elif K == 4:
+        return w4
+    elif K == 5:
+        return w5
+    elif K == 6:
+        return w6
+    else:
+        return w7
+
+
+@triton.jit
+def _halves(w0, w1, w2, w3, w4, w5, w6, w7, H: tl.constexpr):
+    """The int32 word made of bf16 halves ``H`` (low) and ``H + 1`` (high) of the 16 halves in words
+    ``w0..w7`` (half ``2 i`` is the low half of word ``i``): a word of its own when ``H`` is even, else the
+    high half of one word and the low half of the next."""
+    if H % 2 == 0:
+        return _pick(w0, w1, w2, w3, w4, w5, w6, w7, H // 2)
+    else:
+        lo = _pick(w0, w1, w2, w3, w4, w5, w6, w7, H // 2)
+        hi = _pick(w0, w1, w2, w3, w4, w5, w6, w7, H // 2 + 1)
+        return ((lo >> 16) & 0xFFFF) | (hi << 16)
+
+
+@triton.jit
+def _shift_words(a, b, D: tl.constexpr):
+    """``[R, 4]`` words holding bf16 halves ``D .. D + 7`` of each row's 16 halves ``a ++ b`` (D in 1..7)."""
+    a0, a1, a2, a3 = _cols(a)
+    b0, b1, b2, b3 = _cols(b)
+    o0 = _halves(a0, a1, a2, a3, b0, b1, b2, b3, D)
+    o1 = _halves(a0, a1, a2, a3, b0, b1, b2, b3, D + 2)
+    o2 = _halves(a0, a1, a2, a3, b0, b1, b2, b3, D + 4)
+    o3 = _halves(a0, a1, a2, a3, b0, b1, b2, b3, D + 6)
+    return tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), [a.shape[0], 4])
+
+
+@triton.jit
+def _shift_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr, D: tl.constexpr):
+    """One ``[R, 4]`` word tile of a bf16 -> bf16 row whose source is ``D`` halves (1..7) past a 16-byte
+    boundary when its destination is on one (``RowsConfig.realign``): destination vector row ``r`` is
+    halves ``D .. D + 7`` of source vectors ``r`` and ``r + 1``, two aligned 16-byte loads (the second
+    is the next row's first: an L1 hit, no extra DRAM traffic) and one aligned 16-byte store."""
+    a = _sload(src + offs, mask, MASKED, STREAM)
+    b = _sload(src + 4 + offs, mask, MASKED, STREAM)
+    w = _shift_words(a, b, D)
+    _sstore(dst + offs, w, mask, MASKED, STREAM)
+    if STATS:
+        s, c = _word_sums(w)
+        acc_sq += s
+        acc_bad += c
+    return acc_sq, acc_bad
+
+
+@triton.jit
+def _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS, STREAM, BLOCK: tl.constexpr,
+                D: tl.constexpr):
+    """``nve`` elements (whole vectors) of a realigned row (:func:`_shift_tile`): whole tiles unmasked, then
+    one tile masked per vector row. ``src_w`` / ``dst_w``: int32 pointers at 16-byte boundaries."""
+    n_full = (nve // BLOCK) * BLOCK
+    for start in range(0, n_full, BLOCK):
+        acc_sq, acc_bad = _shift_tile(
+            src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM, False, D
+        )
+    if n_full < nve:
+        acc_sq, acc_bad = _shift_tile(
+            src_w + n_full // 2, dst_w + n_full // 2, word_offs, vec_rows < (nve - n_full).to(tl.int32),
+            acc_sq, acc_bad, STATS, STREAM, True, D,
+        )  # fmt: skip
+    return acc_sq, acc_bad
+
+
+@triton.jit
 def _scalar_tile(
     src, dst, offs, rem_src, rem, ctr, k0, k1, acc_sq, acc_bad,
     SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, MASKED: tl.constexpr,
@@ -582,6 +672,7 @@ def _rows2_kernel(
     BLOCK: tl.constexpr,
     PACKED: tl.constexpr,
     SCALAR_ROWS: tl.constexpr,
+    REALIGN: tl.constexpr,
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
@@ -601,6 +692,10 @@ def _rows2_kernel(
       tile masked per vector row (a row-uniform mask keeps the vector accesses);
     * PACKED (bf16 -> bf16): aligned rows move int32 words (two bf16), and the statistics work on the
       packed bits (:func:`_word_sums`);
+    * REALIGN (with PACKED, bf16 -> bf16): a row that is not aligned on both sides still moves whole
+      16-byte vectors: aligned on the destination, each built from two aligned source vectors shifted by
+      the row's phase difference (:func:`_shift_tile`); only a head of < 16 elements and a tail of < 24
+      go element by element;
     * program ``pid``'s first row comes with its row range in one record ``heads[pid] = [lo, hi, src_off,
       dst_off, flags, n, 0, 0]``: one dependent load fewer before the first tile;
     * ONE_PASS: the last program loads ``stats`` together with the partials.
@@ -617,6 +712,7 @@ def _rows2_kernel(
     VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
     VD: tl.constexpr = 4 if DST_KIND == 0 else 8
     WORDS: tl.constexpr = PACKED and SRC_KIND == 1 and DST_KIND == 1
+    SHIFTED: tl.constexpr = REALIGN and WORDS
     S: tl.constexpr = SCALAR_ROWS  # element-by-element tiles are [S, R]: S * R elements
     r_idx = tl.arange(0, R)
     vec_rows = r_idx[:, None] * VW  # [R, 1]: first element of each row of a vector tile
@@ -669,8 +765,63 @@ def _rows2_kernel(
         # last < VW elements of an aligned row; all of a row without a source, which stores zeros).
         src = src_base_ptr + src_off
         dst = dst_base_ptr + dst_off
-        s_full = tl.where(both_al, n8, (n_src // (S * R)) * (S * R))
-        for start in range(n8, s_full, S * R):
+        if SHIFTED:
+            # Rows not aligned on both sides, in row-relative elements: source vectors start at hs, the
+            # destination's at hd; destination vector j0 + 8 m (j0 = hs + d) is halves d .. d + 7 of source
+            # vectors hs + 8 m and hs + 8 (m + 1), all inside the row; [0, j0) and [j0 + 8 nv, n) go
+            # element by element (head here, the rest below).
+            hs = ((-src_off) & 7).to(tl.int32)  # offsets count from 16-byte-aligned bases
+            d = (((-dst_off) & 7).to(tl.int32) - hs) & 7
+            j0 = hs + d
+            nv = tl.where(both_al, 0, tl.maximum(n_src - hs - 8, 0) // 8)
+            e0 = tl.where(both_al, n8, 0)
+            if nv > 0:
+                acc_sq, acc_bad = _scalar_tile(
+                    src, dst, sca_offs, j0, j0, ctr_base, k0, k1, acc_sq, acc_bad,
+                    SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, True,
+                )  # fmt: skip
+                src_w = (src_base_ptr + _aligned_off(src_off + hs, VS)).to(tl.pointer_type(tl.int32), bitcast=True)
+                dst_w = (dst_base_ptr + _aligned_off(dst_off + j0, VD)).to(tl.pointer_type(tl.int32), bitcast=True)
+                nve = nv * 8
+                if d == 0:  # the same phase on both sides: plain word tiles
+                    n_full = (nve // BLOCK) * BLOCK
+                    for start in range(0, n_full, BLOCK):
+                        acc_sq, acc_bad = _word_tile(
+                            src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM,
+                            False,
+                        )  # fmt: skip
+                    if n_full < nve:
+                        acc_sq, acc_bad = _word_tile(
+                            src_w + n_full // 2, dst_w + n_full // 2, word_offs,
+                            vec_rows < (nve - n_full).to(tl.int32), acc_sq, acc_bad, STATS, STREAM, True,
+                        )  # fmt: skip
+                elif d == 1:
+                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                  STREAM, BLOCK, 1)
+                elif d == 2:
+                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                  STREAM, BLOCK, 2)
+                elif d == 3:
+                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                  STREAM, BLOCK, 3)
+                elif d == 4:
+                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                  STREAM, BLOCK, 4)
+                elif d == 5:
+                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                  STREAM, BLOCK, 5)
+                elif d == 6:
+                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                  STREAM, BLOCK, 6)
+                else:
+                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                  STREAM, BLOCK, 7)
+                e0 = (j0 + nve).to(e0.dtype)
+            s_full = e0 + ((n_src - e0) // (S * R)) * (S * R)
+        else:
+            e0 = n8
+            s_full = tl.where(both_al, n8, (n_src // (S * R)) * (S * R))
+        for start in range(e0, s_full, S * R):
             acc_sq, acc_bad = _scalar_tile(
                 src + start, dst + start, sca_offs, 0, 0, ctr_base + start, k0, k1, acc_sq, acc_bad,
                 SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, False,
@@ -778,6 +929,7 @@ def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic
     if cfg.kernel == 2:
         meta["PACKED"] = cfg.packed
         meta["SCALAR_ROWS"] = _scalar_rows(cfg, dst_kind)
+        meta["REALIGN"] = cfg.realign
     # NOTE: in the kernels' parameter order (benchmarks/triton_offline_sass.py maps constexprs by position).
     meta["STREAM"] = cfg.stream
     # the widest variant; _launch_rows narrows EPI_W to the launch's grid

@@ -76,6 +76,13 @@ SMALL_VARIANTS = [
     _configs.RowsConfig(0, 256, 2, 8, kernel=2, stream=True, min_per_program=2048),
 ]
 K2_CONFIGS += [c for c in SMALL_VARIANTS if c.kernel == 2]
+# realign (rows not aligned on both sides as whole vectors) on small tiles: many vector rows, a masked last
+# tile, and one program per 512-element row with a second reduction launch
+REALIGN_CONFIGS = [
+    _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True, realign=True),
+    _configs.RowsConfig(512, 256, 2, 0, one_pass=False, kernel=2, packed=True, realign=True),
+]
+K2_CONFIGS += REALIGN_CONFIGS
 # The fixed-cost variants on large tiles, for the 2**20 + 3 flatten, with a source dtype: kernel 1 with
 # several pieces per program (16 programs under the interpreter), kernel 2 on a grid of 4 capped by
 # min_per_program, each program with several pieces.
@@ -559,6 +566,55 @@ class _KernelChecks:
                 g32[e][i] = v
             s, e_ = self._k2_run([self.t(g) for g in g32], sizes)
             assert torch.isnan(s[0]) and s[1].item() == e_[1].item() == 1 + 4
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, under the interpreter
+    @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+    @pytest.mark.parametrize("cfg", REALIGN_CONFIGS, ids=lambda c: c.tag)
+    @pytest.mark.parametrize("bucket_start", range(8))
+    def test_flatten_realign_phases(self, cfg: _configs.RowsConfig, bucket_start: int) -> None:
+        """bf16 gradients that are views at every phase of a 16-byte vector, into a bucket at every phase:
+        each source / destination phase difference (realign's shifts 0..7). NaN / +-Inf at the first and
+        last element of entries, around the head (< 16 elements), the vector run and the tail; bucket bits
+        and exact counts against the twin, deterministic statistics."""
+        gen = self.gen(51 + bucket_start)
+        sizes = [700, 1, 613, 1000, 37, 2 * cfg.block + 11, 16, 23, 24, cfg.block + 9]
+        buf = torch.randn(sum(sizes) + 8 * len(sizes), generator=gen).bfloat16()
+        views, at = [], 0
+        for i, n in enumerate(sizes):
+            at += (3 * i + bucket_start) % 8  # source phases 0..7
+            views.append(buf[at : at + n])
+            at += n
+        bits = {0x7F80: 1, 0xFF80: 1, 0x7FC1: 1, 0x7F7F: 0, 0xFFFF: 1}
+        for e, n in enumerate(sizes):
+            for k, i in enumerate(sorted({0, n - 1, min(7, n - 1), min(15, n - 1), n // 2, max(n - 9, 0)})):
+                b = list(bits)[(e + k) % len(bits)]
+                views[e].view(torch.int16)[i] = b - 0x10000 if b >= 0x8000 else b
+        expect_bad = sum(bits[int(v) & 0xFFFF] for g in views for v in g.view(torch.int16) if int(v) & 0xFFFF in bits)
+        bucket = self.t(torch.full((sum(sizes) + bucket_start,), 7.0, dtype=torch.bfloat16))
+        out = bucket[bucket_start:]
+        grads = [self.t(g) for g in views]
+        with _configs.forced(flatten=cfg):
+            stats = self.t(torch.tensor([0.25, 1.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+            assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+            exp, exp_stats = torch.empty_like(out), self.t(torch.tensor([0.25, 1.0]))
+            ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
+            assert torch.equal(out.view(torch.int16), exp.view(torch.int16))
+            assert torch.equal(bucket[:bucket_start].view(torch.int16).cpu(),
+                               torch.full((bucket_start,), 7.0).bfloat16().view(torch.int16))  # fmt: skip
+            assert stats[1].item() == exp_stats[1].item() == 1 + expect_bad and torch.isnan(stats[0])
+            again = self.t(torch.tensor([0.25, 1.0]))
+            tk.flatten_grads_with_stats_(grads, sizes, out, again)
+            assert torch.equal(again.view(torch.int32), stats.view(torch.int32))
+            # finite values: the sum against float64
+            fin = [g.clone() for g in views]
+            for g in fin:
+                g[~torch.isfinite(g.float()) | (g.float().abs() > 1e30)] = 0.5  # 0x7F7F squared: inf in fp32
+            st = self.t(torch.zeros(2))
+            tk.flatten_grads_with_stats_([self.t(g) for g in fin], sizes, out, st)
+            f = torch.cat([g.double() for g in fin])
+            torch.testing.assert_close(st[0].double().cpu(), (f * f).sum(), rtol=1e-5, atol=0.0)
+            assert st[1].item() == 0.0
 
     # ---- scatter
 
