@@ -291,7 +291,6 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             LEGACY,
             # the session 5 winners (HEURISTIC and the best per op): baselines of the new variants
             RowsConfig(0, 1024, 4, 8),
-            RowsConfig(0, 1024, 4, 16),
             RowsConfig(0, 2048, 4, 16),
             RowsConfig(0, 1024, 4, 8, one_pass=False),  # what the single-launch reduction buys
             RowsConfig(0, 2048, 4, 8, kernel=2),
@@ -301,7 +300,6 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 2048, 4, 8, epilogue="wide", **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="wide"),
             RowsConfig(0, 2048, 4, 8, epilogue="tree", **k2w),
-            RowsConfig(0, 4096, 4, 4, epilogue="tree", **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="tree"),
             # fewer, longer programs on small buckets (16 MB: 512 programs instead of ~1056)
             RowsConfig(0, 2048, 4, 8, epilogue="wide", min_per_program=16384, **k2w),
@@ -313,7 +311,9 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             # shares dealt round-robin in ~8 Ki-element pieces (one piece per program at 16 MB: no change)
             RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="wide", interleave=8192),
-            RowsConfig(0, 1024, 4, 16, epilogue="wide", stream=True, interleave=4096),
+            # NOTE: session 7 (benchmarks/results/2026-11-30_run14_session7/callD_triton): p4/b4096/k2w/et and
+            # p16/b1024/ew/s/i4k lost to their bases at every size, p16/b1024 ran as p8/b1024 (8 programs per
+            # SM fit its 64 registers: the same launch, within 0.2 points); dropped for these three.
             # per-byte cost: rows not aligned on both sides (the odd layout from 64 MB up) as whole 16-byte
             # vectors instead of 2-byte loads and stores (docs/triton_kernels.md, "Per-byte costs in the
             # SASS"), on the session 7 winners of kernel 2
