@@ -795,27 +795,11 @@ def _rows2_kernel(
                             src_w + n_full // 2, dst_w + n_full // 2, word_offs,
                             vec_rows < (nve - n_full).to(tl.int32), acc_sq, acc_bad, STATS, STREAM, True,
                         )  # fmt: skip
-                elif d == 1:
-                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                  STREAM, BLOCK, 1)
-                elif d == 2:
-                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                  STREAM, BLOCK, 2)
-                elif d == 3:
-                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                  STREAM, BLOCK, 3)
-                elif d == 4:
-                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                  STREAM, BLOCK, 4)
-                elif d == 5:
-                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                  STREAM, BLOCK, 5)
-                elif d == 6:
-                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                  STREAM, BLOCK, 6)
                 else:
-                    acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                  STREAM, BLOCK, 7)
+                    for k in tl.static_range(1, 8):  # one loop per phase difference: the shift must be a constexpr
+                        if d == k:
+                            acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad,
+                                                          STATS, STREAM, BLOCK, k)
                 e0 = (j0 + nve).to(e0.dtype)
             s_full = e0 + ((n_src - e0) // (S * R)) * (S * R)
         else:
