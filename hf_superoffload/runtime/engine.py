@@ -92,8 +92,8 @@ class StepStats:
     wasted_buckets: int = 0
     """Speculated buckets that had to be undone (redo or skip)."""
     master_deferred_buckets: int = 0
-    """Host buckets whose verdict-known pass of this step left the fp32 master to the commit ([Note: adaptive
-    master deferral])."""
+    """The share in force for this step: how many host buckets' verdict-known passes leave the fp32 master to the
+    commit ([Note: adaptive master deferral]; 0 without deferred moments)."""
 
     @property
     def overlap(self) -> float:
@@ -693,6 +693,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 sumsq, nonfinite = self._global_stats()
         verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hyper=self.hyper_fn(),
                          spec_hyper=ctx.spec_hyper, check_finite=self.check_finite, grad_divisor=self._div)
+        if self._master_mode is MasterDeferral.ADAPTIVE and verdict.kind is not StepVerdict.SKIP:
+            # before the verdict is published: a worker task that sees it finishes with this step's share
+            self._adapt_master_share()
         with self._lock:
             failed = ctx.failed
             if not failed:
@@ -705,9 +708,6 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             self._worker.raise_if_failed()
             raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
         pending.sort(key=self._need_order)  # the worker may start on the first one before the rest are queued
-        if (self._master_mode is MasterDeferral.ADAPTIVE and verdict.kind is not StepVerdict.SKIP
-                and any(states[b.index] is BucketState.DEFERRED for b in pending)):
-            self._adapt_master_share()
         self._d2h_in_flight.clear()  # the backward is over: nothing left to hold back (the worker waits per copy)
         if self.plan.d2h_lead_buckets:  # first tasks still waiting: the next forward's need order from now on
             self._worker.reprioritize(lambda b: self._need_order(b) if isinstance(b, HostBucket) else None)
@@ -742,6 +742,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         with self._lock:
             st, self._acc = self._acc, StepStats()
         st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, ctx.speculative
+        st.master_deferred_buckets = self._master_count if self._defer else 0
         st.clip_coef, st.iteration_s = verdict.grad_scale * self._div, now - self._last_step_t
         self._last_step_t = now
         self.stats = st

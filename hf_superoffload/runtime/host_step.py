@@ -136,9 +136,6 @@ class HostStepMixin:
             late_master = self.defers_master(b)
             self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments=not self._defer,
                            store_master=not late_master)
-            if late_master:
-                with self._lock:
-                    self._acc.master_deferred_buckets += 1
             if self._defer and b.runs:
                 master = None
                 if late_master:
