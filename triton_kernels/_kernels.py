@@ -531,18 +531,6 @@ def _vec_tile(
 
 
 @triton.jit
-def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr):
-    """One ``[R, 4]`` tile of int32 words (bf16 -> bf16 rows aligned on both sides: a bit copy)."""
-    w = _sload(src + offs, mask, MASKED, STREAM)
-    _sstore(dst + offs, w, mask, MASKED, STREAM)
-    if STATS:
-        s, c = _word_sums(w)
-        acc_sq += s
-        acc_bad += c
-    return acc_sq, acc_bad
-
-
-@triton.jit
 def _cols(w):
     """The 4 columns of an ``[R, 4]`` int32 tile as ``[R]`` tensors (register renaming within a thread)."""
     e0, e1 = tl.split(tl.reshape(w, [w.shape[0], 2, 2]))  # (w0, w2), (w1, w3)
@@ -598,14 +586,18 @@ def _shift_words(a, b, D: tl.constexpr):
 
 
 @triton.jit
-def _shift_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr, D: tl.constexpr):
-    """One ``[R, 4]`` word tile of a bf16 -> bf16 row whose source is ``D`` halves (1..7) past a 16-byte
-    boundary when its destination is on one (``RowsConfig.realign``): destination vector row ``r`` is
-    halves ``D .. D + 7`` of source vectors ``r`` and ``r + 1``, two aligned 16-byte loads (the second
-    is the next row's first: an L1 hit, no extra DRAM traffic) and one aligned 16-byte store."""
+def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr, D: tl.constexpr):
+    """One ``[R, 4]`` tile of int32 words of a bf16 -> bf16 row whose destination is on a 16-byte boundary and
+    whose source is ``D`` halves (0..7) past one. ``D = 0``: a bit copy. ``D > 0`` (``RowsConfig.realign``):
+    destination vector row ``r`` is halves ``D .. D + 7`` of source vectors ``r`` and ``r + 1``, two aligned
+    16-byte loads (the second is the next row's first: an L1 hit, no extra DRAM traffic) and one aligned
+    16-byte store."""
     a = _sload(src + offs, mask, MASKED, STREAM)
-    b = _sload(src + 4 + offs, mask, MASKED, STREAM)
-    w = _shift_words(a, b, D)
+    if D == 0:
+        w = a
+    else:
+        b = _sload(src + 4 + offs, mask, MASKED, STREAM)
+        w = _shift_words(a, b, D)
     _sstore(dst + offs, w, mask, MASKED, STREAM)
     if STATS:
         s, c = _word_sums(w)
@@ -615,17 +607,18 @@ def _shift_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl
 
 
 @triton.jit
-def _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS, STREAM, BLOCK: tl.constexpr,
-                D: tl.constexpr):
-    """``nve`` elements (whole vectors) of a realigned row (:func:`_shift_tile`): whole tiles unmasked, then
-    one tile masked per vector row. ``src_w`` / ``dst_w``: int32 pointers at 16-byte boundaries."""
+def _word_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS, STREAM, BLOCK: tl.constexpr,
+               D: tl.constexpr):
+    """``nve`` elements (whole vectors) of a bf16 -> bf16 row as word tiles (:func:`_word_tile`): whole tiles
+    unmasked, then one tile masked per vector row. ``src_w`` / ``dst_w``: int32 pointers at 16-byte
+    boundaries."""
     n_full = (nve // BLOCK) * BLOCK
     for start in range(0, n_full, BLOCK):
-        acc_sq, acc_bad = _shift_tile(
+        acc_sq, acc_bad = _word_tile(
             src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM, False, D
         )
     if n_full < nve:
-        acc_sq, acc_bad = _shift_tile(
+        acc_sq, acc_bad = _word_tile(
             src_w + n_full // 2, dst_w + n_full // 2, word_offs, vec_rows < (nve - n_full).to(tl.int32),
             acc_sq, acc_bad, STATS, STREAM, True, D,
         )  # fmt: skip
@@ -694,7 +687,7 @@ def _rows2_kernel(
       packed bits (:func:`_word_sums`);
     * REALIGN (with PACKED, bf16 -> bf16): a row that is not aligned on both sides still moves whole
       16-byte vectors: aligned on the destination, each built from two aligned source vectors shifted by
-      the row's phase difference (:func:`_shift_tile`); only a head of < 16 elements and a tail of < 24
+      the row's phase difference (:func:`_word_tile`); only a head of < 16 elements and a tail of < 24
       go element by element;
     * program ``pid``'s first row comes with its row range in one record ``heads[pid] = [lo, hi, src_off,
       dst_off, flags, n, 0, 0]``: one dependent load fewer before the first tile;
@@ -741,15 +734,8 @@ def _rows2_kernel(
             if WORDS:
                 src_w = src_v.to(tl.pointer_type(tl.int32), bitcast=True)
                 dst_w = dst_v.to(tl.pointer_type(tl.int32), bitcast=True)
-                for start in range(0, n_full, BLOCK):
-                    acc_sq, acc_bad = _word_tile(
-                        src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM, False
-                    )
-                if n_full < n8:
-                    acc_sq, acc_bad = _word_tile(
-                        src_w + n_full // 2, dst_w + n_full // 2, word_offs,
-                        vec_rows < (n8 - n_full).to(tl.int32), acc_sq, acc_bad, STATS, STREAM, True,
-                    )  # fmt: skip
+                acc_sq, acc_bad = _word_rows(src_w, dst_w, n8, vec_rows, word_offs, acc_sq, acc_bad, STATS, STREAM,
+                                             BLOCK, 0)
             else:
                 for start in range(0, n_full, BLOCK):
                     acc_sq, acc_bad = _vec_tile(
@@ -783,23 +769,10 @@ def _rows2_kernel(
                 src_w = (src_base_ptr + _aligned_off(src_off + hs, VS)).to(tl.pointer_type(tl.int32), bitcast=True)
                 dst_w = (dst_base_ptr + _aligned_off(dst_off + j0, VD)).to(tl.pointer_type(tl.int32), bitcast=True)
                 nve = nv * 8
-                if d == 0:  # the same phase on both sides: plain word tiles
-                    n_full = (nve // BLOCK) * BLOCK
-                    for start in range(0, n_full, BLOCK):
-                        acc_sq, acc_bad = _word_tile(
-                            src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM,
-                            False,
-                        )  # fmt: skip
-                    if n_full < nve:
-                        acc_sq, acc_bad = _word_tile(
-                            src_w + n_full // 2, dst_w + n_full // 2, word_offs,
-                            vec_rows < (nve - n_full).to(tl.int32), acc_sq, acc_bad, STATS, STREAM, True,
-                        )  # fmt: skip
-                else:
-                    for k in tl.static_range(1, 8):  # one loop per phase difference: the shift must be a constexpr
-                        if d == k:
-                            acc_sq, acc_bad = _shift_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad,
-                                                          STATS, STREAM, BLOCK, k)
+                for k in tl.static_range(0, 8):  # one loop per phase difference (0: the same phase on both
+                    if d == k:                    # sides, a bit copy): the shift must be a constexpr
+                        acc_sq, acc_bad = _word_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
+                                                     STREAM, BLOCK, k)
                 e0 = (j0 + nve).to(e0.dtype)
             s_full = e0 + ((n_src - e0) // (S * R)) * (S * R)
         else:
