@@ -194,6 +194,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         if plan.defer_master is not MasterDeferral.OFF and not (plan.defer_moments and plan.cast_side is CastSide.CPU):
             raise ValueError("deferred master stores need deferred moment stores and the CPU cast (the GPU cast "
                              "uploads the master itself); build the plan with make_plan")
+        if plan.upload_thread and (comm is not None or plan.weight_mode is WeightMode.FLOW):
+            raise ValueError("the upload thread is single-process with stationary weights (the planner turns it off "
+                             "otherwise); build the plan with make_plan")
         self._defer = plan.defer_moments
         """[Note: deferred moments]: a verdict-known CPU pass leaves m/v unstored; they are stored later."""
         self._master_mode = plan.defer_master
@@ -207,6 +210,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         self._build_buckets()
         self._master_count = len(self.host_buckets) if self._master_mode is MasterDeferral.ALL else 0
         self._master_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
+        self._host_shards = [b.spec.shard for b in self.host_buckets]
         self._commit_clock = [0.0, 0.0]
         """Seconds and bytes of commit work since the last verdict (under the lock): the measured commit rate."""
         self._commit_rate = 0.0
@@ -232,9 +236,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         self._gatherer = (CpuWorker(device=self.device, on_error=self._wake_all, name="superoffload-gather")
                           if comm else None)
         self._gather_seq = 0
-        # [Note: upload thread]: the H2D uploads leave the worker's critical path (CUDA, stationary, one process)
+        # [Note: upload thread]: the H2D uploads leave the worker's critical path (the plan: stationary, one process)
         self._uploader = (CpuWorker(device=self.device, on_error=self._wake_all, name="superoffload-upload")
-                          if plan.upload_thread and comm is None and self._flow is None else None)
+                          if plan.upload_thread else None)
         self._upload_seq = 0
         self._present = [0] * len(self.buckets)
         for p in self.params:
@@ -600,7 +604,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             self._commit_rate = seconds / nbytes
         # slack counts only after commits that did something (a speculative step's empty chain says nothing)
         slack = now - done_at if (done_at is not None and nbytes > 0 and not pending_bytes) else 0.0
-        self._master_count = next_share([b.spec.shard for b in self.host_buckets], self._master_count,
+        self._master_count = next_share(self._host_shards, self._master_count,
                                         DeferralObservation(pending_bytes, slack, self._commit_rate))
 
     def defers_master(self, b: HostBucket) -> bool:

@@ -124,3 +124,14 @@ def test_a_failed_upload_reaches_the_training_thread_and_marks_the_state_inconsi
     assert not opt.engine.consistent  # the device weights of a validated step are not all there
     with pytest.raises(WorkerError):
         opt.engine.synchronize()
+
+
+def test_a_hand_built_plan_with_the_upload_thread_and_streamed_weights_is_refused(monkeypatch: pytest.MonkeyPatch):
+    """The planner keeps the upload thread for stationary weights; the engine refuses a plan that says otherwise
+    (streamed weights have no upload to hand off) before it allocates anything."""
+    real = optimizer_module.make_plan
+    monkeypatch.setattr(optimizer_module, "make_plan",
+                        lambda *a, **k: dataclasses.replace(real(*a, **k), upload_thread=True))
+    config = SuperOffloadConfig(bucket_size_mb=0.004, weight_placement="flow", gpu_resident_buckets=0)
+    with pytest.raises(ValueError, match="upload thread is single-process with stationary weights"):
+        build(config, 1.0)
