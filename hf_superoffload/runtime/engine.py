@@ -114,14 +114,15 @@ class StepStats:
 
 
 def module_weights(module: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """A context in which ``module``'s parameters hold their weights on the device, for code that reads them
-    without calling the module (weight flow streams weights in through module hooks; otherwise a no-op)."""
+    """A context in which ``module``'s parameters hold their final weights on the device, for code that reads
+    them without calling the module (a chunked LM-head loss): what the module's forward hooks would do. Weight
+    flow streams them in; stationary weights wait for their buckets' update (its upload, on the current stream).
+    A no-op for modules no engine owns."""
     for p in module.parameters():
         engine = _ENGINE_OF_PARAM.get(id(p))
-        if engine is not None and not engine._closed and engine._flow is not None:
-            return engine._flow.using(module)
+        if engine is not None and not engine._closed:
+            return engine.module_weights(module)
     return contextlib.nullcontext()
-
 
 
 class OffloadEngine(HostStepMixin, DataParallelMixin):
@@ -349,6 +350,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         for i, p in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
         owner: dict[int, HostBucket] = {id(p): b for b in self.host_buckets for p in b.params}
+        self._host_bucket_of = owner
         for m in modules:
             own = {owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
             if own:
@@ -373,6 +375,20 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                     self.wait_bucket(b)
 
         return pre_forward
+
+    @contextmanager
+    def module_weights(self, module: torch.nn.Module) -> Iterator[None]:
+        """See the module-level :func:`module_weights`: the forward pre-hooks' wait, for every parameter of
+        ``module`` (recursively), without calling it."""
+        if self._flow is not None:
+            with self._flow.using(module):
+                yield
+            return
+        owned = {b.index: b for p in module.parameters() if (b := self._host_bucket_of.get(id(p))) is not None}
+        for index in sorted(owned):
+            if index in self._unwaited:
+                self.wait_bucket(owned[index])
+        yield
 
     # ------------------------------------------------------------------------------------------------
     # weight flow (WeightMode.FLOW only)

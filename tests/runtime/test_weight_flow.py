@@ -470,3 +470,46 @@ def test_chunked_loss_through_the_decoder_records_the_order_and_prefetches(ckpt)
     assert all(p == 2 for p in peaks[1:]), peaks  # the unit in use and the next one, prefetched
     *_, stationary_run = run_chunked(dataclasses.replace(FLOW, weight_placement="stationary"))
     assert_same_run(flow_run, stationary_run)
+
+
+@pytest.mark.parametrize("placement", ["stationary", "flow"])
+def test_chunked_loss_reads_the_head_only_after_its_update(placement):
+    """The chunked loss reads ``lm_head.weight`` without calling the head, so no forward hook waits for its
+    bucket: ``module_weights`` must (found by CI: with stationary weights the loss read the head while the CPU
+    worker was still finishing it, a timing-dependent loss). The head's update is made slow on purpose; the
+    losses must be those of a run that synchronizes after every step."""
+    import time
+
+    from hf_superoffload.sequence_parallel import causal_lm_loss, shard_batch
+
+    data = batches(4)
+    cfg = dataclasses.replace(FLOW, weight_placement=placement)
+
+    def run_chunked(slow_head):
+        model, opt = build(cfg, num_hidden_layers=2)
+        eng = opt.engine
+        head_params = {id(p) for p in model.lm_head.parameters()}
+        head = {b.index for b in eng.host_buckets if any(id(p) in head_params for p in b.params)}
+        assert head
+        finish = eng._finish
+
+        def slow_finish(b, ctx, verdict, *, speculated):
+            if b.index in head:
+                time.sleep(0.3)
+            finish(b, ctx, verdict, speculated=speculated)
+
+        if slow_head:
+            eng._finish = slow_finish
+        losses = []
+        for ids in data:
+            loss = causal_lm_loss(model, shard_batch({"input_ids": ids, "labels": ids}, None), None,
+                                  chunk_size=8).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if not slow_head:
+                opt.synchronize()
+        return losses
+
+    assert [str(x) for x in run_chunked(True)] == [str(x) for x in run_chunked(False)]
