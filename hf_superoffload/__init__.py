@@ -13,6 +13,7 @@ from typing import Any
 from .config import SuperOffloadConfig
 from .optimizer import SuperOffloadOptimizer
 from .planning.plan import OffloadPlan
+from .runtime.engine import module_weights
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "SuperOffloadPlugin",
     "SuperOffloadTrainer",
     "__version__",
+    "module_weights",
     "prepare_superoffload",
 ]
 

@@ -221,6 +221,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         self._flow: WeightStreamer | None = None
         if self.plan.weight_mode is WeightMode.FLOW:
             self._flow = self._build_streamer(modules)
+            self._hooked = None  # the streamer's hooks own the weights: an unhooked read finds them released
         self._accum: HostAccumulator | None = None
         self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity)
         if plan.host_accumulation is not HostAccumulation.OFF:
@@ -351,11 +352,27 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
         owner: dict[int, HostBucket] = {id(p): b for b in self.host_buckets for p in b.params}
         self._host_bucket_of = owner
+        index_of = self._index_of = {id(p): i for i, p in enumerate(self.params)}
         for m in modules:
-            own = {owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
-            if own:
-                ordered = sorted(own, key=lambda b: b.index)
-                self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(ordered)))
+            mine = [p for p in m.parameters(recurse=False) if id(p) in owner]
+            if mine:
+                ordered = sorted({owner[id(p)] for p in mine}, key=lambda b: b.index)
+                indices = frozenset(index_of[id(p)] for p in mine)
+                self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(ordered, indices)))
+        self._hooked: set[int] | None = set()
+        """[Note: unhooked reads]: host parameters whose module's forward hook ran in the first step (``None``
+        once that step is over and the lesson is drawn)."""
+        self._unhooked: set[int] = set()
+        """... and host parameters that got a gradient in it without one: read by code that does not call their
+        module."""
+        self._early_waits: list[HostBucket] = []
+        """Their buckets, waited for at the start of every later forward."""
+        self._roots = list(modules[:1])
+        get_decoder = getattr(self._roots[0], "get_decoder", None) if self._roots else None
+        with contextlib.suppress(Exception):  # not a transformers model, or one without a decoder
+            decoder = get_decoder() if callable(get_decoder) else None
+            if isinstance(decoder, torch.nn.Module) and decoder is not self._roots[0]:
+                self._roots.append(decoder)
         self._unwaited: set[int] = set()
         self._d2h_in_flight: collections.deque[Handoff] = collections.deque()
         """Host buckets' gradient copies issued by the backward and not waited for yet ([Note: D2H lead])."""
@@ -366,15 +383,46 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
 
         return hook
 
-    def _make_pre_forward(self, buckets: list[HostBucket]) -> Callable[..., None]:
+    def _make_pre_forward(self, buckets: list[HostBucket], indices: frozenset[int]) -> Callable[..., None]:
         def pre_forward(module: torch.nn.Module, args: Any) -> None:
+            if self._hooked is not None:
+                self._hooked.update(indices)
             if not self._unwaited:
                 return
+            if self._early_waits:
+                self._wait_early()
             for b in buckets:
                 if b.index in self._unwaited:
                     self.wait_bucket(b)
 
         return pre_forward
+
+    def _wait_early(self, *_: Any) -> None:
+        for b in self._early_waits:
+            if b.index in self._unwaited:
+                self.wait_bucket(b)
+
+    def _learn_unhooked_reads(self) -> None:
+        """[Note: unhooked reads]: after the first step, the host parameters that got a gradient although their
+        module's forward hook never ran were read some other way (``F.linear(h, model.lm_head.weight)`` in a fused
+        loss): no hook waits for their update, so a later forward could read them half updated. From now on
+        their buckets are waited for when any root or hooked module starts a forward."""
+        assert self._hooked is not None
+        self._hooked = None
+        if not self._unhooked:
+            return
+        names = {id(p): n for n, p in self._roots[0].named_parameters()} if self._roots else {}
+        unhooked = sorted(self._unhooked)
+        self._early_waits = sorted({self._bucket_of[i] for i in unhooked}, key=lambda b: b.index)  # type: ignore[misc]
+        for r in self._roots:
+            self._handles.append(r.register_forward_pre_hook(self._wait_early))
+        shown = [names.get(id(self.params[i]), f"parameter {i}") for i in unhooked]
+        logger.warning(
+            "hf_superoffload: %d parameter(s) (%s) got gradients although the forward of the module owning them "
+            "never ran: code reads them without calling their module. Their %d bucket(s) are now waited for at the "
+            "start of every forward, which hides less CPU work; read them inside "
+            "`with hf_superoffload.module_weights(module):` to wait only where they are read.",
+            len(unhooked), ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else ""), len(self._early_waits))
 
     @contextmanager
     def module_weights(self, module: torch.nn.Module) -> Iterator[None]:
@@ -385,6 +433,10 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 yield
             return
         owned = {b.index: b for p in module.parameters() if (b := self._host_bucket_of.get(id(p))) is not None}
+        if self._hooked is not None:  # [Note: unhooked reads]: a guarded read
+            self._hooked.update(self._index_of[id(p)] for p in module.parameters() if id(p) in self._host_bucket_of)
+        if self._early_waits:
+            self._wait_early()
         for index in sorted(owned):
             if index in self._unwaited:
                 self.wait_bucket(owned[index])
@@ -465,6 +517,8 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
     def _on_grad(self, i: int) -> None:
         sync = self._is_sync()
         b = self._bucket_of[i]
+        if self._hooked is not None and i not in self._hooked and isinstance(b, HostBucket):
+            self._unhooked.add(i)
         if not sync and (self._accum is None or isinstance(b, DeviceBucket)):
             return  # accumulates in param.grad on the device
         if self._flushed[b.index]:
@@ -768,6 +822,8 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         self.stats = st
         self._ctx = None
         self._reset_arrivals()
+        if self._hooked is not None:
+            self._learn_unhooked_reads()
         return st
 
     def _reset_arrivals(self) -> None:
