@@ -19,9 +19,9 @@ from hf_superoffload.testing import tiny_llama
 CFG = SuperOffloadConfig(bucket_size_mb=0.004, weight_placement="stationary", gpu_resident_buckets=0)
 
 
-def batches(n, seed=1, bs=2, seq=16):
+def batches(n, seed=1, bs=2, seq=16, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 128, (bs, seq), generator=g) for _ in range(n)]
+    return [torch.randint(0, 128, (bs, seq), generator=g).to(device) for _ in range(n)]
 
 
 def fused_head_loss(model, ids, *, guarded):
@@ -34,8 +34,8 @@ def fused_head_loss(model, ids, *, guarded):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def train(loss_fn, *, slow_head, sync_each_step, steps=4):
-    model = tiny_llama(seed=0, num_hidden_layers=2)
+def train(loss_fn, *, slow_head, sync_each_step, steps=4, device="cpu"):
+    model = tiny_llama(seed=0, num_hidden_layers=2, device=device)
     model.train()
     opt = SuperOffloadOptimizer(model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=CFG)
     eng = opt.engine
@@ -46,12 +46,15 @@ def train(loss_fn, *, slow_head, sync_each_step, steps=4):
     def slow_finish(b, ctx, verdict, *, speculated):
         if b.index in head:
             time.sleep(0.3)  # the head's update is still running when the next forward starts
+            if eng.streams.is_cuda:  # and on the GPU its upload lands late on the H2D stream
+                with torch.cuda.stream(eng.streams.h2d):
+                    torch.cuda._sleep(50_000_000)
         finish(b, ctx, verdict, speculated=speculated)
 
     if slow_head:
         eng._finish = slow_finish
     losses = []
-    for ids in batches(steps):
+    for ids in batches(steps, device=device):
         loss = loss_fn(model, ids)
         loss.backward()
         opt.step()
@@ -62,15 +65,16 @@ def train(loss_fn, *, slow_head, sync_each_step, steps=4):
     return losses, eng
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("guarded", [False, True])
-def test_a_read_without_the_module_waits_for_the_update(guarded, caplog):
+def test_a_read_without_the_module_waits_for_the_update(guarded, device, caplog):
     def loss_fn(model, ids):
         return fused_head_loss(model, ids, guarded=guarded)
 
     with caplog.at_level(logging.WARNING, logger="hf_superoffload"):
-        racy, eng = train(loss_fn, slow_head=True, sync_each_step=False)
+        racy, eng = train(loss_fn, slow_head=True, sync_each_step=False, device=device)
     warned = [r.getMessage() for r in caplog.records if "never ran" in r.getMessage()]
-    synced, _ = train(loss_fn, slow_head=False, sync_each_step=True)
+    synced, _ = train(loss_fn, slow_head=False, sync_each_step=True, device=device)
     assert racy == synced
     if guarded:  # module_weights marks the read as guarded: no lesson, no early wait
         assert not warned and not eng._early_waits
