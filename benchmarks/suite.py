@@ -22,6 +22,7 @@ Systems:
   ours_host_latep  ours_host with defer_master=True (the master stored by the commit too) and d2h_lead_buckets=4
   ours_host_latep8 the same with d2h_lead_buckets=8
   ours_host_latep_noup  ours_host_latep with upload_thread=False (the worker issues the uploads, as before session 7)
+  ours_host_latep_nogate  ours_host_latep with d2h_gate=False (the worker blocks on each copy, as before session 8)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -60,7 +61,7 @@ __all__ = ["ALL_SYSTEMS", "WORKLOADS", "Workload", "main"]
 SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
         "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8",
-        "ours_host_latep_noup")
+        "ours_host_latep_noup", "ours_host_latep_nogate")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -77,6 +78,7 @@ LABELS = {
     "ours_host_latep": "hf_superoffload, host, D2H lead 4, master stored late",
     "ours_host_latep8": "hf_superoffload, host, D2H lead 8, master stored late",
     "ours_host_latep_noup": "hf_superoffload, host, D2H lead 4, master stored late, worker uploads",
+    "ours_host_latep_nogate": "hf_superoffload, host, D2H lead 4, master stored late, worker waits on copies",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -306,8 +308,10 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
         kw["d2h_lead_buckets"] = int(system.removeprefix("ours_host_lead"))
     if system.endswith("_noup"):
         kw["upload_thread"] = False
+    if system.endswith("_nogate"):
+        kw["d2h_gate"] = False
     if system.startswith("ours_host_latep"):
-        lead = int(system.removeprefix("ours_host_latep").removesuffix("_noup") or 4)
+        lead = int(system.removeprefix("ours_host_latep").removesuffix("_noup").removesuffix("_nogate") or 4)
         kw.update(defer_master=True, defer_moments=True, cast_side="cpu", d2h_lead_buckets=lead)
     if system == "ours_nospec":
         kw["speculation"] = False

@@ -98,6 +98,10 @@ class SuperOffloadConfig:
             spending ~0.5 ms of Python and launches per bucket between Adam calls on the critical path. Single
             process with stationary weights on CUDA (elsewhere the worker uploads). ``False``: the worker uploads
             (the schedule of every measurement before session 7). [Note: upload thread] in docs/design.md.
+        d2h_gate: With a D2H lead, queue a host bucket's first CPU task only once its gradient copy has landed (a
+            gate thread waits for the copies in arrival order), so the CPU worker spends the wait on deferred
+            commits instead of blocking on the copy. Single process. ``False``: the worker waits on the copy
+            itself (the schedule before session 8). [Note: D2H gate] in docs/design.md.
     """
 
     bucket_size_mb: float = 32.0
@@ -120,6 +124,7 @@ class SuperOffloadConfig:
     defer_master: bool | Literal["auto"] = "auto"
     d2h_lead_buckets: int | Literal["auto"] = "auto"
     upload_thread: bool = True
+    d2h_gate: bool = True
 
     def __post_init__(self) -> None:
         def bad(field: str, value: Any, fix: str) -> ValueError:
@@ -162,6 +167,8 @@ class SuperOffloadConfig:
             raise bad("d2h_lead_buckets", lead, "use 'auto' or an integer >= 0 (0: no lead)")
         if not isinstance(self.upload_thread, bool):
             raise bad("upload_thread", self.upload_thread, "use True or False")
+        if not isinstance(self.d2h_gate, bool):
+            raise bad("d2h_gate", self.d2h_gate, "use True or False")
 
     def replace(self, **changes: Any) -> SuperOffloadConfig:
         """A copy with ``changes`` applied (validated again)."""

@@ -103,7 +103,7 @@ class SuperOffloadPlugin:
         bucket_size_mb, gpu_resident_buckets, gpu_resident_fraction, device_memory_fraction, speculation,
         rollback, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
         worker_timeout_s, check_finite, accumulate_on_host, host_accumulation_dtype, defer_moments, defer_master,
-        d2h_lead_buckets, upload_thread: see
+        d2h_lead_buckets, upload_thread, d2h_gate: see
         :class:`SuperOffloadConfig`. ``cpu_threads="auto"`` forces the
         automatic thread count even when the environment or file sets one; ``defer_moments="auto"`` the
         planner's choice.
@@ -129,6 +129,7 @@ class SuperOffloadPlugin:
     defer_master: bool | str | None = None
     d2h_lead_buckets: int | str | None = None
     upload_thread: bool | None = None
+    d2h_gate: bool | None = None
     config_file: str | None = None
 
     def __post_init__(self) -> None:

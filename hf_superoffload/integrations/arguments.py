@@ -193,6 +193,11 @@ class SuperOffloadArguments(TrainingArguments):
         default=_D.upload_thread,
         metadata=_help("SuperOffload: issue the host buckets' weight uploads from a thread of their own so the CPU "
                        "Adam worker never waits on them (CUDA, one process); see [Note: upload thread]."))
+    superoffload_d2h_gate: bool = field(
+        default=_D.d2h_gate,
+        metadata=_help("SuperOffload: with a D2H lead, queue a host bucket's CPU Adam only once its gradient copy "
+                       "has landed, so the worker commits deferred state meanwhile (one process); see [Note: D2H "
+                       "gate]."))
     superoffload_max_seq_len: int | None = field(
         default=None,
         metadata=_help("SuperOffload: the longest sequence (tokens) a training batch holds. When given, the planner "

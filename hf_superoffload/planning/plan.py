@@ -125,6 +125,8 @@ class OffloadPlan:
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
         upload_thread: the H2D weight uploads are issued by a thread of their own, not the CPU worker ([Note:
             upload thread]; the engine uses it on CUDA with stationary weights in a single process).
+        d2h_gate: a host bucket's first CPU task is queued only once its gradient copy has landed ([Note: D2H
+            gate]; with a D2H lead in a single process).
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -146,6 +148,7 @@ class OffloadPlan:
     defer_master: MasterDeferral = MasterDeferral.OFF
     d2h_lead_buckets: int = 0
     upload_thread: bool = False
+    d2h_gate: bool = False
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -197,7 +200,8 @@ class OffloadPlan:
         if self.host_buckets:
             lines.append(f"  D2H lead: {self.d2h_lead_buckets} bucket(s)"
                          + (" (each host bucket's hook waits for its own gradient copy)" if not self.d2h_lead_buckets
-                            else " in flight past the backward; first CPU tasks in arrival order until the verdict"))
+                            else " in flight past the backward; first CPU tasks in arrival order until the verdict"
+                            + (", each queued once its copy has landed" if self.d2h_gate else "")))
             lines.append(f"  uploads: issued by {'a thread of their own' if self.upload_thread else 'the CPU worker'}")
         if self.world_size > 1:
             cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"

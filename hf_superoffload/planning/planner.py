@@ -374,6 +374,7 @@ def make_plan(
                      "adaptive share on the team's 3.6B step (docs/benchmarks.md, session 7); measure it on your "
                      "workload")
 
+    lead = d2h_lead(config, host_numel, device_numel)
     return OffloadPlan(
         buckets=tuple(buckets),
         weight_mode=weight_mode,
@@ -391,7 +392,8 @@ def make_plan(
         host_accumulation=accumulation,
         defer_moments=defer,
         defer_master=master,
-        d2h_lead_buckets=d2h_lead(config, host_numel, device_numel),
+        d2h_lead_buckets=lead,
+        d2h_gate=config.d2h_gate and lead > 0 and world_size == 1,
         upload_thread=(config.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )

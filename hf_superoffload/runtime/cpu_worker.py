@@ -5,6 +5,11 @@ dispatching thread is enough. Tasks run by the engine's priorities: mostly *forw
 next forward needs first goes first); with a D2H lead the backward's tasks in arrival order until the verdict, when
 :meth:`CpuWorker.reprioritize` re-ranks the ones still waiting ([Note: D2H lead]). An exception stops the worker, is kept with its traceback, and is re-raised in the
 training thread at its next interaction; ``on_error`` wakes every waiter at once.
+
+A task may come with a *gate* (a blocking wait, e.g. on its gradient copy's event): a second thread runs the
+gates in submission order and queues each task only once its gate has returned, so the worker never blocks on a
+copy while other work (a deferred commit) is ready ([Note: D2H gate] in docs/design.md). A gated task counts as
+outstanding from its submission (``drain`` waits for it) and is re-ranked by ``reprioritize`` like a queued one.
 """
 
 from __future__ import annotations
@@ -39,8 +44,12 @@ class CpuWorker:
     """A single daemon thread executing submitted callables by priority (lower first)."""
 
     def __init__(self, *, device: torch.device, on_error: Callable[[], None], name: str = "superoffload-cpu",
-                 affinity: tuple[int, ...] | None = None) -> None:
+                 affinity: tuple[int, ...] | None = None, gated: bool = False) -> None:
         self._queue: queue.PriorityQueue[_Task] = queue.PriorityQueue()
+        self._gates: queue.SimpleQueue[tuple[Callable[[], None], _Task] | None] = queue.SimpleQueue()
+        self._gated_tasks: dict[int, _Task] = {}
+        """The tasks whose gate has not returned yet, by ``seq`` (under ``_gate_lock``)."""
+        self._gate_lock = threading.Lock()
         self._seq = itertools.count()
         self._device = device
         self._on_error = on_error
@@ -52,23 +61,56 @@ class CpuWorker:
         self._affinity = affinity
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+        self._gate_thread: threading.Thread | None = None
+        if gated:
+            self._gate_thread = threading.Thread(target=self._gate_loop, name=f"{name}-gate", daemon=True)
+            self._gate_thread.start()
 
-    def submit(self, priority: int, what: str, fn: Callable[[], None], *, tag: object = None) -> None:
-        """Queue ``fn``; ``tag`` (any object) lets :meth:`reprioritize` find the task while it waits."""
+    def submit(self, priority: int, what: str, fn: Callable[[], None], *, tag: object = None,
+               gate: Callable[[], None] | None = None) -> None:
+        """Queue ``fn``; ``tag`` (any object) lets :meth:`reprioritize` find the task while it waits. With
+        ``gate`` (a worker built ``gated=True``) the task is queued once ``gate()`` has returned; if it raises,
+        the task fails with that error instead of running."""
         self.raise_if_failed()
         if self._closed:
             raise WorkerError("the CPU worker is closed; build a new optimizer")
+        if gate is not None and self._gate_thread is None:
+            raise ValueError("a gated task needs a worker built with gated=True")
         with self._cond:
             self._outstanding += 1
-        self._queue.put(_Task(priority, next(self._seq), what, fn, tag))
+        task = _Task(priority, next(self._seq), what, fn, tag)
+        if gate is None:
+            self._queue.put(task)
+            return
+        with self._gate_lock:
+            self._gated_tasks[task.seq] = task
+        self._gates.put((gate, task))
+
+    def _gate_loop(self) -> None:
+        while True:
+            item = self._gates.get()
+            if item is None:
+                return
+            gate, task = item
+            try:
+                gate()
+            except BaseException as exc:  # the task reports it: the worker's error path reaches the training thread
+
+                def fail(exc: BaseException = exc) -> None:
+                    raise exc
+
+                task.fn = fail
+            with self._gate_lock:  # reprioritize sees it either here or in the queue, never in between
+                del self._gated_tasks[task.seq]
+                self._queue.put(task)
 
     def reprioritize(self, new_priority: Callable[[object], int | None]) -> int:
         """Give every waiting task whose tag maps to a priority (``new_priority(tag)`` not ``None``) that
         priority; the order among equal priorities stays the submission order. Returns how many changed."""
         changed = 0
         q = self._queue
-        with q.mutex:
-            for task in q.queue:
+        with self._gate_lock, q.mutex:
+            for task in itertools.chain(q.queue, self._gated_tasks.values()):
                 if task.tag is not None and (p := new_priority(task.tag)) is not None and p != task.priority:
                     task.priority = p
                     changed += 1
@@ -96,6 +138,10 @@ class CpuWorker:
         if self._closed:
             return
         self._closed = True
+        if self._gate_thread is not None:  # every gated task is queued before the shutdown below
+            self._gates.put(None)
+            if threading.current_thread() is not self._gate_thread:
+                self._gate_thread.join(timeout=60)
         # after every queued task: a close() right after step() still finishes that step's buckets
         self._queue.put(_Task(2**62, next(self._seq), "shutdown", None))
         if threading.current_thread() is not self._thread:

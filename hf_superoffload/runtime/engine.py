@@ -198,6 +198,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         if plan.upload_thread and (comm is not None or plan.weight_mode is WeightMode.FLOW):
             raise ValueError("the upload thread is single-process with stationary weights (the planner turns it off "
                              "otherwise); build the plan with make_plan")
+        if plan.d2h_gate and comm is not None:
+            raise ValueError("the D2H gate is single-process (the planner turns it off otherwise); build the plan "
+                             "with make_plan")
         self._defer = plan.defer_moments
         """[Note: deferred moments]: a verdict-known CPU pass leaves m/v unstored; they are stored later."""
         self._master_mode = plan.defer_master
@@ -223,7 +226,8 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             self._flow = self._build_streamer(modules)
             self._hooked = None  # the streamer's hooks own the weights: an unhooked read finds them released
         self._accum: HostAccumulator | None = None
-        self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity)
+        self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity,
+                                 gated=plan.d2h_gate)
         if plan.host_accumulation is not HostAccumulation.OFF:
             if comm is not None:
                 raise ValueError("host gradient accumulation is single-process only (the planner refuses it with "
@@ -590,8 +594,10 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 b.to_offloaded(runs, d2h)
                 self._unwaited.add(b.index)
                 self._acc.d2h_bytes += b.landing.numel() * b.landing.element_size()
+                # [Note: D2H gate]: queued once the copy has landed (host accumulation's sum: by the boundary add)
+                gate = d2h.wait_host if self.plan.d2h_gate and not summed else None
                 self._worker.submit(self._task_order(b), f"CPU Adam of {b.describe()}", lambda: self._run_host(b, ctx),
-                                    tag=b)
+                                    tag=b, gate=gate)
         for p in b.params:
             p.grad = None
 
