@@ -34,10 +34,10 @@ def fused_head_loss(model, ids, *, guarded):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
 
-def train(loss_fn, *, slow_head, sync_each_step, steps=4, device="cpu"):
+def train(loss_fn, *, slow_head, sync_each_step, steps=4, device="cpu", config=CFG):
     model = tiny_llama(seed=0, num_hidden_layers=2, device=device)
     model.train()
-    opt = SuperOffloadOptimizer(model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=CFG)
+    opt = SuperOffloadOptimizer(model, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=config)
     eng = opt.engine
     head = {b.index for b in eng.host_buckets if any(p is model.lm_head.weight for p in b.params)}
     assert head
@@ -82,6 +82,22 @@ def test_a_read_without_the_module_waits_for_the_update(guarded, device, caplog)
         assert len(warned) == 1 and "lm_head.weight" in warned[0] and "module_weights" in warned[0]
         assert [b.index for b in eng._early_waits] == sorted(
             {b.index for b in eng.host_buckets if any(p is eng.params[i] for p in b.params for i in eng._unhooked)})
+
+
+@pytest.mark.parametrize("placement", ["stationary", "flow"])
+def test_the_chunked_loss_reads_the_head_after_its_update(placement, caplog):
+    """``causal_lm_loss`` reads ``lm_head.weight`` through ``module_weights`` (found by CI: with stationary weights
+    it read the head unguarded, a timing-dependent loss); under weight flow that streams the head in."""
+    from hf_superoffload.sequence_parallel import causal_lm_loss, shard_batch
+
+    def loss_fn(model, ids):
+        return causal_lm_loss(model, shard_batch({"input_ids": ids, "labels": ids}, None), None, chunk_size=8).loss
+
+    config = CFG.replace(weight_placement=placement)
+    with caplog.at_level(logging.WARNING, logger="hf_superoffload"):
+        racy, _ = train(loss_fn, slow_head=True, sync_each_step=False, config=config)
+    assert not [r for r in caplog.records if "never ran" in r.getMessage()]
+    assert racy == train(loss_fn, slow_head=False, sync_each_step=True, config=config)[0]
 
 
 def test_module_calls_learn_nothing(caplog):
