@@ -470,4 +470,3 @@ def test_chunked_loss_through_the_decoder_records_the_order_and_prefetches(ckpt)
     assert all(p == 2 for p in peaks[1:]), peaks  # the unit in use and the next one, prefetched
     *_, stationary_run = run_chunked(dataclasses.replace(FLOW, weight_placement="stationary"))
     assert_same_run(flow_run, stationary_run)
-
