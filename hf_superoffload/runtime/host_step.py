@@ -64,6 +64,8 @@ class HostStepMixin:
     defers_master: Any
     _uploader: Any
     _upload_seq: int
+    _master_rank: dict[int, int]
+    commit_when_idle: bool
 
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
         try:
@@ -98,6 +100,11 @@ class HostStepMixin:
             b.to_running()
         if verdict is not None:
             self._finish(b, ctx, verdict, speculated=False)
+            if self._defer and self.commit_when_idle and verdict.kind is not StepVerdict.SKIP:
+                # [Note: D2H gate]: a gated first task can start after step() queued the idle-commit chain and
+                # after the chain passed this bucket: its commit gets an idle task of its own (the chain's
+                # priority for it; a no-op if the chain gets there first)
+                self._queue_idle_commit(b)
             return
         self._cpu_step(b, ctx, ctx.spec_hyper, 1.0 / self._div)
         with self._lock:
@@ -260,6 +267,12 @@ class HostStepMixin:
 
         with contextlib.suppress(WorkerError):
             self._worker.submit(len(self.buckets) + k, f"idle moment commit of {b.describe()}", task)
+
+    def _queue_idle_commit(self, b: HostBucket) -> None:
+        """One idle commit of ``b`` outside the chain of :meth:`_queue_idle_commits`, at the chain's priority."""
+        with contextlib.suppress(WorkerError):
+            self._worker.submit(len(self.buckets) + self._master_rank[b.index], f"idle moment commit of {b.describe()}",
+                                lambda: self._commit_moments(b))
 
     def commit_moments(self) -> None:
         """Store every pending deferred moment (training thread): readers of the host state call it
