@@ -36,6 +36,10 @@ Aimed at the fixed costs and the memory system (issue #4's last item; docs/trito
   at an odd bucket offset) move whole 16-byte vectors too: aligned on the destination, each built from two
   aligned source vectors shifted by the row's phase difference, instead of element by element (8 2-byte
   loads and 8 2-byte stores per 16 bytes). docs/triton_kernels.md, "Per-byte costs in the SASS".
+* ``lookahead`` (kernel 2, packed): the word tiles' loads run one whole tile ahead of their stores and
+  statistics (the statistics loop is not unrolled, so without it a warp issues its next loads only after
+  the current tile's ~85 store / statistics instructions; docs/triton_kernels.md, "Per-byte costs in the
+  SASS"). 8 more registers per thread at b2048.
 * ``interleave``: on a persistent grid, each program's share is cut into pieces of about this many
   elements, dealt round-robin over the programs (piece ``i`` to program ``i % grid``), so at any moment the
   grid streams through one region of memory instead of ``grid`` distant ones (0: one contiguous share).
@@ -89,6 +93,7 @@ class RowsConfig:
     min_per_program: int = 0
     interleave: int = 0
     realign: bool = False
+    lookahead: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, fix: str) -> ValueError:
@@ -114,6 +119,8 @@ class RowsConfig:
             raise bad("packed", self.packed, "use packed=True only with kernel=2")
         if self.realign and not (self.kernel == 2 and self.packed):
             raise bad("realign", self.realign, "use realign=True only with kernel=2 and packed=True")
+        if self.lookahead and not (self.kernel == 2 and self.packed):
+            raise bad("lookahead", self.lookahead, "use lookahead=True only with kernel=2 and packed=True")
         if self.epilogue not in EPILOGUES:
             raise bad("epilogue", self.epilogue, f"use one of {EPILOGUES}")
         if self.min_per_program < 0 or self.min_per_program % 8:
@@ -133,7 +140,7 @@ class RowsConfig:
         """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
         kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``; then ``/ew`` (wide
         epilogue; ``/et`` tree), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave),
-        ``/ra`` (realign)."""
+        ``/ra`` (realign), ``/la`` (lookahead)."""
         grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
         k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
         extra = {"loop": "", "wide": "/ew", "tree": "/et"}[self.epilogue]
@@ -141,6 +148,7 @@ class RowsConfig:
         extra += f"/m{_k(self.min_per_program)}" if self.min_per_program else ""
         extra += f"/i{_k(self.interleave)}" if self.interleave else ""
         extra += "/ra" if self.realign else ""
+        extra += "/la" if self.lookahead else ""
         return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}{k}{extra}"
 
 
@@ -296,11 +304,9 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 2048, 4, 8, kernel=2),
             RowsConfig(0, 2048, 4, 8, **k2w),
             RowsConfig(0, 4096, 4, 4, **k2w),
-            # the last-ticket reduction in fewer round trips: wide chunks, or a two-level tree
+            # the last-ticket reduction in fewer round trips (wide chunks)
             RowsConfig(0, 2048, 4, 8, epilogue="wide", **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="wide"),
-            RowsConfig(0, 2048, 4, 8, epilogue="tree", **k2w),
-            RowsConfig(0, 1024, 4, 8, epilogue="tree"),
             # fewer, longer programs on small buckets (16 MB: 512 programs instead of ~1056)
             RowsConfig(0, 2048, 4, 8, epilogue="wide", min_per_program=16384, **k2w),
             # 8 vectors of 16 bytes per thread in flight per iteration (b4096: 4)
@@ -310,16 +316,21 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 1024, 4, 8, epilogue="wide", stream=True),
             # shares dealt round-robin in ~8 Ki-element pieces (one piece per program at 16 MB: no change)
             RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, **k2w),
-            RowsConfig(0, 1024, 4, 8, epilogue="wide", interleave=8192),
             # NOTE: session 7 (benchmarks/results/2026-11-30_run14_session7/callD_triton): p4/b4096/k2w/et and
             # p16/b1024/ew/s/i4k lost to their bases at every size, p16/b1024 ran as p8/b1024 (8 programs per
-            # SM fit its 64 registers: the same launch, within 0.2 points); dropped for these three.
+            # SM fit its 64 registers: the same launch, within 0.2 points); dropped for these three. The tree
+            # epilogue lost to the loop and wide ones at every size on both kernels (e.g. 16 MB bf16: 53.2% vs
+            # 57.6 / 58.1%) and kernel 1's interleave never beat its base (p8/b1024/ew): dropped in session 8.
             # per-byte cost: rows not aligned on both sides (the odd layout from 64 MB up) as whole 16-byte
             # vectors instead of 2-byte loads and stores (docs/triton_kernels.md, "Per-byte costs in the
             # SASS"), on the session 7 winners of kernel 2
             RowsConfig(0, 2048, 4, 8, realign=True, **k2w),
             RowsConfig(0, 2048, 4, 8, epilogue="wide", min_per_program=16384, realign=True, **k2w),
             RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, realign=True, **k2w),
+            # per-byte cost on aligned rows: the next tile's loads ahead of this tile's stores and statistics
+            # (offline SASS, session 8: ptxas keeps them after the statistics, ahead of the stores only)
+            RowsConfig(0, 2048, 4, 8, lookahead=True, **k2w),
+            RowsConfig(0, 2048, 4, 8, realign=True, lookahead=True, **k2w),
         ]
     else:
         cands = list(base)

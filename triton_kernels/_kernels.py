@@ -586,18 +586,24 @@ def _shift_words(a, b, D: tl.constexpr):
 
 
 @triton.jit
-def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr, D: tl.constexpr):
-    """One ``[R, 4]`` tile of int32 words of a bf16 -> bf16 row whose destination is on a 16-byte boundary and
-    whose source is ``D`` halves (0..7) past one. ``D = 0``: a bit copy. ``D > 0`` (``RowsConfig.realign``):
-    destination vector row ``r`` is halves ``D .. D + 7`` of source vectors ``r`` and ``r + 1``, two aligned
-    16-byte loads (the second is the next row's first: an L1 hit, no extra DRAM traffic) and one aligned
-    16-byte store."""
+def _word_load(src, offs, mask, STREAM, MASKED: tl.constexpr, D: tl.constexpr):
+    """The words of one ``[R, 4]`` tile of a bf16 -> bf16 row whose destination is on a 16-byte boundary and
+    whose source is ``D`` halves (0..7) past one. ``D = 0``: the source words as they are. ``D > 0``
+    (``RowsConfig.realign``): destination vector row ``r`` is halves ``D .. D + 7`` of source vectors ``r`` and
+    ``r + 1``, two aligned 16-byte loads (the second is the next row's first: an L1 hit, no extra DRAM
+    traffic)."""
     a = _sload(src + offs, mask, MASKED, STREAM)
     if D == 0:
         w = a
     else:
         b = _sload(src + 4 + offs, mask, MASKED, STREAM)
         w = _shift_words(a, b, D)
+    return w
+
+
+@triton.jit
+def _word_put(dst, offs, w, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr):
+    """Store a tile of :func:`_word_load` (one aligned 16-byte store per vector row) and add its statistics."""
     _sstore(dst + offs, w, mask, MASKED, STREAM)
     if STATS:
         s, c = _word_sums(w)
@@ -607,16 +613,36 @@ def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.
 
 
 @triton.jit
+def _word_tile(src, dst, offs, mask, acc_sq, acc_bad, STATS, STREAM, MASKED: tl.constexpr, D: tl.constexpr):
+    """One tile: :func:`_word_load` then :func:`_word_put`."""
+    w = _word_load(src, offs, mask, STREAM, MASKED, D)
+    return _word_put(dst, offs, w, mask, acc_sq, acc_bad, STATS, STREAM, MASKED)
+
+
+@triton.jit
 def _word_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS, STREAM, BLOCK: tl.constexpr,
-               D: tl.constexpr):
+               D: tl.constexpr, LOOKAHEAD: tl.constexpr):
     """``nve`` elements (whole vectors) of a bf16 -> bf16 row as word tiles (:func:`_word_tile`): whole tiles
     unmasked, then one tile masked per vector row. ``src_w`` / ``dst_w``: int32 pointers at 16-byte
-    boundaries."""
+    boundaries. LOOKAHEAD (``RowsConfig.lookahead``): the loads of whole tile ``i + 1`` are issued before the
+    store and statistics of tile ``i`` (source and destination never overlap), so a warp does not wait for
+    its next loads behind the current tile's ~85 instructions."""
     n_full = (nve // BLOCK) * BLOCK
-    for start in range(0, n_full, BLOCK):
-        acc_sq, acc_bad = _word_tile(
-            src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM, False, D
-        )
+    if LOOKAHEAD:
+        if n_full > 0:
+            w = _word_load(src_w, word_offs, None, STREAM, False, D)
+            for start in range(BLOCK, n_full, BLOCK):
+                ahead = _word_load(src_w + start // 2, word_offs, None, STREAM, False, D)
+                acc_sq, acc_bad = _word_put(dst_w + (start - BLOCK) // 2, word_offs, w, None, acc_sq, acc_bad, STATS,
+                                            STREAM, False)
+                w = ahead
+            acc_sq, acc_bad = _word_put(dst_w + (n_full - BLOCK) // 2, word_offs, w, None, acc_sq, acc_bad, STATS,
+                                        STREAM, False)
+    else:
+        for start in range(0, n_full, BLOCK):
+            acc_sq, acc_bad = _word_tile(
+                src_w + start // 2, dst_w + start // 2, word_offs, None, acc_sq, acc_bad, STATS, STREAM, False, D
+            )
     if n_full < nve:
         acc_sq, acc_bad = _word_tile(
             src_w + n_full // 2, dst_w + n_full // 2, word_offs, vec_rows < (nve - n_full).to(tl.int32),
@@ -666,6 +692,7 @@ def _rows2_kernel(
     PACKED: tl.constexpr,
     SCALAR_ROWS: tl.constexpr,
     REALIGN: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
@@ -689,6 +716,7 @@ def _rows2_kernel(
       16-byte vectors: aligned on the destination, each built from two aligned source vectors shifted by
       the row's phase difference (:func:`_word_tile`); only a head of < 16 elements and a tail of < 24
       go element by element;
+    * LOOKAHEAD (with PACKED): the word tiles' loads run one whole tile ahead of their stores (:func:`_word_rows`);
     * program ``pid``'s first row comes with its row range in one record ``heads[pid] = [lo, hi, src_off,
       dst_off, flags, n, 0, 0]``: one dependent load fewer before the first tile;
     * ONE_PASS: the last program loads ``stats`` together with the partials.
@@ -735,7 +763,7 @@ def _rows2_kernel(
                 src_w = src_v.to(tl.pointer_type(tl.int32), bitcast=True)
                 dst_w = dst_v.to(tl.pointer_type(tl.int32), bitcast=True)
                 acc_sq, acc_bad = _word_rows(src_w, dst_w, n8, vec_rows, word_offs, acc_sq, acc_bad, STATS, STREAM,
-                                             BLOCK, 0)
+                                             BLOCK, 0, LOOKAHEAD)
             else:
                 for start in range(0, n_full, BLOCK):
                     acc_sq, acc_bad = _vec_tile(
@@ -772,7 +800,7 @@ def _rows2_kernel(
                 for k in tl.static_range(0, 8):  # one loop per phase difference (0: the same phase on both
                     if d == k:                    # sides, a bit copy): the shift must be a constexpr
                         acc_sq, acc_bad = _word_rows(src_w, dst_w, nve, vec_rows, word_offs, acc_sq, acc_bad, STATS,
-                                                     STREAM, BLOCK, k)
+                                                     STREAM, BLOCK, k, LOOKAHEAD)
                 e0 = (j0 + nve).to(e0.dtype)
             s_full = e0 + ((n_src - e0) // (S * R)) * (S * R)
         else:
@@ -887,6 +915,7 @@ def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic
         meta["PACKED"] = cfg.packed
         meta["SCALAR_ROWS"] = _scalar_rows(cfg, dst_kind)
         meta["REALIGN"] = cfg.realign
+        meta["LOOKAHEAD"] = cfg.lookahead
     # NOTE: in the kernels' parameter order (benchmarks/triton_offline_sass.py maps constexprs by position).
     meta["STREAM"] = cfg.stream
     # the widest variant; _launch_rows narrows EPI_W to the launch's grid

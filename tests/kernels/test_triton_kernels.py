@@ -81,8 +81,11 @@ K2_CONFIGS += [c for c in SMALL_VARIANTS if c.kernel == 2]
 REALIGN_CONFIGS = [
     _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True, realign=True),
     _configs.RowsConfig(512, 256, 2, 0, one_pass=False, kernel=2, packed=True, realign=True),
+    # lookahead: the next whole tile's loads ahead of this one's store (rows of 2+ whole tiles: the loop runs)
+    _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True, realign=True, lookahead=True),
+    _configs.RowsConfig(512, 256, 2, 0, one_pass=False, kernel=2, packed=True, realign=True, lookahead=True),
 ]
-K2_CONFIGS += REALIGN_CONFIGS
+K2_CONFIGS += [*REALIGN_CONFIGS, _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True, lookahead=True)]
 # The fixed-cost variants on large tiles, for the 2**20 + 3 flatten, with a source dtype: kernel 1 with
 # several pieces per program (16 programs under the interpreter), kernel 2 on a grid of 4 capped by
 # min_per_program, each program with several pieces.
