@@ -74,7 +74,8 @@ def assert_same_state(a: dict[str, Any], b: dict[str, Any], *, exact: bool = Tru
 
 
 def worker_threads() -> set[threading.Thread]:
-    return {t for t in threading.enumerate() if t.name == WORKER_THREAD and t.is_alive()}
+    """The CPU workers' threads: the worker and, with a D2H gate, its gate thread (``superoffload-cpu-gate``)."""
+    return {t for t in threading.enumerate() if t.name.startswith(WORKER_THREAD) and t.is_alive()}
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:

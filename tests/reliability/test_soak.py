@@ -24,7 +24,10 @@ def test_soak_2000_steps_flat_memory_and_parity():
     data = torch.randint(0, 128, (64, 2, 16))
     ours, ref = tiny_llama(seed=0), tiny_llama(seed=0)
     cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=2)
+    before = set(threading.enumerate())
     opt = SuperOffloadOptimizer(ours, lr=3e-4, weight_decay=0.1, max_grad_norm=1.0, config=cfg)
+    mine = set(threading.enumerate()) - before  # the worker (and its D2H gate thread, with a lead)
+    assert mine and all(t.name.startswith("superoffload") for t in mine)
     ropt = ReferenceAdamW(ref, max_grad_norm=1.0, lr=3e-4, weight_decay=0.1)
     threads0 = threading.active_count()
     pinned0 = opt.engine.pinned_bytes
@@ -53,4 +56,5 @@ def test_soak_2000_steps_flat_memory_and_parity():
     assert tail < losses[0] * 0.8, (tail, losses[0])
     assert abs(tail - ref_tail) < 0.05 * ref_tail + 0.02, (tail, ref_tail)
     opt.close()
-    assert threading.active_count() == threads0 - 1
+    assert not any(t.is_alive() for t in mine)
+    assert threading.active_count() == threads0 - len(mine)
