@@ -25,9 +25,8 @@ Aimed at the fixed costs and the memory system (issue #4's last item; docs/trito
 * ``epilogue``: how the last-ticket program adds the partials (ONE_PASS): ``"loop"`` in chunks as wide as
   the tile's accumulator (5 serial L2 round trips for ~1000 partials at kernel 2's b2048); ``"wide"`` in
   chunks of up to 128 per warp (512 on 4 warps: 3 round trips; wider chunks cost the kernel registers)
-  with ``stats`` loaded first; ``"tree"``: groups of 32 programs, each with its own ticket, the last of a group adds its
-  group, the last group's finisher the ~33 group sums (two short round trips, and 32 atomics per address
-  instead of ~1000 on one). Every order is fixed: deterministic.
+  with ``stats`` loaded first. Every order is fixed: deterministic. (A two-level ``"tree"`` lost to both at
+  every size in session 7 and was removed in session 8.)
 * ``stream``: cache hints on the streaming tile loads / stores (``evict_first`` loads, ``.cs`` stores):
   the data is touched once, so it should not displace what stays in L2.
 * ``min_per_program``: a persistent grid gets at most ``ceil(elements / min_per_program)`` programs (0: a
@@ -74,7 +73,7 @@ __all__ = [
 # bit copy) and the stochastic-rounding scatter (ALU-heavier: a hash per element).
 FAMILIES = ("flatten", "scatter", "scatter_sr")
 # RowsConfig.epilogue values
-EPILOGUES = ("loop", "wide", "tree")
+EPILOGUES = ("loop", "wide")
 
 
 @dataclass(frozen=True)
@@ -139,11 +138,11 @@ class RowsConfig:
     def tag(self) -> str:
         """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
         kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``; then ``/ew`` (wide
-        epilogue; ``/et`` tree), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave),
+        epilogue), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave),
         ``/ra`` (realign), ``/la`` (lookahead)."""
         grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
         k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
-        extra = {"loop": "", "wide": "/ew", "tree": "/et"}[self.epilogue]
+        extra = {"loop": "", "wide": "/ew"}[self.epilogue]
         extra += "/s" if self.stream else ""
         extra += f"/m{_k(self.min_per_program)}" if self.min_per_program else ""
         extra += f"/i{_k(self.interleave)}" if self.interleave else ""

@@ -295,20 +295,14 @@ def _sum_parts(sq_ptr, bad_ptr, n, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr)
 
 @triton.jit
 def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                   ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr,
-                   EPI_G: tl.constexpr):
+                   ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr):
     """A rows program's statistics: its partial sums into the partials buffer; with ONE_PASS the program that
     draws the last ticket adds every partial (in a fixed order) to ``stats`` and resets the counter for the
     next launch on this stream (``RowsConfig.epilogue``):
 
     * ``EPI_W == 0`` (``"loop"``): the partials in ``W``-wide chunks, ``stats`` after them, counts in int64;
-    * ``EPI_W > 0, EPI_G == 0`` (``"wide"``): ``EPI_W``-wide chunks (the launcher sizes them: the next power
-      of two >= the grid, at most ``_EPI_MAX`` partials per warp), ``stats`` loaded first;
-    * ``EPI_G > 0`` (``"tree"``): programs in groups of EPI_G, each with its own ticket counter
-      (``counter_ptr[1 + group]``); the last of a group adds the group's partials (one EPI_G-wide load) into
-      a group partial (``part_*_ptr[n_prog + group]``), then draws a ticket on ``counter_ptr[0]``; the last
-      group's finisher adds the group partials (``EPI_W``-wide chunks) to ``stats``. Two short round trips
-      instead of several, and ~n_prog / EPI_G atomics on any one address instead of n_prog.
+    * ``EPI_W > 0`` (``"wide"``): ``EPI_W``-wide chunks (the launcher sizes them: the next power of two >= the
+      grid, at most ``_EPI_MAX`` partials per warp), ``stats`` loaded first.
 
     With EPI_W > 0 the counts are summed in int64 only when ``EPI_CNT64`` (a launch of 2**31 elements or
     more; below that an int32 sum cannot overflow). Every order is fixed: deterministic."""
@@ -334,7 +328,7 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
             tl.store(stats_ptr, tl.load(stats_ptr) + tl.sum(tot_sq, axis=0))
             tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + tl.sum(tot_bad, axis=0).to(tl.float32))
             tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
-    elif ONE_PASS and EPI_G == 0:
+    elif ONE_PASS:
         tl.store(part_sq_ptr + pid, s)
         tl.store(part_bad_ptr + pid, c)
         ticket = tl.atomic_add(counter_ptr, 1)  # acq_rel, as above
@@ -345,27 +339,6 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
             tl.store(stats_ptr, old_sq + tsq)
             tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
             tl.atomic_xchg(counter_ptr, 0)
-    elif ONE_PASS:
-        tl.store(part_sq_ptr + pid, s)
-        tl.store(part_bad_ptr + pid, c)
-        n_groups = (n_prog + EPI_G - 1) // EPI_G
-        group = pid // EPI_G
-        first = group * EPI_G
-        size = tl.minimum(n_prog - first, EPI_G)
-        ticket = tl.atomic_add(counter_ptr + 1 + group, 1)  # acq_rel, as above
-        if ticket == size - 1:
-            gsq, gbad = _sum_parts(part_sq_ptr + first, part_bad_ptr + first, size, EPI_G, EPI_CNT64)
-            tl.store(part_sq_ptr + n_prog + group, gsq)
-            tl.store(part_bad_ptr + n_prog + group, gbad.to(tl.int32))
-            tl.atomic_xchg(counter_ptr + 1 + group, 0)  # ready for the next launch on this stream
-            top = tl.atomic_add(counter_ptr, 1)
-            if top == n_groups - 1:
-                old_sq = tl.load(stats_ptr, cache_modifier=".cg")
-                old_bad = tl.load(stats_ptr + 1, cache_modifier=".cg")
-                tsq, tbad = _sum_parts(part_sq_ptr + n_prog, part_bad_ptr + n_prog, n_groups, EPI_W, EPI_CNT64)
-                tl.store(stats_ptr, old_sq + tsq)
-                tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
-                tl.atomic_xchg(counter_ptr, 0)
     else:
         tl.store(part_sq_ptr + part_base + pid, s)
         tl.store(part_bad_ptr + part_base + pid, c)
@@ -396,7 +369,6 @@ def _rows_kernel(
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
-    EPI_G: tl.constexpr,
 ):
     """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
@@ -482,7 +454,7 @@ def _rows_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, BLOCK, EPI_W, EPI_CNT64, EPI_G)
+                       ONE_PASS, BLOCK, EPI_W, EPI_CNT64)
 
 
 # ---------------------------------------------------- rows, kernel 2: 2-D tiles, small accumulators
@@ -696,7 +668,6 @@ def _rows2_kernel(
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
-    EPI_G: tl.constexpr,
 ):
     """:func:`_rows_kernel`'s contract (same rows, flags, statistics, counters, reduction), with tiles laid
     out for a read-mostly stream with statistics (``RowsConfig.kernel == 2``; see docs/triton_kernels.md):
@@ -824,7 +795,7 @@ def _rows2_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, R, EPI_W, EPI_CNT64, EPI_G)
+                       ONE_PASS, R, EPI_W, EPI_CNT64)
 
 
 @triton.jit
@@ -921,7 +892,6 @@ def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic
     # the widest variant; _launch_rows narrows EPI_W to the launch's grid
     meta["EPI_W"] = _EPI_MAX * cfg.warps if one_pass and cfg.epilogue != "loop" else 0
     meta["EPI_CNT64"] = True
-    meta["EPI_G"] = _TREE_G if one_pass and cfg.epilogue == "tree" else 0
     return meta
 
 
@@ -933,23 +903,16 @@ _CNT32_LIMIT = 2**31
 # wider chunk would cost the whole kernel occupancy. A 1056-program grid (132 SMs x 8) is 3 chunks of 512
 # (the loop at kernel 2's b2048 accumulator width: 5 of 256).
 _EPI_MAX = 128
-# NOTE: programs per group of the tree epilogue: one 32-wide load per group, then ~33 group partials for a
-# 1056-program grid (one chunk).
-_TREE_G = 32
 
 
 def _epilogue_meta(meta: dict[str, Any], grid: int, total: int) -> dict[str, Any]:
-    """``meta`` with the wide / tree epilogue sized to this launch: chunks of the next power of two >= the
-    partials to add (``grid``, or its groups for the tree), at least 16 and at most the variant's width, and
-    int64 counts only for a launch of 2**31 elements or more (the tree then runs as ``"wide"``: its group
-    partials are int32)."""
+    """``meta`` with the wide epilogue sized to this launch: chunks of the next power of two >= the partials to
+    add (``grid``), at least 16 and at most the variant's width, and int64 counts only for a launch of 2**31
+    elements or more."""
     if not meta.get("EPI_W"):
         return meta
-    wide_counts = total >= _CNT32_LIMIT
-    tree = meta.get("EPI_G", 0) if not wide_counts else 0  # group partials are int32: "wide" past 2**31
-    n = -(-grid // tree) if tree else grid
-    width = min(meta["EPI_W"], max(16, triton.next_power_of_2(n)))
-    return {**meta, "EPI_W": width, "EPI_CNT64": wide_counts, "EPI_G": tree}
+    width = min(meta["EPI_W"], max(16, triton.next_power_of_2(grid)))
+    return {**meta, "EPI_W": width, "EPI_CNT64": total >= _CNT32_LIMIT}
 
 
 def _scalar_rows(cfg: RowsConfig, dst_kind: int) -> int:
@@ -1210,11 +1173,10 @@ def _flatten_plan(
     part_sq = part_bad = counter = None
     if want_stats and groups:
         grids = [w[2] for w, _, _ in groups]
-        # the tree epilogue keeps its group partials after the programs' and a counter per group
-        n_parts = 2 * max(grids) if cfg.one_pass else sum(grids)
+        n_parts = max(grids) if cfg.one_pass else sum(grids)
         part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
         part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
-        counter = torch.zeros(1 + max(grids), dtype=torch.int32, device=device)
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
     return _FlattenPlan(groups, part_sq, part_bad, counter)
 
 

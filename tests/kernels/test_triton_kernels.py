@@ -70,7 +70,7 @@ K2_CONFIGS = [
 # capped by min_per_program, a wide epilogue over one program per 512-element row.
 SMALL_VARIANTS = [
     _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True, epilogue="wide", interleave=128),
-    _configs.RowsConfig(0, 256, 2, 8, epilogue="tree", interleave=256),
+    _configs.RowsConfig(0, 256, 2, 8, epilogue="wide", interleave=256),
     _configs.RowsConfig(0, 256, 2, 4, epilogue="wide", stream=True, interleave=256, min_per_program=1024),
     _configs.RowsConfig(512, 256, 2, 0, kernel=2, packed=True, epilogue="wide", stream=True),
     _configs.RowsConfig(0, 256, 2, 8, kernel=2, stream=True, min_per_program=2048),
@@ -445,21 +445,15 @@ class _KernelChecks:
             assert st[1].item() == 0.0
 
     @pytest.mark.parametrize("cnt64", [False, True])
-    @pytest.mark.parametrize("epilogue", ["wide", "tree"])
-    def test_flatten_epilogue_loops_and_wide_counts(
-        self, epilogue: str, cnt64: bool, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    def test_flatten_epilogue_loops_and_wide_counts(self, cnt64: bool, monkeypatch: pytest.MonkeyPatch) -> None:
         """The wide epilogue narrowed to 16 partials per round (a grid of one program per 256-element row
-        loops over them); the tree in groups of 2 (20 groups, the last of one program, two rounds of 16 at the top;
-        past 2**31 elements it runs as the wide one); int32 or int64 count sums: the twin's statistics,
-        counters reset between calls."""
+        loops over them); int32 or int64 count sums: the twin's statistics, counters reset between calls."""
         from hf_superoffload.triton_kernels import _kernels
 
         monkeypatch.setattr(_kernels, "_EPI_MAX", 8)  # per warp: 16 on 2 warps
-        monkeypatch.setattr(_kernels, "_TREE_G", 2)
         if cnt64:
             monkeypatch.setattr(_kernels, "_CNT32_LIMIT", 0)
-        cfg = _configs.RowsConfig(256, 256, 2, 0, kernel=2, packed=True, epilogue=epilogue)
+        cfg = _configs.RowsConfig(256, 256, 2, 0, kernel=2, packed=True, epilogue="wide")
         gen = self.gen(43)
         sizes = [300, 4099, 1, 2560, 77, 2051]  # 1 + 17 + 1 + 10 + 1 + 9 = 39 programs
         host = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
