@@ -58,7 +58,7 @@ from .master_deferral import COMMIT_BYTES, DeferralObservation, next_share
 from .sharding import DataParallelMixin, _add_stats_
 from .streams import Handoff, StreamSet
 from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
-from .weight_flow import WeightStreamer
+from .weight_flow import WeightStreamer, forward_roots
 
 __all__ = ["OffloadEngine", "StepStats", "module_weights"]
 
@@ -371,12 +371,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         module."""
         self._early_waits: list[HostBucket] = []
         """Their buckets, waited for at the start of every later forward."""
-        self._roots = list(modules[:1])
-        get_decoder = getattr(self._roots[0], "get_decoder", None) if self._roots else None
-        with contextlib.suppress(Exception):  # not a transformers model, or one without a decoder
-            decoder = get_decoder() if callable(get_decoder) else None
-            if isinstance(decoder, torch.nn.Module) and decoder is not self._roots[0]:
-                self._roots.append(decoder)
+        self._roots = forward_roots(modules[0]) if modules else []
         self._unwaited: set[int] = set()
         self._d2h_in_flight: collections.deque[Handoff] = collections.deque()
         """Host buckets' gradient copies issued by the backward and not waited for yet ([Note: D2H lead])."""

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FlowStats", "UnitState", "WeightStreamer", "WeightUnit"]
+__all__ = ["FlowStats", "UnitState", "WeightStreamer", "WeightUnit", "forward_roots"]
 
 logger = logging.getLogger("hf_superoffload")
 
@@ -114,6 +114,18 @@ class _Restore:
 
     def remove(self) -> None:
         self._obj.__dict__.pop(self._name, None)
+
+
+def forward_roots(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose forward starts a pass: the model and, for a transformers model, its decoder (a chunked
+    LM-head loss calls the decoder, not the model)."""
+    roots = [root]
+    get_decoder = getattr(root, "get_decoder", None)
+    with contextlib.suppress(Exception):  # not a transformers model, or one without a decoder
+        decoder = get_decoder() if callable(get_decoder) else None
+        if isinstance(decoder, torch.nn.Module) and decoder is not root:
+            roots.append(decoder)
+    return roots
 
 
 def _in_backward() -> bool:
@@ -248,13 +260,7 @@ class WeightStreamer:
 
     def _install_hooks(self, root: torch.nn.Module) -> None:
         h = self._handles
-        roots = [root]
-        get_decoder = getattr(root, "get_decoder", None)
-        with contextlib.suppress(Exception):  # not a transformers model, or one without a decoder
-            decoder = get_decoder() if callable(get_decoder) else None
-            if isinstance(decoder, torch.nn.Module) and decoder is not root:
-                roots.append(decoder)
-        for r in roots:
+        for r in forward_roots(root):
             h.append(r.register_forward_pre_hook(self._root_pre_forward))
             # always_call: an exception inside the pass must not leave the depth raised
             h.append(r.register_forward_hook(self._root_post_forward, always_call=True))
