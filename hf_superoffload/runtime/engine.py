@@ -213,7 +213,8 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         task or a reader's request (white-box tests of the pending path use it)."""
         self._build_buckets()
         self._master_count = len(self.host_buckets) if self._master_mode is MasterDeferral.ALL else 0
-        self._master_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
+        self._host_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
+        """A bucket's position among the host buckets: the master share's order and the idle commits' priority."""
         self._host_shards = [b.spec.shard for b in self.host_buckets]
         self._commit_clock = [0.0, 0.0]
         """Seconds and bytes of commit work since the last verdict (under the lock): the measured commit rate."""
@@ -680,7 +681,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
 
     def defers_master(self, b: HostBucket) -> bool:
         """Whether ``b``'s verdict-known pass of this step leaves the fp32 master to the commit."""
-        return self._defer and self._master_rank[b.index] < self._master_count
+        return self._defer and self._host_rank[b.index] < self._master_count
 
     def _wake_all(self) -> None:
         if self._accum is not None:

@@ -12,6 +12,7 @@ import contextlib
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +65,7 @@ class HostStepMixin:
     defers_master: Any
     _uploader: Any
     _upload_seq: int
-    _master_rank: dict[int, int]
+    _host_rank: dict[int, int]
     commit_when_idle: bool
 
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
@@ -265,14 +266,14 @@ class HostStepMixin:
                     self._commits_done_at = time.perf_counter()
             self._queue_idle_commits(k + 1)
 
-        with contextlib.suppress(WorkerError):
-            self._worker.submit(len(self.buckets) + k, f"idle moment commit of {b.describe()}", task)
+        self._queue_idle_commit(b, task)
 
-    def _queue_idle_commit(self, b: HostBucket) -> None:
-        """One idle commit of ``b`` outside the chain of :meth:`_queue_idle_commits`, at the chain's priority."""
+    def _queue_idle_commit(self, b: HostBucket, task: Callable[[], None] | None = None) -> None:
+        """Queue ``task`` (default: storing ``b``'s pending moments) at the lowest priority, in the next backward's
+        arrival order (after every finishing task and every task of that backward)."""
         with contextlib.suppress(WorkerError):
-            self._worker.submit(len(self.buckets) + self._master_rank[b.index], f"idle moment commit of {b.describe()}",
-                                lambda: self._commit_moments(b))
+            self._worker.submit(len(self.buckets) + self._host_rank[b.index], f"idle moment commit of {b.describe()}",
+                                task or (lambda: self._commit_moments(b)))
 
     def commit_moments(self) -> None:
         """Store every pending deferred moment (training thread): readers of the host state call it
