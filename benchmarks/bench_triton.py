@@ -487,8 +487,18 @@ def config_of(rec: dict[str, Any]) -> Any:
     return RowsConfig(**{f.name: rec[f.name] for f in fields(RowsConfig) if f.name in rec})
 
 
-# RowsConfig fields printed only when not at their default (issue #4's fixed-cost variants)
-_EXTRA_FIELDS: dict[str, Any] = {"epilogue": "loop", "stream": False, "min_per_program": 0, "interleave": 0}
+# RowsConfig fields always printed in the suggested table; every other field only when not at its default
+_BASE_FIELDS = ("chunk", "block", "warps", "programs_per_sm", "one_pass", "kernel", "packed")
+
+
+def _extra_fields() -> dict[str, Any]:
+    """The RowsConfig fields beyond ``_BASE_FIELDS`` with their defaults (derived, so a new field is never
+    dropped from a suggested table)."""
+    from dataclasses import fields
+
+    from hf_superoffload.triton_kernels._configs import RowsConfig
+
+    return {f.name: f.default for f in fields(RowsConfig) if f.name not in _BASE_FIELDS}
 
 
 def heuristic_source(table: dict[str, Any]) -> str:
@@ -499,7 +509,7 @@ def heuristic_source(table: dict[str, Any]) -> str:
         for e in entries:
             b = "None" if e["max_elements"] is None else str(e["max_elements"])
             k2 = f", kernel={e['kernel']}, packed={e['packed']}" if e.get("kernel", 1) != 1 else ""
-            extra = "".join(f", {f}={e[f]!r}" for f, dflt in _EXTRA_FIELDS.items() if e.get(f, dflt) != dflt)
+            extra = "".join(f", {f}={e[f]!r}" for f, dflt in _extra_fields().items() if e.get(f, dflt) != dflt)
             lines.append(f"        ({b}, RowsConfig(chunk={e['chunk']}, block={e['block']}, warps={e['warps']}, "
                          f"programs_per_sm={e['programs_per_sm']}, one_pass={e['one_pass']}{k2}{extra})),"
                          f"  # {e['mean_frac']:.1%}")  # fmt: skip

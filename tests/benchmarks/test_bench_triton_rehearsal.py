@@ -64,8 +64,9 @@ def test_suggested_table_round_trips_kernel_2() -> None:
 
 
 def test_suggested_table_round_trips_fixed_cost_fields() -> None:
-    """A winner with the fixed-cost fields (wide epilogue, stream, min_per_program, interleave) survives the
-    record -> table -> Python source trip; fields at their defaults are not printed."""
+    """A winner with the fixed-cost or per-byte fields (wide epilogue, stream, min_per_program, interleave,
+    realign, lookahead) survives the record -> table -> Python source trip; fields at their defaults are not
+    printed."""
     import importlib.util
     from dataclasses import asdict
 
@@ -83,13 +84,15 @@ def test_suggested_table_round_trips_fixed_cost_fields() -> None:
         RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, epilogue="wide", stream=True, min_per_program=16384,
                    interleave=8192),
         RowsConfig(0, 1024, 4, 8, epilogue="wide"),
+        RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, realign=True, lookahead=True),
         RowsConfig(4096, 1024, 4, 0, one_pass=False),
     ]  # fmt: skip
     table = {"flatten": [{"max_elements": b, **asdict(c), "mean_frac": 0.9} for b, c in
-                         zip((1000, 5000, None), cfgs)]}  # fmt: skip
+                         zip((1000, 5000, 9000, None), cfgs)]}  # fmt: skip
     assert [bench.config_of(e) for e in table["flatten"]] == cfgs
     src = bench.heuristic_source(table)
     ns: dict[str, object] = {"RowsConfig": RowsConfig}
     exec(src.replace("HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] =", "HEURISTIC ="), ns)
-    assert ns["HEURISTIC"] == {"flatten": ((1000, cfgs[0]), (5000, cfgs[1]), (None, cfgs[2]))}
+    assert ns["HEURISTIC"] == {"flatten": ((1000, cfgs[0]), (5000, cfgs[1]), (9000, cfgs[2]), (None, cfgs[3]))}
     assert src.count("epilogue=") == 2 and src.count("stream=") == 1 and src.count("interleave=") == 1
+    assert src.count("realign=") == 1 and src.count("lookahead=") == 1
