@@ -42,6 +42,7 @@ PREFIX = "superoffload_"
 _RUN_SHAPE_FIELDS = frozenset({"superoffload_max_seq_len"})
 # SuperOffloadConfig fields that take True, False or "auto" (strings on the command line)
 _TRI_STATE_FIELDS = ("accumulate_on_host", "defer_moments", "defer_master")
+_AUTO_OR_INT_FIELDS = ("gpu_resident_buckets", "d2h_lead_buckets")
 
 # True while SuperOffloadTrainer.__init__ runs Trainer.__init__: a plain Trainer given these args is refused.
 _IN_SUPEROFFLOAD_TRAINER: ContextVar[bool] = ContextVar("hf_superoffload_in_trainer", default=False)
@@ -302,22 +303,16 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
     ``SuperOffloadArguments.superoffload_bucket_size_mb=-1 is invalid: use a positive size such as 32``.
     """
     kw = args.superoffload_fields()
-    resident = kw["gpu_resident_buckets"]
-    if isinstance(resident, str) and resident != "auto":
-        try:
-            resident = int(resident)
-        except ValueError:
-            raise ValueError(f"SuperOffloadArguments.superoffload_gpu_resident_buckets={resident!r} is invalid: "
-                             "use 'auto' or an integer >= 0") from None
-    kw["gpu_resident_buckets"] = resident
-    lead = str(kw["d2h_lead_buckets"]).strip().lower()
-    if lead != "auto":
-        try:
-            lead = int(lead)
-        except ValueError:
-            raise ValueError(f"SuperOffloadArguments.superoffload_d2h_lead_buckets={kw['d2h_lead_buckets']!r} is "
-                             "invalid: use 'auto' or an integer >= 0") from None
-    kw["d2h_lead_buckets"] = lead
+    for name in _AUTO_OR_INT_FIELDS:  # 'auto' / '3' / 3 -> "auto" / 3 / 3
+        value = kw[name]
+        if isinstance(value, str):
+            value = value.strip().lower()
+            try:
+                value = value if value == "auto" else int(value)
+            except ValueError:
+                raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto' or an "
+                                 "integer >= 0") from None
+        kw[name] = value
     for name in _TRI_STATE_FIELDS:  # 'auto' / 'true' / 'false' -> "auto" / True / False
         value = str(kw[name]).lower()
         if value not in ("auto", "true", "false"):

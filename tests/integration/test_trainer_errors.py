@@ -29,6 +29,7 @@ def _args(tmp_path: Any, **kw: Any) -> SuperOffloadArguments:
         ({"optim": "adamw_torch", "optim_args": "foo=1"}, "optim_args"),
         ({"superoffload_bucket_size_mb": -1.0}, "superoffload_bucket_size_mb=-1.0 is invalid"),
         ({"superoffload_gpu_resident_buckets": "many"}, "superoffload_gpu_resident_buckets='many'"),
+        ({"superoffload_d2h_lead_buckets": "soon"}, "superoffload_d2h_lead_buckets='soon' is invalid: use 'auto'"),
         ({"superoffload_max_redo_rate": 2.0}, "superoffload_max_redo_rate"),
     ],
 )
