@@ -432,14 +432,14 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             with self._flow.using(module):
                 yield
             return
-        owned = {b.index: b for p in module.parameters() if (b := self._host_bucket_of.get(id(p))) is not None}
+        mine = [p for p in module.parameters() if id(p) in self._host_bucket_of]
         if self._hooked is not None:  # [Note: unhooked reads]: a guarded read
-            self._hooked.update(self._index_of[id(p)] for p in module.parameters() if id(p) in self._host_bucket_of)
+            self._hooked.update(self._index_of[id(p)] for p in mine)
         if self._early_waits:
             self._wait_early()
-        for index in sorted(owned):
-            if index in self._unwaited:
-                self.wait_bucket(owned[index])
+        for b in sorted({self._host_bucket_of[id(p)] for p in mine}, key=lambda b: b.index):
+            if b.index in self._unwaited:
+                self.wait_bucket(b)
         yield
 
     # ------------------------------------------------------------------------------------------------
