@@ -62,6 +62,7 @@ def train(loss_fn, *, slow_head, sync_each_step, steps=4, device="cpu", config=C
         losses.append(str(loss.item()))
         if sync_each_step:
             opt.synchronize()
+    opt.close()  # the slow head's last update must not run on into the next test (it uploads from the worker)
     return losses, eng
 
 
