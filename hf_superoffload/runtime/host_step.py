@@ -12,7 +12,6 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,10 @@ from .master_deferral import COMMIT_BYTES
 from .validation import Hyper, StepVerdict, Verdict
 
 __all__ = ["HostStepMixin"]
+
+
+def _released() -> None:
+    """A gate that is already open: the task waits only for the gates queued before it."""
 
 
 @dataclass(slots=True)
@@ -65,8 +68,6 @@ class HostStepMixin:
     defers_master: Any
     _uploader: Any
     _upload_seq: int
-    _host_rank: dict[int, int]
-    commit_when_idle: bool
 
     def _run_host(self, b: HostBucket, ctx: _StepContext) -> None:
         try:
@@ -101,11 +102,6 @@ class HostStepMixin:
             b.to_running()
         if verdict is not None:
             self._finish(b, ctx, verdict, speculated=False)
-            if self._defer and self.commit_when_idle and verdict.kind is not StepVerdict.SKIP:
-                # [Note: D2H gate]: a gated first task can start after step() queued the idle-commit chain and
-                # after the chain passed this bucket: its commit gets an idle task of its own (the chain's
-                # priority for it; a no-op if the chain gets there first)
-                self._queue_idle_commit(b)
             return
         self._cpu_step(b, ctx, ctx.spec_hyper, 1.0 / self._div)
         with self._lock:
@@ -266,14 +262,11 @@ class HostStepMixin:
                     self._commits_done_at = time.perf_counter()
             self._queue_idle_commits(k + 1)
 
-        self._queue_idle_commit(b, task)
-
-    def _queue_idle_commit(self, b: HostBucket, task: Callable[[], None] | None = None) -> None:
-        """Queue ``task`` (default: storing ``b``'s pending moments) at the lowest priority, in the next backward's
-        arrival order (after every finishing task and every task of that backward)."""
+        # [Note: D2H gate]: the chain enters the queue behind every gated first task of this step (the gates run
+        # in submission order), so those run first and the chain finds their pending moments
+        gate = _released if k == 0 and self.plan.d2h_gate else None
         with contextlib.suppress(WorkerError):
-            self._worker.submit(len(self.buckets) + self._host_rank[b.index], f"idle moment commit of {b.describe()}",
-                                task or (lambda: self._commit_moments(b)))
+            self._worker.submit(len(self.buckets) + k, f"idle moment commit of {b.describe()}", task, gate=gate)
 
     def commit_moments(self) -> None:
         """Store every pending deferred moment (training thread): readers of the host state call it
