@@ -23,6 +23,9 @@ Systems:
   ours_host_latep8 the same with d2h_lead_buckets=8
   ours_host_latep_noup  ours_host_latep with upload_thread=False (the worker issues the uploads, as before session 7)
   ours_host_latep_nogate  ours_host_latep with d2h_gate=False (the worker blocks on each copy, as before session 8)
+  ours_host_inv / ours_host_latep_inv  with rollback="inverse": the state updated in place (one copy of p/m/v)
+                   instead of the double buffer's out-of-place writes
+  ours_host_latep_t16  ours_host_latep with cpu_threads=16 (the default leaves a core to the training thread)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -61,7 +64,8 @@ __all__ = ["ALL_SYSTEMS", "WORKLOADS", "Workload", "main"]
 SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
         "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8",
-        "ours_host_latep_noup", "ours_host_latep_nogate")
+        "ours_host_latep_noup", "ours_host_latep_nogate", "ours_host_inv", "ours_host_latep_inv",
+        "ours_host_latep_t16")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -79,10 +83,20 @@ LABELS = {
     "ours_host_latep8": "hf_superoffload, host, D2H lead 8, master stored late",
     "ours_host_latep_noup": "hf_superoffload, host, D2H lead 4, master stored late, worker uploads",
     "ours_host_latep_nogate": "hf_superoffload, host, D2H lead 4, master stored late, worker waits on copies",
+    "ours_host_inv": "hf_superoffload, host, in-place state (inverse rollback)",
+    "ours_host_latep_inv": "hf_superoffload, host, D2H lead 4, master stored late, in-place state",
+    "ours_host_latep_t16": "hf_superoffload, host, D2H lead 4, master stored late, 16 CPU Adam threads",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
     "fsdp2_offload": "FSDP2 CPU offload",
+}
+# system-name suffixes of the ours_host* ablations and the config each sets (stripped in this order)
+MODIFIERS: dict[str, dict[str, Any]] = {
+    "_t16": {"cpu_threads": 16},
+    "_inv": {"rollback": "inverse"},
+    "_nogate": {"d2h_gate": False},
+    "_noup": {"upload_thread": False},
 }
 MFU_CONVENTION = "6N + 6*L*d*s per token (all params, causal attention, no recompute) / peak dense bf16"
 LR = 1e-5
@@ -306,12 +320,13 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
         kw["defer_moments"] = False
     if system.startswith("ours_host_lead"):
         kw["d2h_lead_buckets"] = int(system.removeprefix("ours_host_lead"))
-    if system.endswith("_noup"):
-        kw["upload_thread"] = False
-    if system.endswith("_nogate"):
-        kw["d2h_gate"] = False
-    if system.startswith("ours_host_latep"):
-        lead = int(system.removeprefix("ours_host_latep").removesuffix("_noup").removesuffix("_nogate") or 4)
+    base = system
+    for suffix, setting in MODIFIERS.items():
+        if base.endswith(suffix):
+            kw.update(setting)
+            base = base.removesuffix(suffix)
+    if base.startswith("ours_host_latep"):
+        lead = int(base.removeprefix("ours_host_latep") or 4)
         kw.update(defer_master=True, defer_moments=True, cast_side="cpu", d2h_lead_buckets=lead)
     if system == "ours_nospec":
         kw["speculation"] = False
