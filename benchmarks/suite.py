@@ -26,6 +26,8 @@ Systems:
   ours_host_inv / ours_host_latep_inv  with rollback="inverse": the state updated in place (one copy of p/m/v)
                    instead of the double buffer's out-of-place writes
   ours_host_latep_t16  ours_host_latep with cpu_threads=16 (the default leaves a core to the training thread)
+  ours_host_oop    ours_host with nonspeculative_in_place=False: steps that speculate nothing write the double
+                   buffer's other copy too (the schedule before session 9)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -65,7 +67,7 @@ SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
         "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8",
         "ours_host_latep_noup", "ours_host_latep_nogate", "ours_host_inv", "ours_host_latep_inv",
-        "ours_host_latep_t16")
+        "ours_host_latep_t16", "ours_host_oop")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -86,6 +88,7 @@ LABELS = {
     "ours_host_inv": "hf_superoffload, host, in-place state (inverse rollback)",
     "ours_host_latep_inv": "hf_superoffload, host, D2H lead 4, master stored late, in-place state",
     "ours_host_latep_t16": "hf_superoffload, host, D2H lead 4, master stored late, 16 CPU Adam threads",
+    "ours_host_oop": "hf_superoffload, host, every step writes the other state copy",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -97,6 +100,7 @@ MODIFIERS: dict[str, dict[str, Any]] = {
     "_inv": {"rollback": "inverse"},
     "_nogate": {"d2h_gate": False},
     "_noup": {"upload_thread": False},
+    "_oop": {"nonspeculative_in_place": False},
 }
 MFU_CONVENTION = "6N + 6*L*d*s per token (all params, causal attention, no recompute) / peak dense bf16"
 LR = 1e-5

@@ -42,6 +42,11 @@ class SuperOffloadConfig:
             is free and bit-exact (+12 B/param host RAM, no extra memory traffic); ``"inverse"`` inverts the
             AdamW update algebraically (no extra memory; exact to fp32 rounding); ``"auto"`` takes
             ``"double_buffer"`` when host RAM allows it. [Note: speculation and rollback].
+        nonspeculative_in_place: With the double buffer, a step that speculates nothing (speculation off or
+            paused because clipping keeps firing) updates the committed state copy in place: it can never be
+            undone, and in place its passes move less host memory (measured 3% faster on a 3.6B all-host step).
+            ``False`` writes the other copy on every step, so a deferred moment commit that fails can be run again
+            exactly instead of marking the engine inconsistent. [Note: speculation and rollback].
         max_redo_rate: Speculation pauses while more than this fraction of the last ``redo_window`` steps
             needed a redo (clipping fired): a redo costs a second, exposed CPU pass. It resumes by itself once
             clipping becomes rarer (every step's verdict is known, speculative or not).
@@ -110,6 +115,7 @@ class SuperOffloadConfig:
     device_memory_fraction: float = 0.4
     speculation: bool = True
     rollback: Rollback = "auto"
+    nonspeculative_in_place: bool = True
     max_redo_rate: float = 0.5
     redo_window: int = 8
     cast_side: CastSide = "auto"
@@ -142,6 +148,8 @@ class SuperOffloadConfig:
             raise bad("device_memory_fraction", self.device_memory_fraction, "use a fraction in [0, 0.9]")
         if self.rollback not in ("auto", "double_buffer", "inverse"):
             raise bad("rollback", self.rollback, "use 'auto', 'double_buffer' or 'inverse'")
+        if not isinstance(self.nonspeculative_in_place, bool):
+            raise bad("nonspeculative_in_place", self.nonspeculative_in_place, "use True or False")
         if not (0.0 <= self.max_redo_rate <= 1.0):
             raise bad("max_redo_rate", self.max_redo_rate, "use a fraction in [0, 1]")
         if self.redo_window < 1:

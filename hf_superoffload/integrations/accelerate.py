@@ -101,7 +101,7 @@ class SuperOffloadPlugin:
     Attributes:
         config_file: YAML or JSON file with ``SuperOffloadConfig`` fields (default: ``$HF_SUPEROFFLOAD_CONFIG``).
         bucket_size_mb, gpu_resident_buckets, gpu_resident_fraction, device_memory_fraction, speculation,
-        rollback, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
+        rollback, nonspeculative_in_place, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
         worker_timeout_s, check_finite, accumulate_on_host, host_accumulation_dtype, defer_moments, defer_master,
         d2h_lead_buckets, upload_thread, d2h_gate: see
         :class:`SuperOffloadConfig`. ``cpu_threads="auto"`` forces the
@@ -115,6 +115,7 @@ class SuperOffloadPlugin:
     device_memory_fraction: float | None = None
     speculation: bool | None = None
     rollback: str | None = None
+    nonspeculative_in_place: bool | None = None
     max_redo_rate: float | None = None
     redo_window: int | None = None
     cast_side: str | None = None

@@ -82,6 +82,8 @@ class SuperOffloadArguments(TrainingArguments):
             validate (commit, redo with the clip coefficient, or skip).
         superoffload_rollback: How a speculative step is undone (``SuperOffloadConfig.rollback``): ``"auto"``,
             the bit-exact double copy (+12 B/param host RAM) or ``"inverse"`` (no extra memory, fp32 rounding).
+        superoffload_nonspeculative_in_place: With the double copy, steps that speculate nothing update the
+            committed copy in place (faster; a failed deferred commit then marks the state inconsistent).
         superoffload_max_redo_rate: Speculation pauses while more than this share of recent steps needed a redo.
         superoffload_redo_window: Window, in optimizer steps, for ``superoffload_max_redo_rate``.
         superoffload_cast_side: Where fp32<->bf16 casts happen: ``"auto"``, ``"cpu"`` or ``"gpu"``.
@@ -133,6 +135,11 @@ class SuperOffloadArguments(TrainingArguments):
         metadata=_help(f"SuperOffload: how a speculative step is undone, one of {list(get_args(Rollback))}: the "
                        "bit-exact kind costs +12 B/param host RAM, 'inverse' none (fp32 rounding); 'auto' takes the "
                        "bit-exact one when host RAM allows."))
+    superoffload_nonspeculative_in_place: bool = field(
+        default=_D.nonspeculative_in_place,
+        metadata=_help("SuperOffload: with the bit-exact double copy, a step that speculates nothing (speculation "
+                       "off or paused) updates the committed copy in place, moving less host memory; false writes "
+                       "the other copy every step; see [Note: speculation and rollback]."))
     superoffload_max_redo_rate: float = field(
         default=_D.max_redo_rate,
         metadata=_help("SuperOffload: pause speculation while more than this fraction of the last "

@@ -109,6 +109,8 @@ class OffloadPlan:
         weight_mode: where the bf16 weights live between uses.
         cast_side: which side of the link casts.
         rollback: how a speculative step is undone.
+        nonspeculative_in_place: with the double buffer, steps that speculate nothing update the committed copy
+            in place ([Note: speculation and rollback]); always in place with the inverse rollback.
         speculation: whether CPU buckets may step before validation.
         cpu_threads: threads of the CPU Adam.
         pin_memory: page-lock the DMA buffers (exact size).
@@ -149,6 +151,7 @@ class OffloadPlan:
     d2h_lead_buckets: int = 0
     upload_thread: bool = False
     d2h_gate: bool = False
+    nonspeculative_in_place: bool = False
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -190,7 +193,8 @@ class OffloadPlan:
             f"  buckets: {len(self.buckets)} ({len(self.host_buckets)} host, {len(self.device_buckets)} device tail)",
             f"  optimizer state: {self.host_numel / 1e6:.1f}M params on host ({self.host_bytes() / gib:.2f} GiB), "
             f"{self.device_numel / 1e6:.1f}M on device ({self.device_bytes() / gib:.2f} GiB)",
-            f"  weights: {self.weight_mode.value}; casts on {self.cast_side.value}; rollback: {self.rollback.value}; "
+            f"  weights: {self.weight_mode.value}; casts on {self.cast_side.value}; rollback: {self.rollback.value}"
+            f"{' (steps that speculate nothing: in place)' if self.nonspeculative_in_place else ''}; "
             f"speculation: {'on' if self.speculation else 'off'}; cpu threads: {self.cpu_threads}; "
             f"pinned: {self.pin_memory}",
             f"  gradient accumulation: {_ACCUM_SUMMARY[self.host_accumulation]}",

@@ -369,10 +369,6 @@ def make_plan(
     master, master_note = _defer_master(config, defer, cast_side)
     if master_note:
         notes.append(master_note)
-    if master is MasterDeferral.ADAPTIVE and host_numel and not device_numel:
-        notes.append("hint: with every optimizer state on the host, defer_master=True measured ~2% faster than the "
-                     "adaptive share on the team's 3.6B step (docs/benchmarks.md, session 7); measure it on your "
-                     "workload")
 
     lead = d2h_lead(config, host_numel, device_numel)
     return OffloadPlan(
@@ -394,6 +390,7 @@ def make_plan(
         defer_master=master,
         d2h_lead_buckets=lead,
         d2h_gate=config.d2h_gate and lead > 0 and world_size == 1,
+        nonspeculative_in_place=config.nonspeculative_in_place and rollback is Rollback.DOUBLE_BUFFER,
         upload_thread=(config.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )

@@ -548,9 +548,13 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
             if self._gatherer is not None:  # the last step's all-gathers precede this step's reduce-scatters
                 self._gatherer.drain(self.timeout_s)
             self._grad_stats.zero_()
-            self._ctx = _StepContext(speculative=self.plan.speculation and self.governor.speculate_next(),
-                                     spec_hyper=self.hyper_fn(), max_grad_norm=self.max_grad_norm_fn(),
-                                     src=self._cur, dst=(self._cur + 1) % self._copies)
+            speculative = self.plan.speculation and self.governor.speculate_next()
+            # [Note: speculation and rollback]: a step that speculates nothing is never undone, so with the plan's
+            # consent it updates the committed copy in place (less host traffic than writing the other copy)
+            in_place = not speculative and self.plan.nonspeculative_in_place
+            self._ctx = _StepContext(speculative=speculative, spec_hyper=self.hyper_fn(),
+                                     max_grad_norm=self.max_grad_norm_fn(), src=self._cur,
+                                     dst=self._cur if in_place else (self._cur + 1) % self._copies)
         return self._ctx
 
     def _flush(self, b: HostBucket | DeviceBucket) -> None:

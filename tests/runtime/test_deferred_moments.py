@@ -304,9 +304,19 @@ def fail_first_commit(monkeypatch) -> Callable[[], None]:
     return lambda: monkeypatch.setattr(ops_module, "cpu_adamw_moments_", real)
 
 
-def assert_kept_after_a_failed_commit(lazy: Run, eager: Run, rollback: str) -> None:
+# How the state copies are written in these speculation-off runs: "double_buffer" every step into the other copy
+# (nonspeculative_in_place=False), "double_buffer_in_place" in place (the default: nothing to undo), "inverse" in place
+COPIES = ["double_buffer", "double_buffer_in_place", "inverse"]
+
+
+def copies_config(copies: str) -> dict[str, Any]:
+    return {"rollback": copies.removesuffix("_in_place"), "nonspeculative_in_place": copies.endswith("_in_place")}
+
+
+def assert_kept_after_a_failed_commit(lazy: Run, eager: Run, copies: str) -> None:
     assert not lazy.opt.engine.step_in_progress
-    if rollback == "double_buffer":  # the commit reads one copy and writes the other: run again, exact
+    assert lazy.opt.plan.nonspeculative_in_place == (copies == "double_buffer_in_place")
+    if copies == "double_buffer":  # the commit reads one copy and writes the other: run again, exact
         assert lazy.opt.engine.consistent
         assert_bitwise(lazy.state(), eager.state())
     else:
@@ -316,11 +326,11 @@ def assert_kept_after_a_failed_commit(lazy: Run, eager: Run, rollback: str) -> N
     lazy.opt.close()
 
 
-@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
-def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsistent_in_place(rollback: str,
+@pytest.mark.parametrize("copies", COPIES)
+def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsistent_in_place(copies: str,
                                                                                           monkeypatch) -> None:
     data = batches(3)
-    config = cfg(rollback=rollback, speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
+    config = cfg(**copies_config(copies), speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False, commit_when_idle=False)
     eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
     lazy.train(data[:2])
@@ -337,16 +347,16 @@ def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsisten
     lazy.opt.zero_grad()
     assert time.perf_counter() - t0 < 20
     restore()
-    assert_kept_after_a_failed_commit(lazy, eager, rollback)
+    assert_kept_after_a_failed_commit(lazy, eager, copies)
 
 
-@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
-def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(rollback: str, monkeypatch) -> None:
+@pytest.mark.parametrize("copies", COPIES)
+def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(copies: str, monkeypatch) -> None:
     """The worker's idle-time commit fails after step() returned: the error reaches the training thread at its next
     interaction; double buffer: the record survives and a reader stores it (state bitwise the eager run's);
     in place: the state is marked inconsistent and is never checkpointed."""
     data = batches(3)
-    config = cfg(rollback=rollback, speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
+    config = cfg(**copies_config(copies), speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False)
     eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
     lazy.train(data[:1])
@@ -361,15 +371,15 @@ def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(rollback: 
         lazy.train(data[2:3])
     lazy.opt.zero_grad()
     restore()
-    assert_kept_after_a_failed_commit(lazy, eager, rollback)
+    assert_kept_after_a_failed_commit(lazy, eager, copies)
 
 
-@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
-def test_a_failed_master_commit_is_retried_or_marks_the_state_inconsistent(rollback: str, monkeypatch) -> None:
+@pytest.mark.parametrize("copies", COPIES)
+def test_a_failed_master_commit_is_retried_or_marks_the_state_inconsistent(copies: str, monkeypatch) -> None:
     """Deferred master stores: the commit is a whole step (no bf16 output); one that fails half way is run again
     from the intact source copy (double buffer) or leaves p/m/v half written (in place: inconsistent)."""
     data = batches(3)
-    config = cfg(rollback=rollback, speculation=False, defer_moments=True, defer_master=True, cast_side="cpu",
+    config = cfg(**copies_config(copies), speculation=False, defer_moments=True, defer_master=True, cast_side="cpu",
                  worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False, commit_when_idle=False)
     eager = Run(config.replace(defer_moments=False, defer_master=False), clip=always(1.0), extras=False)
@@ -398,4 +408,4 @@ def test_a_failed_master_commit_is_retried_or_marks_the_state_inconsistent(rollb
     lazy.opt.zero_grad()
     monkeypatch.setattr(ops_module, "cpu_adamw_step_", real)
     assert calls["n"] >= 1
-    assert_kept_after_a_failed_commit(lazy, eager, rollback)
+    assert_kept_after_a_failed_commit(lazy, eager, copies)
