@@ -28,6 +28,8 @@ Systems:
   ours_host_latep_t16  ours_host_latep with cpu_threads=16 (the default leaves a core to the training thread)
   ours_host_oop    ours_host with nonspeculative_in_place=False: steps that speculate nothing write the double
                    buffer's other copy too (the schedule before session 9)
+  ours_host_m25 / _m50 / _m75  ours_host with defer_master=0.25 / 0.5 / 0.75: a fixed master share instead of the
+                   adaptive one (maps the step time against the share)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -67,7 +69,7 @@ SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
         "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8",
         "ours_host_latep_noup", "ours_host_latep_nogate", "ours_host_inv", "ours_host_latep_inv",
-        "ours_host_latep_t16", "ours_host_oop")
+        "ours_host_latep_t16", "ours_host_oop", "ours_host_m25", "ours_host_m50", "ours_host_m75")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -89,6 +91,9 @@ LABELS = {
     "ours_host_latep_inv": "hf_superoffload, host, D2H lead 4, master stored late, in-place state",
     "ours_host_latep_t16": "hf_superoffload, host, D2H lead 4, master stored late, 16 CPU Adam threads",
     "ours_host_oop": "hf_superoffload, host, every step writes the other state copy",
+    "ours_host_m25": "hf_superoffload, host, master stored late for a fixed 25% of the buckets",
+    "ours_host_m50": "hf_superoffload, host, master stored late for a fixed 50% of the buckets",
+    "ours_host_m75": "hf_superoffload, host, master stored late for a fixed 75% of the buckets",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -101,6 +106,9 @@ MODIFIERS: dict[str, dict[str, Any]] = {
     "_nogate": {"d2h_gate": False},
     "_noup": {"upload_thread": False},
     "_oop": {"nonspeculative_in_place": False},
+    "_m25": {"defer_master": 0.25},
+    "_m50": {"defer_master": 0.5},
+    "_m75": {"defer_master": 0.75},
 }
 MFU_CONVENTION = "6N + 6*L*d*s per token (all params, causal attention, no recompute) / peak dense bf16"
 LR = 1e-5

@@ -89,7 +89,8 @@ class SuperOffloadConfig:
             (the backward). ``True``: every host bucket; ``False``: none; ``"auto"`` (default, where deferred
             moments and the CPU cast are on): the engine starts with none and moves the share each step from
             what it measures, more while the commits finish early, fewer once they spill into the next pass
-            ([Note: adaptive master deferral] in docs/design.md).
+            ([Note: adaptive master deferral] in docs/design.md). A fraction in (0, 1): a fixed share, the host
+            buckets holding about that fraction of the host parameters (in gradient-arrival order).
         d2h_lead_buckets: How many host buckets' gradient copies may still be in flight when the backward hands
             over the next one (a rate limiter, like FSDP's ``limit_all_gathers``). ``0``: each bucket's hook waits
             for its own copy, so the worker always finds its gradients on the host, but the GPU queue drains at
@@ -127,7 +128,7 @@ class SuperOffloadConfig:
     accumulate_on_host: bool | Literal["auto"] = "auto"
     host_accumulation_dtype: AccumulationDtype = "auto"
     defer_moments: bool | Literal["auto"] = "auto"
-    defer_master: bool | Literal["auto"] = "auto"
+    defer_master: bool | float | Literal["auto"] = "auto"
     d2h_lead_buckets: int | Literal["auto"] = "auto"
     upload_thread: bool = True
     d2h_gate: bool = True
@@ -168,8 +169,9 @@ class SuperOffloadConfig:
             raise bad("host_accumulation_dtype", self.host_accumulation_dtype, "use 'auto', 'fp32' or 'landing'")
         if not (isinstance(self.defer_moments, bool) or self.defer_moments == "auto"):
             raise bad("defer_moments", self.defer_moments, "use True, False or 'auto'")
-        if not (isinstance(self.defer_master, bool) or self.defer_master == "auto"):
-            raise bad("defer_master", self.defer_master, "use True, False or 'auto'")
+        dm = self.defer_master
+        if not (isinstance(dm, bool) or dm == "auto" or (isinstance(dm, float) and 0.0 < dm < 1.0)):
+            raise bad("defer_master", dm, "use True, False, 'auto' or a fraction strictly between 0 and 1 (e.g. 0.5)")
         lead = self.d2h_lead_buckets
         if lead != "auto" and (isinstance(lead, bool) or not isinstance(lead, int) or lead < 0):
             raise bad("d2h_lead_buckets", lead, "use 'auto' or an integer >= 0 (0: no lead)")

@@ -189,6 +189,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     v = value.strip()
     try:
+        if name == "defer_master" and v.lower() not in _BOOLS and v.lower() != "auto":  # a fixed share: 0.5
+            return float(v)
         if name in ("accumulate_on_host", "defer_moments", "defer_master"):  # true / false / auto
             return "auto" if v.lower() == "auto" else _BOOLS[v.lower()]
         if name == "d2h_lead_buckets":

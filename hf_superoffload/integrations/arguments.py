@@ -191,7 +191,8 @@ class SuperOffloadArguments(TrainingArguments):
         default=str(_D.defer_master),
         metadata=_help("SuperOffload: 'auto', 'true' or 'false': with deferred moment stores and the CPU cast, a "
                        "verdict-known CPU pass writes the bf16 weights only and the fp32 master is stored later too; "
-                       "'auto': for as many host buckets as the engine measures the later stores to fit."))
+                       "'auto': for as many host buckets as the engine measures the later stores to fit; a fraction "
+                       "such as '0.4': the host buckets holding that share of the host parameters."))
     superoffload_d2h_lead_buckets: str = field(
         default=str(_D.d2h_lead_buckets),
         metadata=_help("SuperOffload: how many host buckets' gradient copies the backward may run ahead of (0: each "
@@ -322,6 +323,13 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
         kw[name] = value
     for name in _TRI_STATE_FIELDS:  # 'auto' / 'true' / 'false' -> "auto" / True / False
         value = str(kw[name]).lower()
+        if name == "defer_master" and value not in ("auto", "true", "false"):  # a fixed share: '0.5' -> 0.5
+            try:
+                kw[name] = float(value)
+                continue
+            except ValueError:
+                raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto', 'true', "
+                                 "'false' or a fraction strictly between 0 and 1") from None
         if value not in ("auto", "true", "false"):
             raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto', 'true' or "
                              "'false'")

@@ -48,6 +48,8 @@ class MasterDeferral(enum.Enum):
     """Every pass writes the bf16 weights only (16 B/param critical, 26 B/param commit)."""
     ADAPTIVE = "adaptive"
     """The runtime moves the split step by step so that the commits just fit the worker's idle time."""
+    SHARE = "share"
+    """A fixed share: the host buckets holding about ``OffloadPlan.master_share`` of the host parameters."""
 
 
 class HostAccumulation(enum.Enum):
@@ -124,6 +126,8 @@ class OffloadPlan:
         defer_master: with ``defer_moments`` (and the CPU cast), which verdict-known passes write the bf16
             weights only and leave the fp32 master to the commit: none, all, or an adaptive share of the host
             buckets ([Note: adaptive master deferral] in docs/design.md).
+        master_share: with ``MasterDeferral.SHARE``, the fraction of the host parameters whose buckets defer
+            their master (the first host buckets in arrival order, rounded to the nearest whole bucket).
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
         upload_thread: the H2D weight uploads are issued by a thread of their own, not the CPU worker ([Note:
             upload thread]; the engine uses it on CUDA with stationary weights in a single process).
@@ -152,6 +156,7 @@ class OffloadPlan:
     upload_thread: bool = False
     d2h_gate: bool = False
     nonspeculative_in_place: bool = False
+    master_share: float = 0.0
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -219,6 +224,7 @@ _MASTER_SUMMARY = {
     MasterDeferral.OFF: "",
     MasterDeferral.ALL: "; master weights too",
     MasterDeferral.ADAPTIVE: "; master weights too for an adaptive share of the buckets",
+    MasterDeferral.SHARE: "; master weights too for a fixed share of the buckets",
 }
 
 _ACCUM_SUMMARY = {

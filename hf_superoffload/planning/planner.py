@@ -388,6 +388,7 @@ def make_plan(
         host_accumulation=accumulation,
         defer_moments=defer,
         defer_master=master,
+        master_share=float(config.defer_master) if master is MasterDeferral.SHARE else 0.0,
         d2h_lead_buckets=lead,
         d2h_gate=config.d2h_gate and lead > 0 and world_size == 1,
         nonspeculative_in_place=config.nonspeculative_in_place and rollback is Rollback.DOUBLE_BUFFER,
@@ -399,11 +400,15 @@ def make_plan(
 def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide) -> tuple[MasterDeferral, str]:
     """[Note: adaptive master deferral]: whether verdict-known passes may leave the fp32 master to the commit."""
     usable = defer and cast_side is CastSide.CPU
-    if config.defer_master is True:
+    dm = config.defer_master
+    if dm is True or isinstance(dm, float):
         if not usable:
-            raise PlanError("defer_master=True needs deferred moment stores (defer_moments on) and the CPU cast "
+            raise PlanError(f"defer_master={dm!r} needs deferred moment stores (defer_moments on) and the CPU cast "
                             f"(cast_side='cpu'); this plan has defer_moments={defer}, cast_side={cast_side.value!r}: "
                             "set them, or defer_master='auto' / False")
+        if isinstance(dm, float):
+            return MasterDeferral.SHARE, (f"deferred master stores: a fixed share (configured): the host buckets "
+                                          f"holding ~{dm:.0%} of the host parameters write the bf16 weights only")
         return MasterDeferral.ALL, ("deferred master stores: every host bucket (configured): the verdict-known pass "
                                     "writes the bf16 weights only (16 B/param), the commit stores p, m, v (26 B/param)")
     if config.defer_master == "auto" and usable:

@@ -210,3 +210,18 @@ def test_accumulate_on_host_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("HF_SUPEROFFLOAD_ACCUMULATE_ON_HOST", "maybe")
     with pytest.raises(ValueError, match="HF_SUPEROFFLOAD_ACCUMULATE_ON_HOST"):
         SuperOffloadPlugin()
+
+
+@pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("true", True), ("off", False), ("0.4", 0.4)])
+def test_defer_master_from_the_environment_takes_a_fixed_share(monkeypatch, text: str, value: Any) -> None:
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MASTER", text)
+    assert SuperOffloadPlugin().to_config().defer_master == value
+
+
+def test_a_bad_fixed_share_from_the_environment_names_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MASTER", "1.5")
+    with pytest.raises(ValueError, match="fraction strictly between 0 and 1"):
+        SuperOffloadPlugin()
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MASTER", "half")
+    with pytest.raises(ValueError, match="HF_SUPEROFFLOAD_DEFER_MASTER='half'"):
+        SuperOffloadPlugin()

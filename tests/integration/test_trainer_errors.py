@@ -31,6 +31,8 @@ def _args(tmp_path: Any, **kw: Any) -> SuperOffloadArguments:
         ({"superoffload_gpu_resident_buckets": "many"}, "superoffload_gpu_resident_buckets='many'"),
         ({"superoffload_d2h_lead_buckets": "soon"}, "superoffload_d2h_lead_buckets='soon' is invalid: use 'auto'"),
         ({"superoffload_max_redo_rate": 2.0}, "superoffload_max_redo_rate"),
+        ({"superoffload_defer_master": "half"}, "superoffload_defer_master='half' is invalid: use 'auto', 'true'"),
+        ({"superoffload_defer_master": "1.5"}, "superoffload_defer_master=1.5 is invalid: use True, False, 'auto'"),
     ],
 )
 def test_incompatible_or_invalid_arguments_are_refused(tmp_path: Any, kw: dict[str, Any], match: str) -> None:

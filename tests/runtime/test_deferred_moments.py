@@ -25,7 +25,7 @@ from hf_superoffload.runtime.cpu_worker import WorkerError
 from hf_superoffload.testing import ReferenceAdamW, tiny_llama
 
 LR = 1e-3
-MODES = {False: MasterDeferral.OFF, True: MasterDeferral.ALL, "auto": MasterDeferral.ADAPTIVE}
+MODES = {False: MasterDeferral.OFF, True: MasterDeferral.ALL, "auto": MasterDeferral.ADAPTIVE, 0.5: MasterDeferral.SHARE}
 BASE = dict(bucket_size_mb=0.004, gpu_resident_buckets=2, worker_timeout_s=60)
 
 
@@ -137,7 +137,8 @@ def always(norm: float | None) -> Callable[[int], float | None]:
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 @pytest.mark.parametrize("schedule", ["speculation_off", "clip_every_step"])
 @pytest.mark.parametrize("commit", ["when_idle", "next_task"])
-@pytest.mark.parametrize("master", [False, True, "auto"], ids=["moments", "moments_and_master", "adaptive"])
+@pytest.mark.parametrize("master", [False, True, "auto", 0.5], ids=["moments", "moments_and_master", "adaptive",
+                                                               "half_the_masters"])
 def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str, schedule: str, commit: str,
                                                                    master: bool | str) -> None:
     """Two param groups, a frozen parameter and one without gradient every third step. ``master``: the pass writes
@@ -158,6 +159,9 @@ def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str
         eager.train([ids])
         ref.train([ids])
         commit_s += lazy.opt.last_step_stats.commit_s
+        if master == 0.5:  # a fixed share: the same buckets every step
+            n_host = len(lazy.opt.engine.host_buckets)
+            assert 0 < lazy.opt.last_step_stats.master_deferred_buckets < n_host
         lazy.opt.synchronize()  # drains the worker: with commits when idle, that includes them
         pending_seen += lazy.opt.engine.pending_moment_commits
     assert commit_s > 0, "no step was deferred"

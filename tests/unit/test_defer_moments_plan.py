@@ -115,8 +115,24 @@ def test_defer_master_needs_deferred_moments_and_the_cpu_cast():
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, defer_moments=False))
     with pytest.raises(PlanError, match="cast_side='cpu'"):
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="gpu"))
-    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*True, False or 'auto'"):
+    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*True, False, 'auto' or a fraction"):
         SuperOffloadConfig(defer_master="yes")
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, -0.2, "0.5", 2])
+def test_a_fixed_master_share_is_a_fraction_strictly_inside_0_1(bad):
+    with pytest.raises(ValueError, match=r"defer_master=.*a fraction strictly between 0 and 1"):
+        SuperOffloadConfig(defer_master=bad)
+
+
+def test_a_fixed_master_share_is_a_plan_field_and_needs_what_true_needs():
+    p = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=0.4, cast_side="cpu"))
+    assert p.defer_master is MasterDeferral.SHARE and p.master_share == 0.4
+    assert "a fixed share of the buckets" in p.summary() and any("~40% of the host" in n for n in p.notes)
+    for other in (True, False, "auto"):
+        assert plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=other, cast_side="cpu")).master_share == 0
+    with pytest.raises(PlanError, match=r"defer_master=0\.4 needs deferred moment stores"):
+        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=0.4, defer_moments=False))
 
 
 def test_defer_master_auto_is_adaptive_where_it_can_work_and_off_elsewhere():

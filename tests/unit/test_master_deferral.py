@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from hf_superoffload.runtime.master_deferral import MASTER_EXTRA_BYTES, DeferralObservation, next_share
+from hf_superoffload.runtime.master_deferral import (
+    MASTER_EXTRA_BYTES,
+    DeferralObservation,
+    next_share,
+    share_count,
+)
 
 NUMELS = [100, 300, 50, 200, 100]
 
@@ -34,3 +39,22 @@ def test_slack_adds_only_whole_buckets_that_fit_half_of_it():
 def test_a_share_outside_the_buckets_is_a_bug():
     with pytest.raises(ValueError, match="outside"):
         next_share(NUMELS, 6, obs())
+
+
+@pytest.mark.parametrize(("numels", "fraction", "count"), [
+    ([10, 10, 10, 10], 0.5, 2),
+    ([10, 10, 10, 10], 0.3, 1),  # 10 is nearer 12 than 20 is
+    ([10, 10, 10, 10], 0.4, 2),  # 20 is nearer 16 than 10 is
+    ([10, 10, 10, 10], 0.01, 0),
+    ([10, 10, 10, 10], 0.99, 4),
+    ([100, 1, 1, 1], 0.5, 1),  # 100 of 103 is nearer 51.5 than 0 is
+    ([1, 1, 1, 100], 0.5, 3),  # the next bucket (100) would overshoot by far more
+    ([], 0.5, 0),
+])
+def test_a_fixed_share_counts_the_first_buckets_nearest_the_fraction(numels, fraction, count):
+    assert share_count(numels, fraction) == count
+
+
+def test_a_share_fraction_outside_0_1_is_a_bug():
+    with pytest.raises(ValueError, match="outside"):
+        share_count([1, 2], 1.5)
