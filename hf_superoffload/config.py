@@ -41,7 +41,8 @@ class SuperOffloadConfig:
             ``"double_buffer"`` keeps two copies of the host state and steps from one into the other, so undo
             is free and bit-exact (+12 B/param host RAM, no extra memory traffic); ``"inverse"`` inverts the
             AdamW update algebraically (no extra memory; exact to fp32 rounding); ``"auto"`` takes
-            ``"double_buffer"`` when host RAM allows it. [Note: speculation and rollback].
+            ``"double_buffer"`` when host RAM allows it (one copy when speculation is off: nothing is ever
+            undone). [Note: speculation and rollback].
         nonspeculative_in_place: With the double buffer, a step that speculates nothing (speculation off or
             paused because clipping keeps firing) updates the committed state copy in place: it can never be
             undone, and in place its passes move less host memory (measured 3% faster on a 3.6B all-host step).

@@ -124,8 +124,8 @@ class OffloadPlan:
         defer_moments: a host bucket stepped with the verdict known stores its moments later, off the critical
             path; the landing arena is doubled ([Note: deferred moments] in docs/design.md).
         defer_master: with ``defer_moments`` (and the CPU cast), which verdict-known passes write the bf16
-            weights only and leave the fp32 master to the commit: none, all, or an adaptive share of the host
-            buckets ([Note: adaptive master deferral] in docs/design.md).
+            weights only and leave the fp32 master to the commit: none, all, an adaptive or a fixed share of the
+            host buckets ([Note: adaptive master deferral] in docs/design.md).
         master_share: with ``MasterDeferral.SHARE``, the fraction of the host parameters whose buckets defer
             their master (the first host buckets in arrival order, rounded to the nearest whole bucket).
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).

@@ -350,6 +350,10 @@ def make_plan(
         rollback = Rollback.DOUBLE_BUFFER
     elif config.rollback == "inverse":
         rollback = Rollback.INVERSE
+    elif not config.speculation and config.nonspeculative_in_place:
+        rollback = Rollback.INVERSE
+        notes.append("rollback: one state copy (speculation is off, so no step is ever undone; a second copy would "
+                     "only cost 12 B/param of host RAM)")
     elif room is None or base + host_numel * 12 <= room:
         rollback = Rollback.DOUBLE_BUFFER
         notes.append("rollback: double buffer (bit-exact, free undo of speculative steps; host RAM allows it)")

@@ -98,6 +98,19 @@ def test_rollback_auto_falls_back_to_inverse_when_host_ram_is_short():
                   profile=profile(host_available_bytes=25 * GiB))
 
 
+def test_rollback_auto_keeps_one_copy_when_nothing_is_ever_undone():
+    numels = [100_000_000] * 10
+    off = SuperOffloadConfig(gpu_resident_buckets=0, speculation=False)
+    p = make_plan(numels, element_size=2, config=off, profile=profile())
+    assert p.rollback is Rollback.INVERSE and any("no step is ever undone" in n for n in p.notes)
+    on = make_plan(numels, element_size=2, config=off.replace(speculation=True), profile=profile())
+    assert on.rollback is Rollback.DOUBLE_BUFFER and on.host_bytes() == p.host_bytes() + 12 * p.host_numel
+    # asked for explicitly, or every step out of place: the second copy is kept
+    for kw in ({"rollback": "double_buffer"}, {"nonspeculative_in_place": False}):
+        assert make_plan(numels, element_size=2, config=off.replace(**kw), profile=profile()).rollback is (
+            Rollback.DOUBLE_BUFFER)
+
+
 def test_plan_refuses_what_cannot_fit_before_allocating():
     with pytest.raises(PlanError, match=r"needs .* GiB .* available.*gpu_resident_buckets"):
         make_plan([1_000_000_000] * 8, element_size=2, config=SuperOffloadConfig(gpu_resident_buckets=0),
