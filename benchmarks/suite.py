@@ -385,7 +385,7 @@ def _step_stats(st: Any) -> dict[str, Any]:
     with contextlib.suppress(Exception):
         out["overlap"] = round(float(st.overlap), 4)
     for key in ("speculative", "speculated_buckets", "wasted_buckets", "d2h_bytes", "h2d_bytes", "clip_coef",
-                "commit_s", "master_deferred_buckets"):
+                "commit_s", "master_deferred_buckets", "pass_s"):
         if hasattr(st, key):
             value = getattr(st, key)
             out[key] = round(value, 4) if isinstance(value, float) else value

@@ -194,6 +194,9 @@ class TelemetryWindow:
 
     def add(self, st: StepStats) -> None:
         self._sum.cpu_s += st.cpu_s
+        self._sum.commit_s += st.commit_s
+        self._sum.pass_s += st.pass_s
+        self._sum.master_deferred_buckets += st.master_deferred_buckets
         self._sum.wait_s += st.wait_s
         self._sum.iteration_s += st.iteration_s
         self._sum.d2h_bytes += st.d2h_bytes
@@ -209,8 +212,10 @@ class TelemetryWindow:
         plus run totals: skipped and clipped steps and the redo rate. Resets the window."""
         n = max(self.steps, 1)
         s = self._sum
-        mean = StepStats(cpu_s=s.cpu_s / n, wait_s=s.wait_s / n, d2h_bytes=round(s.d2h_bytes / n),
-                         h2d_bytes=round(s.h2d_bytes / n), clip_coef=self._clip / n if self.steps else 1.0)
+        mean = StepStats(cpu_s=s.cpu_s / n, commit_s=s.commit_s / n, pass_s=s.pass_s / n, wait_s=s.wait_s / n,
+                         d2h_bytes=round(s.d2h_bytes / n), h2d_bytes=round(s.h2d_bytes / n),
+                         clip_coef=self._clip / n if self.steps else 1.0,
+                         master_deferred_buckets=round(s.master_deferred_buckets / n))
         logs = mean.as_log(prefix)
         logs[f"{prefix}speculative"] = round(self._spec / n, 4)
         logs[f"{prefix}iteration_s"] = round(s.iteration_s / n, 4)

@@ -94,6 +94,12 @@ class StepStats:
     master_deferred_buckets: int = 0
     """The share in force for this step: how many host buckets' verdict-known passes leave the fp32 master to the
     commit ([Note: adaptive master deferral]; 0 without deferred moments)."""
+    pass_s: float = 0.0
+    """Wall seconds of the host pass that ran in this iteration: from the previous ``step()``'s verdict until the CPU
+    worker had finished every host bucket of that step (pending commits it had to store first, undo and redo, Adam,
+    handing over the uploads). The next forward overlaps it; ``wait_s`` is what it could not hide. The share of that
+    pass is the previous step's ``master_deferred_buckets``. 0 after a skipped step, on the first step, and when the
+    pass had not finished by this ``step()``."""
 
     @property
     def overlap(self) -> float:
@@ -110,6 +116,7 @@ class StepStats:
             f"{prefix}clip_coef": round(self.clip_coef, 6),
             f"{prefix}speculative": float(self.speculative),
             f"{prefix}master_deferred_buckets": float(self.master_deferred_buckets),
+            f"{prefix}pass_s": round(self.pass_s, 4),
         }
 
 
@@ -176,6 +183,8 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         self.stats = StepStats()
         self._acc = StepStats()  # accumulates from the last step() on; guarded by self._lock
         self._last_step_t = time.perf_counter()
+        self._pass_ctx: _StepContext | None = None
+        """The last validated step's context: its pass runs until the next ``step()`` (StepStats.pass_s)."""
         self._closed = False
         self.consistent = True
         """False once a worker failure left a validated step half applied (the state must not be saved)."""
@@ -781,6 +790,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         with self._lock:
             failed = ctx.failed
             if not failed:
+                ctx.verdict_at = time.perf_counter()
                 ctx.verdict = verdict
             pending = [b for b in self.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
             states = {b.index: b.state for b in pending}
@@ -823,6 +833,9 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         now = time.perf_counter()
         with self._lock:
             st, self._acc = self._acc, StepStats()
+            prev, self._pass_ctx = self._pass_ctx, (ctx if verdict.kind is not StepVerdict.SKIP else None)
+            if prev is not None and prev.pass_done_at is not None:
+                st.pass_s = prev.pass_done_at - prev.verdict_at
         st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, ctx.speculative
         st.master_deferred_buckets = self._master_count if self._defer else 0
         st.clip_coef, st.iteration_s = verdict.grad_scale * self._div, now - self._last_step_t

@@ -50,6 +50,11 @@ class _StepContext:
     """The partial norm already exceeds max_grad_norm: clipping will fire, so speculating is wasted work."""
     failed: bool = False
     """A bucket's CPU task failed before the verdict: ``step()`` must not publish one (it aborts the step)."""
+    verdict_at: float = 0.0
+    finished: int = 0
+    pass_done_at: float | None = None
+    """Telemetry (``StepStats.pass_s``): when the verdict was published, how many host buckets have finished for it
+    since, and when the last one did."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -161,6 +166,10 @@ class HostStepMixin:
             uploader.submit(self._upload_seq, f"upload of {b.describe()}", lambda: self._upload_task(b, ctx.dst))
         else:
             self._upload(b, ctx.dst)
+        with self._lock:  # StepStats.pass_s: the worker has handed over this step's last host bucket
+            ctx.finished += 1
+            if ctx.finished == len(self.host_buckets):
+                ctx.pass_done_at = time.perf_counter()
 
     def _upload_task(self, b: HostBucket, copy: int) -> None:
         """The upload thread's task: a failure leaves a validated step's weights unfinished on the device."""
