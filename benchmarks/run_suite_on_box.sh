@@ -16,6 +16,9 @@
 #   DEVICE         cuda (default) or cpu (rehearsal on the dev machine with WORKLOADS=tiny)
 #   DS_SITE        DeepSpeed --target dir                                   default: /tmp/site
 #   RUN_TESTS=1    run a short CUDA test subset first (off by default: device time is scarce)
+#   TEST_PATHS     default "tests/runtime"; "tests/runtime -m cuda" takes ~65 s, "tests/kernels -m cuda" ~140 s on a
+#                  fresh box (Triton compiles every forced config: the cache is empty)
+#   TEST_TIMEOUT   seconds for the tests                                    default: 120
 set -u
 T0=$(date +%s)
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
