@@ -165,7 +165,8 @@ def _notes(rec: dict[str, Any]) -> str:
         parts.append(f"planner picked {rec['cast_side_planner']}, ran {rec.get('cast_side_used')}")
     tel = rec.get("telemetry")
     if tel:
-        parts.append(f"CPU Adam {tel['cpu_adam_s']:.2f} s, GPU waited {tel['gpu_wait_s']:.2f} s")
+        pass_s = f", pass {tel['pass_s']:.2f} s" if tel.get("pass_s") else ""
+        parts.append(f"CPU Adam {tel['cpu_adam_s']:.2f} s{pass_s}, GPU waited {tel['gpu_wait_s']:.2f} s")
         verdicts = tel.get("verdicts") or []
         if verdicts:
             counts = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}

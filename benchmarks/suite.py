@@ -688,6 +688,8 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
                 "cpu_adam_s": round(statistics.median(t["cpu_adam_s"] for t in telemetry), 4),
                 "gpu_wait_s": round(statistics.median(t["gpu_wait_s"] for t in telemetry), 4),
                 "commit_s": round(statistics.median(t.get("commit_s", 0.0) for t in telemetry), 4),
+                "pass_s": round(statistics.median(t.get("pass_s", 0.0) for t in telemetry), 4),
+                "master_share": [t.get("master_deferred_buckets", 0) for t in telemetry],
                 "overlap": round(statistics.median(t.get("overlap", float("nan")) for t in telemetry), 4),
                 "verdicts": [t["verdict"] for t in telemetry],
             }
@@ -946,7 +948,9 @@ def _print_row(rec: dict[str, Any]) -> None:
                  f"  x{rec.get('x_gpu', float('nan')):.2f} GPU-only  MFU {rec.get('mfu', 0):.1%}")
         tel = rec.get("telemetry")
         if tel:
-            head += f"  cpu {tel['cpu_adam_s']:.2f} s wait {tel['gpu_wait_s']:.2f} s"
+            head += f"  cpu {tel['cpu_adam_s']:.2f} s pass {tel.get('pass_s', 0.0):.2f} s wait {tel['gpu_wait_s']:.2f} s"
+            if any(tel.get("master_share") or ()):
+                head += f" share {'/'.join(map(str, tel['master_share']))}"
     elif rec.get("reason"):
         head += f" {rec['reason'][:160]}"
     gpu = rec.get("peak_gpu_gb")
