@@ -294,7 +294,8 @@ def main_plan(args: argparse.Namespace) -> int:
                      f"{shape.numel / 1e9:.3f}B (not a plain Llama-style decoder)")
     baseline = estimate(shape, plan_like=PlanLike(optimizer="gpu_adamw"), **run)
     largest = None
-    if profile.device_free_bytes is not None or profile.host_available_bytes is not None:
+    # the device memory bounds it (state that does not fit the host goes to the device tail): unknown without it
+    if profile.device_free_bytes is not None:
         largest = largest_model_that_fits(shape, profile=profile, host_bytes_per_param=plan_like.host_bytes_per_param,
                                           max_layers=MAX_LAYERS, weight_mode=plan_like.weight_mode, **run)
     longest = None
@@ -365,7 +366,7 @@ def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfil
     lines.append(f"plain GPU AdamW would need {b['gpu_required']:.1f} GiB ({'fits' if b['fits'] else 'does not fit'})")
     lg = out["largest_fitting"]
     lines.append("largest model of this width that fits: " + (
-        "unknown" if lg is None and not (profile.device_free_bytes or profile.host_available_bytes) else
+        "unknown (free GPU memory unknown: pass --gpu-mem or --profile)" if profile.device_free_bytes is None else
         "none" if lg is None else f"{'at least ' if lg['at_search_limit'] else ''}{lg['num_layers']} layers, "
         f"{lg['numel'] / 1e9:.2f}B parameters"))
     ls = out["longest_sequence"]

@@ -248,3 +248,18 @@ def test_sequence_parallel_step_time_is_one_ranks_share():
     attention_fwd = 2 * 32 * 4096 * 262_144 * 262_144 / 2 / (profile.matmul_tflops * 1e12 * 0.6)
     assert keep.gpu_s == pytest.approx(two.gpu_s - attention_fwd)
     assert keep.gpu_s == pytest.approx(76.0, rel=0.1)
+
+
+def test_the_largest_model_is_unknown_without_free_gpu_memory(capsys, tmp_path, monkeypatch):
+    """On a machine without a GPU the device tail is unbounded: no search (it used to report 2048 layers)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    cpu = tmp_path / "cpu_profile.json"  # a machine without a GPU, also when the test runs on one
+    HardwareProfile.read(torch.device("cpu")).save(cpu)
+    argv = ("--model", model("llama_3p6b"), "--batch-size", "1", "--seq-len", "512", "--host-mem", "64",
+            "--profile", str(cpu))
+    _, out = plan_json(capsys, *argv)
+    assert out["largest_fitting"] is None
+    _, text, _ = plan(capsys, *argv)
+    assert "largest model of this width that fits: unknown (free GPU memory unknown: pass --gpu-mem" in text
+    _, with_gpu = plan_json(capsys, *argv, "--gpu-mem", "24")
+    assert 0 < with_gpu["largest_fitting"]["num_layers"] < 2048
