@@ -101,6 +101,16 @@ class SpeculationGovernor:
         self._paused = bool(sd["paused"])
 
     @property
+    def paused(self) -> bool:
+        """Speculation is paused: too many recent steps needed a redo."""
+        return self._paused
+
+    @property
+    def recent_redos(self) -> tuple[int, int]:
+        """(redo steps, steps) in the window the pause is decided on."""
+        return sum(self._recent), len(self._recent)
+
+    @property
     def redo_rate(self) -> float:
         """Fraction of all steps whose verdict needed a redo (clipping fired or hyper-parameters changed)."""
         return self.redo_steps / self.steps if self.steps else 0.0
