@@ -220,7 +220,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._engine.abort_step()
             raise
-        if governor.paused != was_paused:  # a fact users ask about: why the CPU pass is (no longer) exposed
+        if governor.enabled and governor.paused != was_paused:  # why the CPU pass is (no longer) exposed
             redos, window = governor.recent_redos
             if governor.paused:
                 logger.info("hf_superoffload: speculation paused: clipping fired (or the hyper-parameters changed) on "
