@@ -49,7 +49,7 @@ class MasterDeferral(enum.Enum):
     ADAPTIVE = "adaptive"
     """The runtime moves the split step by step so that the commits just fit the worker's idle time."""
     SHARE = "share"
-    """A fixed share: the host buckets holding about ``OffloadPlan.master_share`` of the host parameters."""
+    """A fixed share: the first ``OffloadPlan.master_buckets`` host buckets (chosen from a fraction of the parameters)."""
 
 
 class HostAccumulation(enum.Enum):
@@ -126,8 +126,8 @@ class OffloadPlan:
         defer_master: with ``defer_moments`` (and the CPU cast), which verdict-known passes write the bf16
             weights only and leave the fp32 master to the commit: none, all, an adaptive or a fixed share of the
             host buckets ([Note: adaptive master deferral] in docs/design.md).
-        master_share: with ``MasterDeferral.SHARE``, the fraction of the host parameters whose buckets defer
-            their master (the first host buckets in arrival order, rounded to the nearest whole bucket).
+        master_buckets: with ``MasterDeferral.SHARE``, how many host buckets (the first in arrival order) defer their
+            master: those holding the configured fraction of the host parameters, to the nearest whole bucket.
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
         upload_thread: the H2D weight uploads are issued by a thread of their own, not the CPU worker ([Note:
             upload thread]; the engine uses it on CUDA with stationary weights in a single process).
@@ -156,7 +156,7 @@ class OffloadPlan:
     upload_thread: bool = False
     d2h_gate: bool = False
     nonspeculative_in_place: bool = False
-    master_share: float = 0.0
+    master_buckets: int = 0
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -224,7 +224,7 @@ _MASTER_SUMMARY = {
     MasterDeferral.OFF: "",
     MasterDeferral.ALL: "; master weights too",
     MasterDeferral.ADAPTIVE: "; master weights too for an adaptive share of the buckets",
-    MasterDeferral.SHARE: "; master weights too for a fixed share of the buckets",
+    MasterDeferral.SHARE: "; master weights too for a fixed share of the buckets",  # (the count: in the notes)
 }
 
 _ACCUM_SUMMARY = {

@@ -21,7 +21,8 @@ from .plan import (
     WeightMode,
 )
 
-__all__ = ["AUTO_D2H_LEAD", "PlanError", "Workload", "d2h_lead", "make_plan", "partition_buckets", "split_cores"]
+__all__ = ["AUTO_D2H_LEAD", "PlanError", "Workload", "d2h_lead", "make_plan", "partition_buckets", "share_count",
+           "split_cores"]
 
 AUTO_D2H_LEAD = 4
 """``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state (measured: benchmarks/NOTES.md,
@@ -392,13 +393,28 @@ def make_plan(
         host_accumulation=accumulation,
         defer_moments=defer,
         defer_master=master,
-        master_share=float(config.defer_master) if master is MasterDeferral.SHARE else 0.0,
+        master_buckets=(share_count([b.shard for b in buckets if b.placement is Placement.HOST], config.defer_master)
+                        if master is MasterDeferral.SHARE else 0),
         d2h_lead_buckets=lead,
         d2h_gate=config.d2h_gate and lead > 0 and world_size == 1,
         nonspeculative_in_place=config.nonspeculative_in_place and rollback is Rollback.DOUBLE_BUFFER,
         upload_thread=(config.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )
+
+
+def share_count(numels: Sequence[int], fraction: float) -> int:
+    """How many of the first buckets (``numels`` in share order) hold ``fraction`` of the parameters, to the nearest
+    whole bucket: the fixed share of ``defer_master=<fraction>`` (``MasterDeferral.SHARE``)."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction={fraction} is outside [0, 1]")
+    target, total, count = fraction * sum(numels), 0, 0
+    for n in numels:
+        if abs(total + n - target) > abs(total - target):
+            break
+        total += n
+        count += 1
+    return count
 
 
 def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide) -> tuple[MasterDeferral, str]:

@@ -54,7 +54,7 @@ from .collectives import ShardGroup
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
 from .host_step import HostStepMixin, _StepContext
-from .master_deferral import COMMIT_BYTES, DeferralObservation, next_share, share_count
+from .master_deferral import COMMIT_BYTES, DeferralObservation, next_share
 from .sharding import DataParallelMixin, _add_stats_
 from .streams import Handoff, StreamSet
 from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict, decide
@@ -224,9 +224,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         self._host_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
         """A bucket's position among the host buckets: the master share's order and the idle commits' priority."""
         self._host_shards = [b.spec.shard for b in self.host_buckets]
-        self._master_count = {MasterDeferral.ALL: len(self.host_buckets),
-                              MasterDeferral.SHARE: share_count(self._host_shards, plan.master_share)}.get(
-                                  self._master_mode, 0)
+        self._master_count = len(self.host_buckets) if self._master_mode is MasterDeferral.ALL else plan.master_buckets
         self._commit_clock = [0.0, 0.0]
         """Seconds and bytes of commit work since the last verdict (under the lock): the measured commit rate."""
         self._commit_rate = 0.0

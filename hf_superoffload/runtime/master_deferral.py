@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["COMMIT_BYTES", "MASTER_EXTRA_BYTES", "DeferralObservation", "next_share", "share_count"]
+__all__ = ["COMMIT_BYTES", "MASTER_EXTRA_BYTES", "DeferralObservation", "next_share"]
 
 COMMIT_BYTES = {False: 18, True: 26}
 """Host bytes per parameter a commit moves: moments only (False) or the whole step again (True)."""
@@ -59,16 +59,3 @@ def next_share(numels: Sequence[int], count: int, obs: DeferralObservation, *, g
             count += 1
     return count
 
-
-def share_count(numels: Sequence[int], fraction: float) -> int:
-    """How many of the first buckets (``numels`` in share order) hold ``fraction`` of the parameters, to the nearest
-    whole bucket: the fixed share of ``defer_master=<fraction>`` (``MasterDeferral.SHARE``)."""
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"fraction={fraction} is outside [0, 1]")
-    target, total, count = fraction * sum(numels), 0, 0
-    for n in numels:
-        if abs(total + n - target) > abs(total - target):
-            break
-        total += n
-        count += 1
-    return count

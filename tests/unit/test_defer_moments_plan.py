@@ -8,7 +8,7 @@ from hf_superoffload import SuperOffloadConfig
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import ENGINE_HOST_BYTES_PER_PARAM, PlanLike, estimate
 from hf_superoffload.planning.plan import HostAccumulation, MasterDeferral, Rollback, WeightMode
-from hf_superoffload.planning.planner import _HOST_HEADROOM_BYTES, PlanError, make_plan
+from hf_superoffload.planning.planner import _HOST_HEADROOM_BYTES, PlanError, make_plan, share_count
 
 GiB = 1024**3
 NUMELS = [50_000_000] * 40  # 2B parameters
@@ -127,10 +127,12 @@ def test_a_fixed_master_share_is_a_fraction_strictly_inside_0_1(bad):
 
 def test_a_fixed_master_share_is_a_plan_field_and_needs_what_true_needs():
     p = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=0.4, cast_side="cpu"))
-    assert p.defer_master is MasterDeferral.SHARE and p.master_share == 0.4
+    host = [b.shard for b in p.host_buckets]
+    assert p.defer_master is MasterDeferral.SHARE and p.master_buckets == share_count(host, 0.4)
+    assert 0 < p.master_buckets < len(host)
     assert "a fixed share of the buckets" in p.summary() and any("~40% of the host" in n for n in p.notes)
     for other in (True, False, "auto"):
-        assert plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=other, cast_side="cpu")).master_share == 0
+        assert plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=other, cast_side="cpu")).master_buckets == 0
     with pytest.raises(PlanError, match=r"defer_master=0\.4 needs deferred moment stores"):
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=0.4, defer_moments=False))
 

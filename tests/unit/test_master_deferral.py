@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_superoffload.runtime.master_deferral import (
-    MASTER_EXTRA_BYTES,
-    DeferralObservation,
-    next_share,
-    share_count,
-)
+from hf_superoffload.planning.planner import share_count
+from hf_superoffload.runtime.master_deferral import MASTER_EXTRA_BYTES, DeferralObservation, next_share
 
 NUMELS = [100, 300, 50, 200, 100]
 
