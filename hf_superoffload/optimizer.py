@@ -213,22 +213,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        governor = self._engine.governor
-        was_paused = governor.paused
         try:
             stats = self._engine.step(self.max_grad_norm)
         except BaseException:
             self._engine.abort_step()
             raise
-        if governor.enabled and governor.paused != was_paused:  # why the CPU pass is (no longer) exposed
-            redos, window = governor.recent_redos
-            if governor.paused:
-                logger.info("hf_superoffload: speculation paused: clipping fired (or the hyper-parameters changed) on "
-                            "%d of the last %d steps, above max_redo_rate=%g; each step's CPU pass now runs after its "
-                            "backward, and speculation resumes when clipping gets rarer (docs/tuning.md)",
-                            redos, window, governor.max_redo_rate)
-            else:
-                logger.info("hf_superoffload: speculation resumed: %d of the last %d steps needed a redo", redos, window)
         self.last_grad_norm = stats.grad_norm
         if stats.verdict == StepVerdict.SKIP.value:
             self.skipped_steps += 1

@@ -6,11 +6,14 @@
 from __future__ import annotations
 
 import enum
+import logging
 import math
 from collections import deque
 from dataclasses import dataclass
 
 __all__ = ["Hyper", "SpeculationGovernor", "StepVerdict", "Verdict", "decide"]
+
+logger = logging.getLogger("hf_superoffload")
 
 Hyper = tuple[tuple[float, float, float, float, float], ...]
 """Per param group: (lr, beta1, beta2, eps, weight_decay)."""
@@ -84,8 +87,16 @@ class SpeculationGovernor:
         self.redo_steps += int(redo)
         self.speculative_steps += int(speculated)
         self._recent.append(redo)
-        rate = sum(self._recent) / len(self._recent)
-        paused = rate > self.max_redo_rate
+        redos, window = sum(self._recent), len(self._recent)
+        paused = redos / window > self.max_redo_rate
+        if self.enabled and paused != self._paused:  # why the CPU pass is (no longer) exposed: users ask
+            if paused:
+                logger.info("hf_superoffload: speculation paused: clipping fired (or the hyper-parameters changed) on "
+                            "%d of the last %d steps, above max_redo_rate=%g; each step's CPU pass now runs after its "
+                            "backward, and speculation resumes when clipping gets rarer (docs/tuning.md)",
+                            redos, window, self.max_redo_rate)
+            else:
+                logger.info("hf_superoffload: speculation resumed: %d of the last %d steps needed a redo", redos, window)
         self.pauses += int(paused and not self._paused)
         self._paused = paused
 
@@ -104,11 +115,6 @@ class SpeculationGovernor:
     def paused(self) -> bool:
         """Speculation is paused: too many recent steps needed a redo."""
         return self._paused
-
-    @property
-    def recent_redos(self) -> tuple[int, int]:
-        """(redo steps, steps) in the window the pause is decided on."""
-        return sum(self._recent), len(self._recent)
 
     @property
     def redo_rate(self) -> float:
