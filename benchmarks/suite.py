@@ -69,7 +69,8 @@ SCHEMA = "hf_superoffload.suite/1"
 OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "ours_flow", "ours_host_nodefer",
         "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8",
         "ours_host_latep_noup", "ours_host_latep_nogate", "ours_host_inv", "ours_host_latep_inv",
-        "ours_host_latep_t16", "ours_host_oop", "ours_host_m25", "ours_host_m50", "ours_host_m75")
+        "ours_host_latep_t16", "ours_host_oop", "ours_host_m25", "ours_host_m50", "ours_host_m75",
+        "ours_host_static")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -94,6 +95,7 @@ LABELS = {
     "ours_host_m25": "hf_superoffload, host, master stored late for a fixed 25% of the buckets",
     "ours_host_m50": "hf_superoffload, host, master stored late for a fixed 50% of the buckets",
     "ours_host_m75": "hf_superoffload, host, master stored late for a fixed 75% of the buckets",
+    "ours_host_static": "hf_superoffload, host, CPU Adam threads on static slices (not dynamic chunks)",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -109,6 +111,7 @@ MODIFIERS: dict[str, dict[str, Any]] = {
     "_m25": {"defer_master": 0.25},
     "_m50": {"defer_master": 0.5},
     "_m75": {"defer_master": 0.75},
+    "_static": {"env": {"HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE": "static"}},  # the worker process's environment
 }
 MFU_CONVENTION = "6N + 6*L*d*s per token (all params, causal attention, no recompute) / peak dense bf16"
 LR = 1e-5
@@ -335,6 +338,10 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
     base = system
     for suffix, setting in MODIFIERS.items():
         if base.endswith(suffix):
+            setting = dict(setting)
+            env = setting.pop("env", {})
+            os.environ.update(env)  # read by the CPU Adam op on every call (this process only)
+            info.update({f"env:{k}": v for k, v in env.items()})
             kw.update(setting)
             base = base.removesuffix(suffix)
     if base.startswith("ours_host_latep"):

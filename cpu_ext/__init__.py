@@ -5,6 +5,6 @@ The compiled op library lives in ``csrc/`` and is built just in time on first us
 """
 
 from . import reference
-from ._build import DISABLE_ENV, ISA_ENV, LoadState, load_library, load_state
+from ._build import DISABLE_ENV, ISA_ENV, SCHEDULE_ENV, LoadState, load_library, load_state
 
-__all__ = ["DISABLE_ENV", "ISA_ENV", "LoadState", "load_library", "load_state", "reference"]
+__all__ = ["DISABLE_ENV", "ISA_ENV", "SCHEDULE_ENV", "LoadState", "load_library", "load_state", "reference"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CSRC", "DISABLE_ENV", "ISA_ENV", "LoadState", "load_library", "load_state"]
+__all__ = ["CSRC", "DISABLE_ENV", "ISA_ENV", "SCHEDULE_ENV", "LoadState", "load_library", "load_state"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ DISABLE_ENV = "HF_SUPEROFFLOAD_DISABLE_CPU_EXT"
 """Set to 1 to skip the build and use the torch fallback."""
 ISA_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_ISA"
 """Force one SIMD path: scalar, avx2, avx512, avx512_bf16, neon or sve (read by the op on every call)."""
+SCHEDULE_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE"
+"""``dynamic`` (default) or ``static``: how the elementwise ops share a range among their threads (read per call)."""
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("adam_op.cpp",)

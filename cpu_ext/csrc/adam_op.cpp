@@ -40,6 +40,14 @@ hfso::Isa current_isa() {
   return isa;
 }
 
+hfso::Schedule current_schedule() {
+  const char* v = std::getenv("HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE");
+  if (v == nullptr || *v == '\0' || std::string(v) == "dynamic") return hfso::Schedule::kDynamic;
+  TORCH_CHECK_VALUE(std::string(v) == "static", "HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE=", v,
+                    ": use 'dynamic' (the default) or 'static'");
+  return hfso::Schedule::kStatic;
+}
+
 void check_cpu_contiguous(const Tensor& t, const char* name, int64_t numel) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -156,7 +164,7 @@ void cpu_adamw_step(const Tensor& param, const Tensor& grad, const Tensor& exp_a
   c.buffers.store_master = store_master;    // false: param is not written at all
   check_disjoint(ts);
   const hfso::Isa isa = current_isa();
-  hfso::parallel_ranges(c.numel, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
+  hfso::parallel_chunks(c.numel, static_cast<int>(num_threads), current_schedule(), [&](int64_t begin, int64_t end) {
     hfso::step_range(isa, c.buffers, c.hyper, begin, end);
   });
 }
@@ -170,7 +178,7 @@ void cpu_adamw_undo(const Tensor& param, const Tensor& grad, const Tensor& exp_a
                          grad_scale, param_bf16_out, ts);
   check_disjoint(ts);
   const hfso::Isa isa = current_isa();
-  hfso::parallel_ranges(c.numel, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
+  hfso::parallel_chunks(c.numel, static_cast<int>(num_threads), current_schedule(), [&](int64_t begin, int64_t end) {
     hfso::undo_range(isa, c.buffers, c.hyper, begin, end);
   });
 }
@@ -204,7 +212,7 @@ void cpu_adamw_moments(const Tensor& grad, const Tensor& exp_avg, const Tensor& 
   // The step's constants for beta1, beta2 and grad_scale, rounded by the same code (the rest is unused).
   const hfso::AdamHyper h = hfso::make_hyper(1, 0.0, beta1, beta2, 0.0, 0.0, grad_scale);
   const hfso::Isa isa = current_isa();
-  hfso::parallel_ranges(n, static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
+  hfso::parallel_chunks(n, static_cast<int>(num_threads), current_schedule(), [&](int64_t begin, int64_t end) {
     hfso::moments_range(isa, b, h, begin, end);
   });
 }
@@ -240,7 +248,7 @@ void bench_inplace3(const Tensor& a, const Tensor& b, const Tensor& c, int64_t n
   float* pc = c.data_ptr<float>();
   check_disjoint({{&a, "a"}, {&b, "b"}, {&c, "c"}});
   const hfso::Isa isa = current_isa();
-  hfso::parallel_ranges(a.numel(), static_cast<int>(num_threads), [&](int64_t begin, int64_t end, int) {
+  hfso::parallel_chunks(a.numel(), static_cast<int>(num_threads), current_schedule(), [&](int64_t begin, int64_t end) {
     hfso::inplace3_range(isa, pa, pb, pc, begin, end);
   });
 }

@@ -178,3 +178,39 @@ def test_default_threads_ignore_omp_num_threads(compiled: None) -> None:
 def test_num_threads_must_be_positive() -> None:
     with pytest.raises(ValueError, match="num_threads"):
         ops.cpu_adamw_step_(*_tensors(4), step=1, num_threads=0, **HYPER)
+
+
+def _all_elementwise_ops(n: int, threads: int) -> torch.Tensor:
+    """Every elementwise op once (in place with a bf16 copy, out of place without the moments, the moment commit,
+    undo) on the same seeded state; their outputs, concatenated."""
+    p, g, m, v = _tensors(n)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    ops.cpu_adamw_step_(p, g, m, v, step=3, param_bf16_out=out, num_threads=threads, **HYPER)
+    dst = [torch.empty(n), torch.empty(n), torch.empty(n)]
+    ops.cpu_adamw_step_(*dst[:1], g, *dst[1:], step=4, source=(p, m, v), store_moments=False, num_threads=threads,
+                        **HYPER)
+    ops.cpu_adamw_moments_(g, dst[1], dst[2], beta1=0.9, beta2=0.999, source=(m, v), num_threads=threads)
+    ops.cpu_adamw_undo_(p, g, m, v, step=3, num_threads=threads, **HYPER)
+    return torch.cat([out.float(), *dst, p, m, v])
+
+
+@pytest.mark.parametrize("n", [1, 4099, 32 * 1024 * 7 + 5, 2**20 + 3])
+def test_dynamic_chunks_match_static_slices_bitwise(compiled: None, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """[dynamic chunks]: the elementwise ops give bit-identical results however the range is shared."""
+    results = {}
+    for schedule in ("static", "dynamic"):
+        monkeypatch.setenv(cpu_ext.SCHEDULE_ENV, schedule)
+        for threads in (1, 3):
+            results[schedule, threads] = _all_elementwise_ops(n, threads)
+    want = results["static", 1]
+    for key, got in results.items():
+        assert torch.equal(got, want), key
+
+
+def test_unknown_schedule_raises_with_the_choices(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    ts = _tensors(8)
+    before = [t.clone() for t in ts]
+    monkeypatch.setenv(cpu_ext.SCHEDULE_ENV, "guided")
+    with pytest.raises(ValueError, match=r"'dynamic' .*or 'static'"):
+        ops.cpu_adamw_step_(*ts, step=1, **HYPER)
+    assert all(torch.equal(a, b) for a, b in zip(ts, before, strict=True))  # nothing was touched
