@@ -30,6 +30,10 @@ Systems:
                    buffer's other copy too (the schedule before session 9)
   ours_host_m25 / _m50 / _m75  ours_host with defer_master=0.25 / 0.5 / 0.75: a fixed master share instead of the
                    adaptive one (maps the step time against the share)
+  ours_host_static ours_host with the CPU Adam's threads on static slices (HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE=static,
+                   the partition before session 10) instead of dynamic chunks
+  ours_host_gcfreeze  ours_host with gc.freeze() after the build: the model's objects leave the collector's view, so
+                   a full collection no longer walks them (tests whether GC pauses cause the slow early steps)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
   ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
@@ -47,6 +51,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import gzip
 import json
 import os
@@ -70,7 +75,7 @@ OURS = ("ours", "ours_host", "ours_nospec", "ours_castflip", "ours_noclip", "our
         "ours_host_lead4", "ours_host_lead8", "ours_host_latep", "ours_host_latep8",
         "ours_host_latep_noup", "ours_host_latep_nogate", "ours_host_inv", "ours_host_latep_inv",
         "ours_host_latep_t16", "ours_host_oop", "ours_host_m25", "ours_host_m50", "ours_host_m75",
-        "ours_host_static")
+        "ours_host_static", "ours_host_gcfreeze")
 DEEPSPEED = ("ds_zero2", "ds_zero3", "ds_superoffload")
 ALL_SYSTEMS = ("gpu", *OURS, *DEEPSPEED, "fsdp2_offload")
 LABELS = {
@@ -96,6 +101,7 @@ LABELS = {
     "ours_host_m50": "hf_superoffload, host, master stored late for a fixed 50% of the buckets",
     "ours_host_m75": "hf_superoffload, host, master stored late for a fixed 75% of the buckets",
     "ours_host_static": "hf_superoffload, host, CPU Adam threads on static slices (not dynamic chunks)",
+    "ours_host_gcfreeze": "hf_superoffload, host, gc.freeze() after the build",
     "ds_zero2": "DeepSpeed ZeRO-2 offload",
     "ds_zero3": "DeepSpeed ZeRO-3 offload",
     "ds_superoffload": "DeepSpeed SuperOffload",
@@ -112,6 +118,7 @@ MODIFIERS: dict[str, dict[str, Any]] = {
     "_m50": {"defer_master": 0.5},
     "_m75": {"defer_master": 0.75},
     "_static": {"env": {"HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE": "static"}},  # the worker process's environment
+    "_gcfreeze": {},  # run_worker calls gc.freeze() after the build
 }
 MFU_CONVENTION = "6N + 6*L*d*s per token (all params, causal attention, no recompute) / peak dense bf16"
 LR = 1e-5
@@ -399,6 +406,28 @@ def _step_stats(st: Any) -> dict[str, Any]:
     return out
 
 
+class _GcClock:
+    """Python's garbage-collection pauses (``gc.callbacks``): seconds and full (generation 2) collections since the
+    last :meth:`take`. A collection holds the interpreter lock, so it also stalls the CPU worker between buckets."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._t0 = 0.0, 0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.full += info.get("generation") == 2
+            self._t0 = None
+
+    def take(self) -> dict[str, Any]:
+        out = {"gc_s": round(self.seconds, 4), "gc_gen2": self.full}
+        self.seconds, self.full = 0.0, 0
+        return out
+
+
 class Absent(Exception):
     """The system cannot run here; the row is recorded as absent with this reason."""
 
@@ -649,6 +678,11 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
         sync()
         rec["init_s"] = round(time.perf_counter() - t0, 2)
         opt = getattr(step_fn, "opt", None)
+        if system.endswith("_gcfreeze"):
+            gc.collect()
+            gc.freeze()  # everything built so far is long-lived: out of every later collection's walk
+        gc_clock = _GcClock()
+        gc_steps: list[dict[str, Any]] = []
         times: list[float] = []
         losses: list[float] = []
         telemetry: list[dict[str, Any]] = []
@@ -659,12 +693,14 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
                 done += 1
             sync()
             phase, done = "timed", 0
+            gc_clock.take()
             t_window = time.perf_counter()
             for _ in range(spec["steps"]):
                 t = time.perf_counter()
                 loss = step_fn()
                 sync()
                 times.append(time.perf_counter() - t)
+                gc_steps.append(gc_clock.take())
                 done += 1
                 losses.append(round(float(loss.detach()), 4))
                 if opt is not None:
@@ -683,6 +719,7 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
             rec["status"] = "oom"
             rec["reason"] = f"out of GPU memory in {phase} step {done + 1}: {str(exc).splitlines()[0]}"
         rec["step_s_all"] = [round(x, 4) for x in times]
+        rec["gc_per_step"] = gc_steps  # Python GC pauses inside each timed step (any thread)
         rec["losses"] = losses
         if times:
             med = statistics.median(times)
@@ -958,6 +995,10 @@ def _print_row(rec: dict[str, Any]) -> None:
             head += f"  cpu {tel['cpu_adam_s']:.2f} s pass {tel.get('pass_s', 0.0):.2f} s wait {tel['gpu_wait_s']:.2f} s"
             if any(tel.get("master_share") or ()):
                 head += f" share {'/'.join(map(str, tel['master_share']))}"
+        gcs = rec.get("gc_per_step") or []
+        if any(g["gc_gen2"] for g in gcs):
+            pauses = [f"{g['gc_s']:.2f}" if g["gc_gen2"] else "-" for g in gcs]
+            head += f"  full GC {'/'.join(pauses)} s"
     elif rec.get("reason"):
         head += f" {rec['reason'][:160]}"
     gpu = rec.get("peak_gpu_gb")

@@ -244,14 +244,14 @@ int parallel_ranges(int64_t n, int threads, F&& f) {
 #endif
 }
 
-// NOTE: [dynamic chunks] the elementwise kernels (step, undo, moments) share their range in aligned chunks
-// taken from an atomic counter instead of one static slice per thread. A static slice makes every bucket wait
-// for its slowest thread, and on the training box the team shares the cores with the training thread, the
-// upload thread and the driver's threads: one preempted team thread stretches the whole bucket (the all-host
-// 3.6B pass varied 0.58-0.78 s for the same bytes). With ~kChunksPerThread chunks per thread the others take
-// over a descheduled thread's remaining chunks. Chunks are multiples of kAlignElems (same alignment as the
-// static slices) and at least kGrainElems; results are bitwise the same either way (elementwise), so only the
-// reductions (sumsq) keep the static, per-thread-index partition.
+// NOTE: [dynamic chunks] ([Note: CPU Adam threads] in docs/design.md): the elementwise kernels (step, undo,
+// moments) share their range in aligned chunks taken from an atomic counter instead of one static slice per
+// thread. A static slice makes every bucket wait for its slowest thread, and on the training box the team shares
+// the cores with the training thread, the upload thread and the driver's threads: one preempted team thread
+// stretches the whole bucket (the all-host 3.6B pass varied 0.58-0.78 s for the same bytes; 0.44-0.54 s with
+// chunks). With ~kChunksPerThread chunks per thread the others take over a descheduled thread's remaining chunks.
+// Chunks are multiples of kAlignElems (the static slices' alignment) and at least kGrainElems; results are bitwise
+// the same either way (elementwise), so only the reductions (sumsq) keep the static, per-thread-index partition.
 constexpr int64_t kChunksPerThread = 8;
 
 enum class Schedule { kStatic, kDynamic };

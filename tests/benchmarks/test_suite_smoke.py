@@ -217,3 +217,45 @@ def test_driver_timeout_and_budget(tmp_path):
     gpu, ours = (json.loads(line) for line in out.read_text().splitlines())
     assert gpu["status"] == "timeout" and gpu["exit_code"] is None and gpu["wall_s"] < 15
     assert ours["status"] == "skipped" and "budget" in ours["reason"] and "command" not in ours
+
+
+def test_worker_records_gc_pauses_per_step_and_freezes_for_gcfreeze(tmp_path, monkeypatch):
+    """``gc_per_step``: a full collection inside a timed step is counted in that step only; ``_gcfreeze`` rows
+    freeze the objects built before the timed loop."""
+    import gc
+
+    import torch
+
+    suite = _module("suite")
+    calls = []
+
+    def collects_in_second_timed_step(system, wl, dev, spec):
+        def step():
+            calls.append(1)
+            if len(calls) == 3:  # warm-up 1, then timed steps 1 and 2
+                gc.collect()
+            return torch.tensor(1.0)
+
+        return torch.nn.Linear(2, 2), step, {}
+
+    monkeypatch.setattr(suite, "_make_system", collects_in_second_timed_step)
+    callbacks = list(gc.callbacks)
+    try:
+        rec = suite.run_worker("ours_host_gcfreeze", _spec(suite, tmp_path))
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.callbacks[:] = callbacks  # the interpreter reads this very list: the worker's clock leaves with the test
+    assert rec["status"] == "ok", rec
+    first, second = rec["gc_per_step"]
+    assert second["gc_gen2"] >= 1 and second["gc_s"] >= 0
+    assert first["gc_gen2"] == 0
+
+
+def test_static_suffix_sets_the_schedule_for_the_worker_process(monkeypatch):
+    suite = _module("suite")
+    monkeypatch.delenv("HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE", raising=False)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the worker's environment change stays in this test
+    _, info = suite._ours_config("ours_host_static", {}, [10, 20], "cpu")
+    assert os.environ["HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE"] == "static"
+    assert info["env:HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE"] == "static"
