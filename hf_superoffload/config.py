@@ -17,6 +17,30 @@ CastSide = Literal["auto", "cpu", "gpu"]
 WeightPlacement = Literal["auto", "stationary", "flow"]
 AccumulationDtype = Literal["auto", "fp32", "landing"]
 
+TRI_STATE_FIELDS = ("accumulate_on_host", "defer_moments", "defer_master")
+"""Fields that take ``"auto"``, ``True`` or ``False`` (``defer_master`` also a fraction)."""
+BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+"""How a boolean is spelled in text (environment variables, YAML strings, command-line arguments)."""
+
+
+def tri_state_from_text(name: str, text: str) -> bool | float | str:
+    """Parse the text form of a :data:`TRI_STATE_FIELDS` field: ``auto``, a word of :data:`BOOL_WORDS`, or for
+    ``defer_master`` a number (a fixed share; its range is checked by the config). Raises ``ValueError`` naming the
+    spellings; the adapters prefix the argument or variable that carried the text."""
+    v = text.strip().lower()
+    if v == "auto":
+        return "auto"
+    if v in BOOL_WORDS:
+        return BOOL_WORDS[v]
+    if name == "defer_master":
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    if name == "defer_master":
+        raise ValueError("use 'auto', 'true', 'false' or a fraction strictly between 0 and 1 (e.g. 0.5)")
+    raise ValueError("use 'auto', 'true' or 'false'")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SuperOffloadConfig:

@@ -70,7 +70,7 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
-from ..config import SuperOffloadConfig
+from ..config import BOOL_WORDS, TRI_STATE_FIELDS, SuperOffloadConfig, tri_state_from_text
 from ..optimizer import SuperOffloadOptimizer
 from ._common import (
     SuperOffloadAcceleratedOptimizer,
@@ -87,7 +87,6 @@ logger = get_logger(__name__)
 ENV_PREFIX = "HF_SUPEROFFLOAD_"
 ENV_CONFIG = "HF_SUPEROFFLOAD_CONFIG"
 _FIELDS = tuple(f.name for f in dataclasses.fields(SuperOffloadConfig))
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 @dataclass
@@ -189,10 +188,11 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         return value
     v = value.strip()
     try:
-        if name == "defer_master" and v.lower() not in _BOOLS and v.lower() != "auto":  # a fixed share: 0.5
-            return float(v)
-        if name in ("accumulate_on_host", "defer_moments", "defer_master"):  # true / false / auto
-            return "auto" if v.lower() == "auto" else _BOOLS[v.lower()]
+        if name in TRI_STATE_FIELDS:  # auto / true / false (defer_master: also a share, 0.5)
+            try:
+                return tri_state_from_text(name, v)
+            except ValueError as e:
+                raise ValueError(f"{source}={value!r} is invalid for SuperOffloadConfig.{name}: {e}") from None
         if name == "d2h_lead_buckets":
             return "auto" if v.lower() == "auto" else int(v)
         if name in ("gpu_resident_buckets", "cpu_threads"):
@@ -200,7 +200,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
                 return "auto" if name == "gpu_resident_buckets" else None
             return int(v)
         if isinstance(default, bool):
-            return _BOOLS[v.lower()]
+            return BOOL_WORDS[v.lower()]
         if isinstance(default, int):
             return int(v)
         if isinstance(default, float):

@@ -29,7 +29,15 @@ from typing import Any, get_args
 
 from transformers import TrainingArguments
 
-from ..config import AccumulationDtype, CastSide, Rollback, SuperOffloadConfig, WeightPlacement
+from ..config import (
+    TRI_STATE_FIELDS,
+    AccumulationDtype,
+    CastSide,
+    Rollback,
+    SuperOffloadConfig,
+    WeightPlacement,
+    tri_state_from_text,
+)
 
 __all__ = ["SuperOffloadArguments", "superoffload_config_from_args"]
 
@@ -41,7 +49,6 @@ PREFIX = "superoffload_"
 # superoffload_ arguments that describe the run (the planner's workload), not a SuperOffloadConfig field
 _RUN_SHAPE_FIELDS = frozenset({"superoffload_max_seq_len"})
 # SuperOffloadConfig fields that take True, False or "auto" (strings on the command line)
-_TRI_STATE_FIELDS = ("accumulate_on_host", "defer_moments", "defer_master")
 _AUTO_OR_INT_FIELDS = ("gpu_resident_buckets", "d2h_lead_buckets")
 
 # True while SuperOffloadTrainer.__init__ runs Trainer.__init__: a plain Trainer given these args is refused.
@@ -262,7 +269,7 @@ class SuperOffloadArguments(TrainingArguments):
                 "mixed_precision bf16 or no in the accelerate config, or pass bf16=True."
             )
         self.superoffload_gpu_resident_buckets = str(self.superoffload_gpu_resident_buckets)
-        for name in _TRI_STATE_FIELDS:
+        for name in TRI_STATE_FIELDS:
             setattr(self, PREFIX + name, str(getattr(self, PREFIX + name)).lower())
         self.to_superoffload_config()  # validate now, not at the first train() call
 
@@ -321,19 +328,11 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
                 raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto' or an "
                                  "integer >= 0") from None
         kw[name] = value
-    for name in _TRI_STATE_FIELDS:  # 'auto' / 'true' / 'false' -> "auto" / True / False
-        value = str(kw[name]).lower()
-        if name == "defer_master" and value not in ("auto", "true", "false"):  # a fixed share: '0.5' -> 0.5
-            try:
-                kw[name] = float(value)
-                continue
-            except ValueError:
-                raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto', 'true', "
-                                 "'false' or a fraction strictly between 0 and 1") from None
-        if value not in ("auto", "true", "false"):
-            raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto', 'true' or "
-                             "'false'")
-        kw[name] = "auto" if value == "auto" else value == "true"
+    for name in TRI_STATE_FIELDS:  # 'auto' / 'true' / 'false' (defer_master: also '0.5') -> "auto" / True / 0.5
+        try:
+            kw[name] = tri_state_from_text(name, str(kw[name]))
+        except ValueError as e:
+            raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: {e}") from None
     try:
         return SuperOffloadConfig(**kw)
     except ValueError as e:

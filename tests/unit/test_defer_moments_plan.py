@@ -157,3 +157,25 @@ def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
     assert mostly_gpu.device_numel > mostly_gpu.host_numel and mostly_gpu.d2h_lead_buckets == 0
     p = plan(SuperOffloadConfig(gpu_resident_buckets=0, d2h_lead_buckets=4))
     assert p.d2h_lead_buckets == 4 and "D2H lead: 4 bucket(s) in flight" in p.summary()
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "want"),
+    [("defer_master", " Auto ", "auto"), ("defer_master", "yes", True), ("defer_master", "0", False),
+     ("defer_master", "0.25", 0.25), ("defer_moments", "off", False), ("accumulate_on_host", "TRUE", True)],
+)
+def test_tri_state_text_one_vocabulary(name: str, text: str, want: object) -> None:
+    """The Trainer arguments and the Accelerate plugin/env parse these fields with the same function."""
+    from hf_superoffload.config import tri_state_from_text
+
+    got = tri_state_from_text(name, text)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize(("name", "text", "match"), [("defer_moments", "0.5", "use 'auto', 'true' or 'false'$"),
+                                                     ("defer_master", "half", "or a fraction strictly between")])
+def test_tri_state_text_errors_name_the_spellings(name: str, text: str, match: str) -> None:
+    from hf_superoffload.config import tri_state_from_text
+
+    with pytest.raises(ValueError, match=match):
+        tri_state_from_text(name, text)
