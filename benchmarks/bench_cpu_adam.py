@@ -24,6 +24,14 @@ count; ``vs in-place`` is the in-place twin's time over the out-of-place row's (
 
     python benchmarks/bench_cpu_adam.py --quick --out /tmp/bench.json
     python benchmarks/bench_cpu_adam.py --numel 268435456 --threads 8 15 16 --out results/cpu_adam.json
+
+Straggling ([Note: CPU Adam threads] in docs/design.md): ``--schedules static dynamic`` runs every row under each
+``HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE``; ``--contend K`` keeps K busy-spinning processes on the host meanwhile (as the
+training, upload and loader threads are in a run); ``--bucket-numel B`` makes the ``ours_*`` rows one call per
+B-param slice, as the engine calls the op once per bucket:
+
+    python benchmarks/bench_cpu_adam.py --numel 67108864 --bucket-numel 4194304 --impls ours_bf16 ours_bf16_only \
+        --schedules static dynamic --contend 1
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -65,6 +75,11 @@ class Result:
     gb_s: float | None
     """Effective GB/s from the median."""
     note: str = ""
+    schedule: str = "dynamic"
+    """``HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE`` during the measurement (the ``ours_*`` and ``inplace3`` rows use it)."""
+
+
+SCHEDULE_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE"
 
 
 @dataclass(slots=True)
@@ -101,16 +116,23 @@ def _time(fn: Callable[[], None], repeats: int, warmup: int) -> tuple[float, flo
     return statistics.median(times), min(times)
 
 
-def _impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
-    """Callables per implementation, or a string saying why it is absent."""
+def _impls(b: Buffers, threads: int, bucket: int | None = None) -> dict[str, Callable[[], None] | str]:
+    """Callables per implementation, or a string saying why it is absent. ``bucket``: the ``ours_*`` rows make one
+    op call per slice of that many params (the engine's per-bucket calls) instead of one call."""
 
     def next_step() -> int:
         b.step += 1
         return b.step
 
+    def sliced(call: Callable[[slice], None]) -> None:
+        n = b.p.numel()
+        for start in range(0, n, bucket or n):
+            call(slice(start, min(n, start + (bucket or n))))
+
     def ours_bf16() -> None:
-        ops.cpu_adamw_step_(b.p, b.g16, b.m, b.v, step=next_step(), param_bf16_out=b.out, num_threads=threads,
-                            **HYPER)
+        step = next_step()
+        sliced(lambda s: ops.cpu_adamw_step_(b.p[s], b.g16[s], b.m[s], b.v[s], step=step, param_bf16_out=b.out[s],
+                                             num_threads=threads, **HYPER))
 
     def ours_bf16_oop() -> None:
         # Reads (p, m, v), writes alt, then swaps, so the state stays current for the other rows.
@@ -120,11 +142,14 @@ def _impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] | str]:
         (b.p, b.m, b.v), b.alt = b.alt, src
 
     def ours_bf16_only() -> None:
-        ops.cpu_adamw_step_(b.p, b.g16, b.m, b.v, step=next_step(), param_bf16_out=b.out, num_threads=threads,
-                            store_moments=False, store_master=False, **HYPER)
+        step = next_step()
+        sliced(lambda s: ops.cpu_adamw_step_(b.p[s], b.g16[s], b.m[s], b.v[s], step=step, param_bf16_out=b.out[s],
+                                             num_threads=threads, store_moments=False, store_master=False, **HYPER))
 
     def ours_fp32() -> None:
-        ops.cpu_adamw_step_(b.p, b.g32, b.m, b.v, step=next_step(), num_threads=threads, **HYPER)
+        step = next_step()
+        sliced(lambda s: ops.cpu_adamw_step_(b.p[s], b.g32[s], b.m[s], b.v[s], step=step, num_threads=threads,
+                                             **HYPER))
 
     state_step = torch.tensor(1.0)
 
@@ -182,43 +207,63 @@ def _deepspeed_impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] |
     return {"deepspeed_fp32": ds_step, "deepspeed_pipeline": ds_pipeline}
 
 
-def run(numel: int, thread_counts: list[int], repeats: int, warmup: int) -> list[Result]:
-    """Measures every implementation at every thread count on one set of buffers."""
+def run(numel: int, thread_counts: list[int], repeats: int, warmup: int, *, schedules: tuple[str, ...] = ("dynamic",),
+        impls: tuple[str, ...] | None = None, bucket: int | None = None) -> list[Result]:
+    """Measures every implementation (or those named in ``impls``) at every thread count under every schedule, on
+    one set of buffers."""
     b = _alloc(numel)
     results: list[Result] = []
-    for threads in thread_counts:
-        torch.set_num_threads(threads)  # torch's and DeepSpeed's OpenMP threads; ours take num_threads
-        for name, fn in _impls(b, threads).items():
-            if isinstance(fn, str):
-                results.append(Result(name, threads, numel, None, None, None, None, fn))
-                continue
-            try:
-                sec, best = _time(fn, repeats, warmup)
-            except Exception as exc:
-                results.append(Result(name, threads, numel, None, None, None, None, f"failed: {exc!r}"[:200]))
-                continue
-            per = BYTES_OTHER.get(name, BYTES_PER_PARAM)
-            results.append(Result(name, threads, numel, sec, best, numel / sec / 1e6, numel * per / sec / 1e9))
+    before = os.environ.get(SCHEDULE_ENV)
+    try:
+        for schedule in schedules:
+            os.environ[SCHEDULE_ENV] = schedule  # read by our ops on every call
+            for threads in thread_counts:
+                torch.set_num_threads(threads)  # torch's and DeepSpeed's OpenMP threads; ours take num_threads
+                for name, fn in _impls(b, threads, bucket).items():
+                    if impls is not None and name not in impls:
+                        continue
+                    if isinstance(fn, str):
+                        results.append(Result(name, threads, numel, None, None, None, None, fn, schedule))
+                        continue
+                    try:
+                        sec, best = _time(fn, repeats, warmup)
+                    except Exception as exc:
+                        results.append(Result(name, threads, numel, None, None, None, None,
+                                              f"failed: {exc!r}"[:200], schedule))
+                        continue
+                    per = BYTES_OTHER.get(name, BYTES_PER_PARAM)
+                    results.append(Result(name, threads, numel, sec, best, numel / sec / 1e6, numel * per / sec / 1e9,
+                                          "", schedule))
+    finally:
+        if before is None:
+            os.environ.pop(SCHEDULE_ENV, None)
+        else:
+            os.environ[SCHEDULE_ENV] = before
     return results
 
 
+def _contenders(k: int) -> list[subprocess.Popen[bytes]]:
+    """``k`` processes that spin on a core each until killed (other runnable threads on the Adam's cores)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(k)]
+
+
 def _table(results: list[Result]) -> str:
-    by_key = {(r.impl, r.threads): r for r in results}
-    head = (f"{'impl':<20}{'threads':>8}{'ms':>8}{'best ms':>9}{'Mparam/s':>10}{'GB/s':>7}"
+    by_key = {(r.impl, r.threads, r.schedule): r for r in results}
+    head = (f"{'impl':<20}{'schedule':>9}{'threads':>8}{'ms':>8}{'best ms':>9}{'Mparam/s':>10}{'GB/s':>7}"
             f"{'vs torch_pipe':>14}{'roofline':>10}{'vs in-place':>12}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.seconds is None:
-            lines.append(f"{r.impl:<20}{r.threads:>8}  {r.note}")
+            lines.append(f"{r.impl:<20}{r.schedule:>9}{r.threads:>8}  {r.note}")
             continue
-        ref = by_key.get(("torch_pipeline", r.threads))
-        roof = by_key.get(("inplace3", r.threads))
+        ref = by_key.get(("torch_pipeline", r.threads, r.schedule))
+        roof = by_key.get(("inplace3", r.threads, r.schedule))
         vs = f"{ref.seconds / r.seconds:.2f}x" if ref and ref.seconds and r.impl != "inplace3" else ""
         frac = f"{r.gb_s / roof.gb_s:.0%}" if roof and roof.gb_s and r.gb_s and r.impl != "inplace3" else ""
-        twin = by_key.get((IN_PLACE_TWIN.get(r.impl, ""), r.threads))
+        twin = by_key.get((IN_PLACE_TWIN.get(r.impl, ""), r.threads, r.schedule))
         vs_in = f"{twin.seconds / r.seconds:.2f}x" if twin and twin.seconds else ""
         lines.append(
-            f"{r.impl:<20}{r.threads:>8}{r.seconds * 1e3:>8.1f}{(r.best_seconds or 0) * 1e3:>9.1f}"
+            f"{r.impl:<20}{r.schedule:>9}{r.threads:>8}{r.seconds * 1e3:>8.1f}{(r.best_seconds or 0) * 1e3:>9.1f}"
             f"{r.mparam_s:>10.0f}{r.gb_s:>7.1f}{vs:>14}{frac:>10}{vs_in:>12}"
         )
     return "\n".join(lines)
@@ -251,18 +296,35 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="small size and few repeats")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--impls", nargs="+", default=None, help="only these rows (e.g. ours_bf16 inplace3)")
+    parser.add_argument("--schedules", nargs="+", choices=("dynamic", "static"), default=["dynamic"],
+                        help="run every row under each HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE (default: dynamic)")
+    parser.add_argument("--contend", type=int, default=0, help="busy-spinning processes on the host meanwhile")
+    parser.add_argument("--bucket-numel", type=int, default=None,
+                        help="ours_* rows: one op call per slice of this many params (the engine's buckets)")
     args = parser.parse_args()
+    if args.contend < 0 or (args.bucket_numel is not None and args.bucket_numel < 1):
+        parser.error("--contend must be >= 0 and --bucket-numel >= 1")
 
     numel = args.numel or (2**24 if args.quick else 2**28)
     repeats = args.repeats or (5 if args.quick else 10)
     threads = args.threads or sorted({ops.default_num_threads(), len(os.sched_getaffinity(0))})
     machine = _machine()
-    print(f"{machine}\nnumel={numel} ({numel / 2**20:.0f} Mi) repeats={repeats} warmup={args.warmup}")
-    results = run(numel, threads, repeats, args.warmup)
+    print(f"{machine}\nnumel={numel} ({numel / 2**20:.0f} Mi) repeats={repeats} warmup={args.warmup} "
+          f"bucket={args.bucket_numel} contenders={args.contend}")
+    spinners = _contenders(args.contend)
+    try:
+        results = run(numel, threads, repeats, args.warmup, schedules=tuple(args.schedules),
+                      impls=tuple(args.impls) if args.impls else None, bucket=args.bucket_numel)
+    finally:
+        for proc in spinners:
+            proc.kill()
+            proc.wait()
     print(_table(results))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine, "numel": numel, "repeats": repeats, "results": [asdict(r) for r in results]}
+        payload = {"machine": machine, "numel": numel, "repeats": repeats, "bucket_numel": args.bucket_numel,
+                   "contenders": args.contend, "results": [asdict(r) for r in results]}
         args.out.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.out}")
 
