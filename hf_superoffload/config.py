@@ -32,14 +32,12 @@ def tri_state_from_text(name: str, text: str) -> bool | float | str:
         return "auto"
     if v in BOOL_WORDS:
         return BOOL_WORDS[v]
-    if name == "defer_master":
-        try:
-            return float(v)
-        except ValueError:
-            pass
-    if name == "defer_master":
-        raise ValueError("use 'auto', 'true', 'false' or a fraction strictly between 0 and 1 (e.g. 0.5)")
-    raise ValueError("use 'auto', 'true' or 'false'")
+    if name != "defer_master":
+        raise ValueError("use 'auto', 'true' or 'false'")
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError("use 'auto', 'true', 'false' or a fraction strictly between 0 and 1 (e.g. 0.5)") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
