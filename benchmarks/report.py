@@ -111,12 +111,27 @@ def load_records(paths: Iterable[str | pathlib.Path]) -> list[dict[str, Any]]:
 
 
 def group_runs(records: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """Records by (workload, run_id), systems in the suite's order (a rerun of a system: the last record)."""
-    groups: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    """Records by (workload, run_id), systems in the suite's order. A system the run listed twice (``repeat`` 1,
+    2, ...) keeps every record, in run order; the same record appended twice (a rerun of the file): the last."""
+    groups: dict[tuple[str, str], dict[tuple[str, int], dict[str, Any]]] = {}
     for rec in records:
-        groups.setdefault((rec["workload"], rec["run_id"]), {})[rec["system"]] = rec
+        groups.setdefault((rec["workload"], rec["run_id"]), {})[rec["system"], rec.get("repeat", 1)] = rec
     rank = {s: i for i, s in enumerate(SUITE_ORDER)}
-    return {k: sorted(v.values(), key=lambda r: rank.get(r["system"], 99)) for k, v in sorted(groups.items())}
+    return {k: sorted(v.values(), key=lambda r: (rank.get(r["system"], 99), r.get("repeat", 1)))
+            for k, v in sorted(groups.items())}
+
+
+def _name(rec: dict[str, Any], label: str) -> str:
+    """``label``, with the process's number when the run listed its system more than once."""
+    return f"{label} #{rec['repeat']}" if rec.get("repeat", 1) > 1 or rec.get("repeated") else label
+
+
+def _mark_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Flag the first record of a repeated system too, so every process of it is numbered."""
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["system"]] = counts.get(r["system"], 0) + 1
+    return [{**r, "repeated": counts[r["system"]] > 1} for r in rows]
 
 
 def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -189,6 +204,7 @@ def _fmt(value: Any, spec: str, default: str = "") -> str:
 def suite_table(rows: list[dict[str, Any]], everything: list[dict[str, Any]] | None = None) -> str:
     """Markdown table of one run: system, s/step, tokens/s, x GPU-only, MFU, peaks, notes."""
     ref, ref_note = reference(rows, everything or rows)
+    rows = _mark_repeats(rows)
     out = ["| system | s/step (median) | tokens/s | x GPU-only | model TFLOP/s | MFU | peak GPU GB | peak host GB | notes |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -196,7 +212,7 @@ def suite_table(rows: list[dict[str, Any]], everything: list[dict[str, Any]] | N
         tok = r.get("tokens_per_s") if ok else None
         ratio = tok / ref if tok and ref else None
         out.append(
-            f"| {SUITE_LABEL.get(r['system'], r['system'])} | {_fmt(r.get('step_s_median') if ok else None, '.3f', '-')} | "
+            f"| {_name(r, SUITE_LABEL.get(r['system'], r['system']))} | {_fmt(r.get('step_s_median') if ok else None, '.3f', '-')} | "
             f"{_fmt(tok, ',.0f', '-')} | {_fmt(ratio, '.2f', '-')} | {_fmt(r.get('model_tflops') if ok else None, '.0f', '-')} | "
             f"{_fmt(r.get('mfu') if ok else None, '.1%', '-')} | {_fmt(r.get('peak_gpu_gb'), '.1f', '-')} | "
             f"{_fmt(r.get('peak_host_rss_gb') if r.get('status') in ('ok', 'oom') else None, '.1f', '-')} | {_notes(r)} |")
@@ -229,7 +245,8 @@ def plot_systems(rows: list[dict[str, Any]], path: pathlib.Path, title: str = ""
     """Two panels: tokens/s (annotated x GPU-only) and MFU per system; absent/failed rows are labelled."""
     plt = _plt()
     ref, _ = reference(rows, everything or rows)
-    names = [r["system"] for r in rows][::-1]
+    rows = _mark_repeats(rows)
+    names = [_name(r, r["system"]) for r in rows][::-1]
     recs = rows[::-1]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.6), sharey=True)
     color = ["#888" if n == "gpu" else "#2a7" if n.startswith("ours") else "#c55" for n in names]

@@ -713,7 +713,7 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
                 phase = "profile"
                 rec["profile"] = _profile(system, step_fn, sync, dev, spec["profile_steps"],
                                           Path(spec["out_dir"]) / "traces",
-                                          f"{spec['run_id']}_{wl.name}_{system}")
+                                          spec.get("stem", f"{spec['run_id']}_{wl.name}_{system}"))
             rec["status"] = "ok"
         except torch.OutOfMemoryError as exc:
             rec["status"] = "oom"
@@ -897,9 +897,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu_tokens: float | None = None
     print(f"[suite] run {run_id}: workload {wl.name} ({wl.params() / 1e9:.3f}B params, batch {wl.batch_size} x "
           f"{wl.seq_len}), {len(args.systems)} systems -> {out_file}", flush=True)
+    seen: dict[str, int] = {}
     for system in args.systems:
+        seen[system] = repeat = seen.get(system, 0) + 1  # a system listed twice runs twice: its own logs each time
         base: dict[str, Any] = {
-            "schema": SCHEMA, "run_id": run_id, "tag": args.tag, "system": system,
+            "schema": SCHEMA, "run_id": run_id, "tag": args.tag, "system": system, "repeat": repeat,
             "label": LABELS[system], "workload": wl.name, "model": {k: getattr(wl, k) for k in _DIMS},
             "batch_size": wl.batch_size, "seq_len": wl.seq_len, "tokens_per_step": wl.tokens,
             "gradient_checkpointing": wl.gradient_checkpointing, "params": wl.params(),
@@ -918,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
         elif system in (*DEEPSPEED, "fsdp2_offload") and not args.device.startswith("cuda"):
             rec = {"status": "absent", "reason": f"{system} needs --device cuda"}
         else:
-            rec = _spawn(system, wl, args, run_id, out_dir, ours_config, profile_systems, timeouts, left)
+            rec = _spawn(system, wl, args, run_id, out_dir, ours_config, profile_systems, timeouts, left, repeat)
         rec = {**base, **rec, "wall_s": round(time.monotonic() - t_sys, 1)}
         rec.setdefault("versions", versions())
         if rec.get("tokens_per_s"):
@@ -939,12 +941,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _spawn(system: str, wl: Workload, args: argparse.Namespace, run_id: str, out_dir: Path,
            ours_config: dict[str, Any], profile_systems: set[str], timeouts: dict[str, float],
-           left: float | None) -> dict[str, Any]:
-    spec = {"workload": dataclasses.asdict(wl), "device": args.device, "warmup": args.warmup, "steps": args.steps,
+           left: float | None, repeat: int = 1) -> dict[str, Any]:
+    stem = f"{run_id}_{wl.name}_{system}" + (f"_{repeat}" if repeat > 1 else "")
+    spec = {"stem": stem, "workload": dataclasses.asdict(wl), "device": args.device, "warmup": args.warmup, "steps": args.steps,
             "profile": bool(args.profile and system in profile_systems), "profile_steps": args.profile_steps,
             "out_dir": str(out_dir), "run_id": run_id, "ours_config": ours_config,
             "gpu_mem_cap_gib": args.gpu_mem_cap_gib}
-    stem = f"{run_id}_{wl.name}_{system}"
     spec_path = out_dir / "logs" / f"{stem}.spec.json"
     result_path = out_dir / "logs" / f"{stem}.result.json"
     log_path = out_dir / "logs" / f"{stem}.log"

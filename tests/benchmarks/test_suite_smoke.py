@@ -259,3 +259,22 @@ def test_static_suffix_sets_the_schedule_for_the_worker_process(monkeypatch):
     _, info = suite._ours_config("ours_host_static", {}, [10, 20], "cpu")
     assert os.environ["HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE"] == "static"
     assert info["env:HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE"] == "static"
+
+
+def test_report_keeps_every_process_of_a_repeated_system():
+    """A run that lists ours_host twice keeps both records, numbered; a record appended twice stays one row."""
+    report = _module("report")
+
+    def rec(system, repeat, sec):
+        return {"schema": "hf_superoffload.suite/1", "workload": "tiny", "run_id": "r1", "system": system,
+                "repeat": repeat, "status": "ok", "step_s_median": sec, "tokens_per_s": 128 / sec, "params": 10,
+                "batch_size": 2, "seq_len": 64, "warmup": 1, "steps": 2, "hardware": {}, "mfu": 0.1,
+                "model_tflops": 1.0}
+
+    records = [rec("gpu", 1, 1.0), rec("ours_host", 1, 1.25), rec("ours_host", 2, 1.20), rec("ours_host", 2, 1.20)]
+    (rows,) = report.group_runs(records).values()
+    assert [(r["system"], r["repeat"]) for r in rows] == [("gpu", 1), ("ours_host", 1), ("ours_host", 2)]
+    table = report.suite_table(rows)
+    label = report.SUITE_LABEL["ours_host"]
+    assert f"| {label} #1 | 1.250 |" in table and f"| {label} #2 | 1.200 |" in table
+    assert f"| {report.SUITE_LABEL['gpu']} | 1.000 |" in table  # not repeated: no number
