@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from hf_superoffload import ops
+from hf_superoffload import cpu_ext, ops
 
 BYTES_PER_PARAM = 28
 BYTES_INPLACE3 = 24
@@ -78,8 +78,6 @@ class Result:
     schedule: str = "dynamic"
     """``HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE`` during the measurement (the ``ours_*`` and ``inplace3`` rows use it)."""
 
-
-SCHEDULE_ENV = "HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE"
 
 
 @dataclass(slots=True)
@@ -213,10 +211,10 @@ def run(numel: int, thread_counts: list[int], repeats: int, warmup: int, *, sche
     one set of buffers."""
     b = _alloc(numel)
     results: list[Result] = []
-    before = os.environ.get(SCHEDULE_ENV)
+    before = os.environ.get(cpu_ext.SCHEDULE_ENV)
     try:
         for schedule in schedules:
-            os.environ[SCHEDULE_ENV] = schedule  # read by our ops on every call
+            os.environ[cpu_ext.SCHEDULE_ENV] = schedule  # read by our ops on every call
             for threads in thread_counts:
                 torch.set_num_threads(threads)  # torch's and DeepSpeed's OpenMP threads; ours take num_threads
                 for name, fn in _impls(b, threads, bucket).items():
@@ -236,9 +234,9 @@ def run(numel: int, thread_counts: list[int], repeats: int, warmup: int, *, sche
                                           "", schedule))
     finally:
         if before is None:
-            os.environ.pop(SCHEDULE_ENV, None)
+            os.environ.pop(cpu_ext.SCHEDULE_ENV, None)
         else:
-            os.environ[SCHEDULE_ENV] = before
+            os.environ[cpu_ext.SCHEDULE_ENV] = before
     return results
 
 

@@ -14,7 +14,8 @@ import math
 import pathlib
 import statistics
 import sys
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -121,17 +122,10 @@ def group_runs(records: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict
             for k, v in sorted(groups.items())}
 
 
-def _name(rec: dict[str, Any], label: str) -> str:
-    """``label``, with the process's number when the run listed its system more than once."""
-    return f"{label} #{rec['repeat']}" if rec.get("repeat", 1) > 1 or rec.get("repeated") else label
-
-
-def _mark_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Flag the first record of a repeated system too, so every process of it is numbered."""
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r["system"]] = counts.get(r["system"], 0) + 1
-    return [{**r, "repeated": counts[r["system"]] > 1} for r in rows]
+def _row_names(rows: list[dict[str, Any]], label: Callable[[dict[str, Any]], str]) -> list[str]:
+    """``label(row)`` per row, numbered (``#1``, ``#2``) where the run listed the row's system more than once."""
+    counts = Counter(r["system"] for r in rows)
+    return [f"{label(r)} #{r.get('repeat', 1)}" if counts[r["system"]] > 1 else label(r) for r in rows]
 
 
 def _same_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -204,15 +198,15 @@ def _fmt(value: Any, spec: str, default: str = "") -> str:
 def suite_table(rows: list[dict[str, Any]], everything: list[dict[str, Any]] | None = None) -> str:
     """Markdown table of one run: system, s/step, tokens/s, x GPU-only, MFU, peaks, notes."""
     ref, ref_note = reference(rows, everything or rows)
-    rows = _mark_repeats(rows)
+    names = _row_names(rows, lambda r: SUITE_LABEL.get(r["system"], r["system"]))
     out = ["| system | s/step (median) | tokens/s | x GPU-only | model TFLOP/s | MFU | peak GPU GB | peak host GB | notes |",
            "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    for r, name in zip(rows, names, strict=True):
         ok = r.get("status") == "ok"
         tok = r.get("tokens_per_s") if ok else None
         ratio = tok / ref if tok and ref else None
         out.append(
-            f"| {_name(r, SUITE_LABEL.get(r['system'], r['system']))} | {_fmt(r.get('step_s_median') if ok else None, '.3f', '-')} | "
+            f"| {name} | {_fmt(r.get('step_s_median') if ok else None, '.3f', '-')} | "
             f"{_fmt(tok, ',.0f', '-')} | {_fmt(ratio, '.2f', '-')} | {_fmt(r.get('model_tflops') if ok else None, '.0f', '-')} | "
             f"{_fmt(r.get('mfu') if ok else None, '.1%', '-')} | {_fmt(r.get('peak_gpu_gb'), '.1f', '-')} | "
             f"{_fmt(r.get('peak_host_rss_gb') if r.get('status') in ('ok', 'oom') else None, '.1f', '-')} | {_notes(r)} |")
@@ -245,8 +239,7 @@ def plot_systems(rows: list[dict[str, Any]], path: pathlib.Path, title: str = ""
     """Two panels: tokens/s (annotated x GPU-only) and MFU per system; absent/failed rows are labelled."""
     plt = _plt()
     ref, _ = reference(rows, everything or rows)
-    rows = _mark_repeats(rows)
-    names = [_name(r, r["system"]) for r in rows][::-1]
+    names = _row_names(rows, lambda r: r["system"])[::-1]
     recs = rows[::-1]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 1.6), sharey=True)
     color = ["#888" if n == "gpu" else "#2a7" if n.startswith("ours") else "#c55" for n in names]

@@ -117,8 +117,9 @@ MODIFIERS: dict[str, dict[str, Any]] = {
     "_m25": {"defer_master": 0.25},
     "_m50": {"defer_master": 0.5},
     "_m75": {"defer_master": 0.75},
-    "_static": {"env": {"HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE": "static"}},  # the worker process's environment
-    "_gcfreeze": {},  # run_worker calls gc.freeze() after the build
+    # not config fields: "env" goes to the worker process's environment, "worker" to run_worker (via the record)
+    "_static": {"env": {"HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE": "static"}},
+    "_gcfreeze": {"worker": {"gc_freeze": True}},
 }
 MFU_CONVENTION = "6N + 6*L*d*s per token (all params, causal attention, no recompute) / peak dense bf16"
 LR = 1e-5
@@ -349,6 +350,7 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
             env = setting.pop("env", {})
             os.environ.update(env)  # read by the CPU Adam op on every call (this process only)
             info.update({f"env:{k}": v for k, v in env.items()})
+            info.update(setting.pop("worker", {}))
             kw.update(setting)
             base = base.removesuffix(suffix)
     if base.startswith("ours_host_latep"):
@@ -678,7 +680,7 @@ def run_worker(system: str, spec: dict[str, Any]) -> dict[str, Any]:
         sync()
         rec["init_s"] = round(time.perf_counter() - t0, 2)
         opt = getattr(step_fn, "opt", None)
-        if system.endswith("_gcfreeze"):
+        if rec.get("gc_freeze"):  # the _gcfreeze modifier
             gc.collect()
             gc.freeze()  # everything built so far is long-lived: out of every later collection's walk
         gc_clock = _GcClock()

@@ -58,4 +58,3 @@ def next_share(numels: Sequence[int], count: int, obs: DeferralObservation, *, g
             room -= numels[count]
             count += 1
     return count
-

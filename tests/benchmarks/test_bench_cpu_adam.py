@@ -26,7 +26,7 @@ def _module():
 
 def test_bucketed_rows_match_one_call_and_schedules_are_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = _module()
-    monkeypatch.setenv(bench.SCHEDULE_ENV, "dynamic")
+    monkeypatch.setenv(bench.cpu_ext.SCHEDULE_ENV, "dynamic")
     whole, sliced = bench._alloc(5003), bench._alloc(5003)
     bench._impls(whole, 2)["ours_bf16"]()
     bench._impls(sliced, 2, bucket=1000)["ours_bf16"]()  # six calls, the last one 3 params
@@ -38,7 +38,7 @@ def test_bucketed_rows_match_one_call_and_schedules_are_restored(monkeypatch: py
     assert [(r.impl, r.threads, r.schedule) for r in results] == [
         (impl, t, s) for s in ("static", "dynamic") for t in (1, 2) for impl in ("ours_bf16", "ours_bf16_only")]
     assert all(r.seconds is not None and r.seconds > 0 for r in results)
-    assert os.environ[bench.SCHEDULE_ENV] == "dynamic"
+    assert os.environ[bench.cpu_ext.SCHEDULE_ENV] == "dynamic"
     assert "static" in bench._table(results)
 
 

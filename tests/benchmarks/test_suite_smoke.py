@@ -236,7 +236,8 @@ def test_worker_records_gc_pauses_per_step_and_freezes_for_gcfreeze(tmp_path, mo
                 gc.collect()
             return torch.tensor(1.0)
 
-        return torch.nn.Linear(2, 2), step, {}
+        _, info = suite._ours_config(system, {}, [10, 20], dev)  # what the row's modifiers put in the record
+        return torch.nn.Linear(2, 2), step, info
 
     monkeypatch.setattr(suite, "_make_system", collects_in_second_timed_step)
     callbacks = list(gc.callbacks)
