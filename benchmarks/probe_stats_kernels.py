@@ -80,7 +80,7 @@ def _finish(part_sq, part_bad, ticket, stats, nparts, WIDTH: tl.constexpr):
 
 @triton.jit
 def _stats_k(src, dst, part_sq, part_bad, ticket, stats, nw, BLOCK: tl.constexpr, EVEN: tl.constexpr,
-             ONE_PASS: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
+             FINISH: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if EVEN:
@@ -93,7 +93,7 @@ def _stats_k(src, dst, part_sq, part_bad, ticket, stats, nw, BLOCK: tl.constexpr
     sq, bad = _wsums(w)
     tl.store(part_sq + pid, tl.sum(sq, 0))
     tl.store(part_bad + pid, tl.sum(bad, 0))
-    if ONE_PASS:
+    if FINISH == 1:
         n = tl.num_programs(0)
         t = tl.atomic_add(ticket, 1, sem="acq_rel")
         if t == n - 1:
@@ -108,7 +108,7 @@ def _finish_k(part_sq, part_bad, ticket, stats, nparts, WIDTH: tl.constexpr):
 
 @triton.jit
 def _gs_k(src, dst, part_sq, part_bad, ticket, stats, nw, BLOCK: tl.constexpr, AHEAD: tl.constexpr,
-          WIDTH: tl.constexpr):  # fmt: skip
+          FINISH: tl.constexpr, WIDTH: tl.constexpr):  # fmt: skip
     """Grid-stride over whole tiles (``nw`` a multiple of BLOCK here), register accumulators."""
     pid = tl.program_id(0)
     g = tl.num_programs(0)
@@ -141,25 +141,31 @@ def _gs_k(src, dst, part_sq, part_bad, ticket, stats, nw, BLOCK: tl.constexpr, A
             t += g
     tl.store(part_sq + pid, tl.sum(acc_s, 0))
     tl.store(part_bad + pid, tl.sum(acc_c, 0))
-    tk = tl.atomic_add(ticket, 1, sem="acq_rel")
-    if tk == g - 1:
-        _finish(part_sq, part_bad, ticket, stats, g, WIDTH)
-        tl.atomic_xchg(ticket, 0)
+    if FINISH == 1:
+        tk = tl.atomic_add(ticket, 1, sem="acq_rel")
+        if tk == g - 1:
+            _finish(part_sq, part_bad, ticket, stats, g, WIDTH)
+            tl.atomic_xchg(ticket, 0)
 
 
 def variants(n_sm: int) -> list[dict[str, Any]]:
+    """``finish``: ``1p`` last-ticket finish in the launch, ``2p`` a second launch, ``0p`` partials only
+    (the reduction left to whoever reads them)."""
     out: list[dict[str, Any]] = []
-    for b in (1024, 2048, 4096):
+    for b, w in ((1024, 8), (2048, 4), (4096, 8)):
+        out.append({"kind": "copy", "block": b, "warps": w})
+    for b in (2048, 4096, 8192):
         for w in (4, 8):
-            out.append({"kind": "copy", "block": b, "warps": w})
-    for b in (1024, 2048, 4096):
-        for w in (4, 8):
-            out.append({"kind": "st", "block": b, "warps": w, "one_pass": True})
-        out.append({"kind": "st", "block": b, "warps": 4, "one_pass": False})
-    for b, w in ((512, 4), (1024, 4), (1024, 8), (2048, 8)):
-        for p in (4, 8):
-            for ahead in (False, True):
-                out.append({"kind": "gs", "block": b, "warps": w, "per_sm": p, "ahead": ahead})
+            for fin in ("1p", "0p"):
+                out.append({"kind": "st", "block": b, "warps": w, "finish": fin})
+    out += [{"kind": "st", "block": 4096, "warps": 4, "finish": "2p"},
+            {"kind": "st", "block": 8192, "warps": 8, "finish": "2p"}]  # fmt: skip
+    for b, w in ((512, 4), (1024, 4), (1024, 8)):
+        for ahead in (False, True):
+            for fin in ("1p", "0p"):
+                out.append({"kind": "gs", "block": b, "warps": w, "per_sm": 8, "ahead": ahead, "finish": fin})
+    for p in (4, 12, 16):
+        out.append({"kind": "gs", "block": 1024, "warps": 4, "per_sm": p, "ahead": True, "finish": "0p"})
     return out
 
 
@@ -167,8 +173,8 @@ def tag(v: dict[str, Any]) -> str:
     if v["kind"] == "copy":
         return f"copy/b{v['block']}/w{v['warps']}"
     if v["kind"] == "st":
-        return f"st/b{v['block']}/w{v['warps']}/{'1p' if v['one_pass'] else '2p'}"
-    return f"{'gs2' if v['ahead'] else 'gs'}/b{v['block']}/w{v['warps']}/p{v['per_sm']}"
+        return f"st/b{v['block']}/w{v['warps']}/{v['finish']}"
+    return f"{'gs2' if v['ahead'] else 'gs'}/b{v['block']}/w{v['warps']}/p{v['per_sm']}/{v['finish']}"
 
 
 class Runner:
@@ -177,35 +183,42 @@ class Runner:
     def __init__(self, nw: int, device: torch.device, n_sm: int) -> None:
         self.nw = nw
         self.n_sm = n_sm
-        self.parts = max(1, nw // 512) + 8 * n_sm
+        self.parts = max(1, nw // 512) + 16 * n_sm
         self.part_sq = torch.zeros(self.parts, dtype=torch.float32, device=device)
         self.part_bad = torch.zeros(self.parts, dtype=torch.int32, device=device)
         self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
         self.stats = torch.zeros(2, dtype=torch.float32, device=device)
+        self.grid = 0
 
     def fn(self, v: dict[str, Any], src: torch.Tensor, dst: torch.Tensor) -> Callable[[], None] | None:
         nw, b = self.nw, v["block"]
         if v["kind"] == "copy":
             grid = (triton.cdiv(nw, b),)
             return lambda: _copy_k[grid](src, dst, nw, BLOCK=b, EVEN=nw % b == 0, num_warps=v["warps"])
+        fin = 1 if v["finish"] == "1p" else 0
         if v["kind"] == "st":
             g = triton.cdiv(nw, b)
-            if g > self.parts:
-                return None
-
-            def run_st() -> None:
-                _stats_k[(g,)](src, dst, self.part_sq, self.part_bad, self.ticket, self.stats, nw, BLOCK=b,
-                               EVEN=nw % b == 0, ONE_PASS=v["one_pass"], WIDTH=1024, num_warps=v["warps"])  # fmt: skip
-                if not v["one_pass"]:
-                    _finish_k[(1,)](self.part_sq, self.part_bad, self.ticket, self.stats, g, WIDTH=1024,
-                                    num_warps=4)  # fmt: skip
-
-            return run_st
-        if nw % b:
+        elif nw % b:
             return None
-        g = min(self.n_sm * v["per_sm"], nw // b)
-        return lambda: _gs_k[(g,)](src, dst, self.part_sq, self.part_bad, self.ticket, self.stats, nw, BLOCK=b,
-                                   AHEAD=v["ahead"], WIDTH=1024, num_warps=v["warps"])  # fmt: skip
+        else:
+            g = min(self.n_sm * v["per_sm"], nw // b)
+        if g > self.parts:
+            return None
+        self.grid = g
+
+        def run() -> None:
+            if v["kind"] == "st":
+                _stats_k[(g,)](src, dst, self.part_sq, self.part_bad, self.ticket, self.stats, nw, BLOCK=b,
+                               EVEN=nw % b == 0, FINISH=fin, WIDTH=1024, num_warps=v["warps"])  # fmt: skip
+            else:
+                _gs_k[(g,)](src, dst, self.part_sq, self.part_bad, self.ticket, self.stats, nw, BLOCK=b,
+                            AHEAD=v["ahead"], FINISH=fin, WIDTH=1024, num_warps=v["warps"])  # fmt: skip
+            if v["finish"] == "2p":
+                _finish_k[(1,)](
+                    self.part_sq, self.part_bad, self.ticket, self.stats, g, WIDTH=1024, num_warps=4
+                )
+
+        return run
 
 
 def check(r: Runner, v: dict[str, Any], src: torch.Tensor, dst: torch.Tensor) -> str | None:
@@ -217,7 +230,11 @@ def check(r: Runner, v: dict[str, Any], src: torch.Tensor, dst: torch.Tensor) ->
         dst.zero_()
         r.stats.zero_()
         f()
-        outs.append(r.stats.clone().cpu())
+        if v["kind"] != "copy" and v["finish"] == "0p":  # the reader's reduction, here on the host
+            ps, pb = r.part_sq[: r.grid].double().sum(), r.part_bad[: r.grid].double().sum()
+            outs.append(torch.stack([ps, pb]).float().cpu())
+        else:
+            outs.append(r.stats.clone().cpu())
     if not torch.equal(dst, src):
         return "copy differs"
     if v["kind"] == "copy":
