@@ -61,6 +61,8 @@ FAMILY = {
     "scatter_bf16": "scatter",
     "flatten_stats_bf16": "flatten",
     "flatten_stats_f32_bf16": "flatten",
+    "flatten_stats_bf16_spread": "flatten",
+    "flatten_stats_f32_bf16_spread": "flatten",
 }
 
 
@@ -276,16 +278,22 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
     grads32 = [[torch.randn(s, device=device) for s in sizes] for _ in range(max(1, n_sets // 2))]
     m32 = len(grads32)
 
-    def check_flatten(gs: list[torch.Tensor]) -> str | None:
+    n_rows = tk.spread_stats_rows(device)
+
+    def new_stats(spread: bool) -> torch.Tensor:
+        """The op's statistics buffer: ``[2]`` (reduced in the launch) or one bucket's spread rows."""
+        return torch.zeros(n_rows, 2, device=device) if spread else torch.zeros(2, device=device)
+
+    def check_flatten(gs: list[torch.Tensor], spread: bool = False) -> str | None:
         want = torch.cat([g.to(torch.bfloat16) for g in gs])
         w = want.double()
         want_sq = float((w * w).sum())
         runs = []
         for _ in range(2):
             bucket.fill_(1.0)
-            st = torch.zeros(2, device=device)
+            st = new_stats(spread)
             tk.flatten_grads_with_stats_(gs, sizes, bucket, st)
-            runs.append(st.cpu())
+            runs.append(st.view(-1, 2).sum(dim=0).cpu())
         if not torch.equal(bucket.view(torch.int16), want.view(torch.int16)):
             return "bucket bits differ"
         if not torch.equal(runs[0], runs[1]):
@@ -293,9 +301,9 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
         sq, bad = runs[0].tolist()
         if bad != 0 or abs(sq - want_sq) > 1e-4 * want_sq:
             return f"statistics {runs[0].tolist()}, want [{want_sq}, 0]"
-        return check_nonfinite(gs)
+        return check_nonfinite(gs, spread)
 
-    def check_nonfinite(gs: list[torch.Tensor]) -> str | None:
+    def check_nonfinite(gs: list[torch.Tensor], spread: bool = False) -> str | None:
         """+Inf at the bucket's first element, -Inf at a tile boundary inside the middle entry, NaN at the
         last element, the largest finite bf16 next to the -Inf: exactly 3 counted, the sum NaN."""
         mid = gs[len(gs) // 2].view(-1)
@@ -306,9 +314,9 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
             for t, i, v in at:
                 t[i] = v
             want_bad = sum(int((~torch.isfinite(g.to(torch.bfloat16))).sum()) for g in gs)
-            st = torch.zeros(2, device=device)
+            st = new_stats(spread)
             tk.flatten_grads_with_stats_(gs, sizes, bucket, st)
-            sq, bad = st.tolist()
+            sq, bad = st.view(-1, 2).sum(dim=0).tolist()
         finally:
             for t, i, v in reversed(saved):
                 t[i] = v
@@ -322,6 +330,15 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
     ops.append(Op("flatten_stats_f32_bf16", 6 * n,
                   lambda i: tk.flatten_grads_with_stats_(grads32[i % m32], sizes, bucket, stats),
                   lambda i: torch_flatten(grads32[i % m32]), lambda: check_flatten(grads32[0])))  # fmt: skip
+    # What the engine runs: one row per program, no reduction in the launch ([Note: spread statistics]); the
+    # rows keep adding up over the timed calls, like the engine's over a step's buckets.
+    rows = new_stats(True)
+    ops.append(Op("flatten_stats_bf16_spread", 4 * n,
+                  lambda i: tk.flatten_grads_with_stats_(grads16[i], sizes, bucket, rows),
+                  lambda i: torch_flatten(grads16[i]), lambda: check_flatten(grads16[0], True)))  # fmt: skip
+    ops.append(Op("flatten_stats_f32_bf16_spread", 6 * n,
+                  lambda i: tk.flatten_grads_with_stats_(grads32[i % m32], sizes, bucket, rows),
+                  lambda i: torch_flatten(grads32[i % m32]), lambda: check_flatten(grads32[0], True)))  # fmt: skip
 
     # ---- upcast
     dst = torch.empty(n, device=device)

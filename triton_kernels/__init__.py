@@ -39,6 +39,7 @@ __all__ = [
     "flatten_grads_with_stats_",
     "last_backend",
     "scatter_flat_",
+    "spread_stats_rows",
     "triton_status",
     "upcast_",
 ]
@@ -175,19 +176,26 @@ def flatten_grads_with_stats_(
 ) -> None:
     """Copy ``grads`` back to back into ``out`` (``None`` writes zeros) and add their statistics to ``stats``.
 
-    Semantics are those of :func:`.reference.flatten_grads_with_stats_`: ``stats`` (float32 ``[2]`` on
-    ``out``'s device) gets ``+= [sum of squares, non-finite count]`` of the values *as stored in* ``out``
-    (so after rounding to ``out``'s dtype), with no host synchronisation. The Triton path does it in one
-    launch per distinct gradient dtype over a cached device-side work table of (source offset, bucket
-    offset, flags, count) rows; the statistics are reduced deterministically, by the last program of the
-    launch or a tiny second launch (see :mod:`._configs`). Non-contiguous gradients
-    are first made contiguous (a temporary copy); a call mixing devices goes to the twin.
+    Semantics are those of :func:`.reference.flatten_grads_with_stats_`: the column sums of ``stats``
+    (float32 ``[2]`` or ``[rows, 2]`` on ``out``'s device) grow by ``[sum of squares, non-finite count]`` of
+    the values *as stored in* ``out`` (so after rounding to ``out``'s dtype), with no host synchronisation.
+    The Triton path does it in one launch per distinct gradient dtype over a cached device-side work table
+    of (source offset, bucket offset, flags, count) rows. With ``[2]`` (or too few rows) the statistics are
+    reduced deterministically in the launch, by its last program or a tiny second launch (see
+    :mod:`._configs`); with ``[rows, 2]``, ``rows >= spread_stats_rows(device)``, each program adds its
+    partial to its own row and the reader sums the rows (``stats.sum(0)``, deterministic too): no serial
+    reduction at the end of the launch ([Note: spread statistics] in docs/design.md). Non-contiguous
+    gradients are first made contiguous (a temporary copy); a call mixing devices goes to the twin.
 
     Args:
         grads: per-parameter gradients of any shape, ``grads[i].numel() == sizes[i]``.
         sizes: element count of each entry.
         out: flat destination of ``sum(sizes)`` elements, usually bf16 (fp32 and fp16 work too).
-        stats: float32 ``[2]`` on ``out``'s device, accumulated in place; ``None`` skips the statistics.
+        stats: float32 ``[2]`` or ``[rows, 2]``, contiguous, on ``out``'s device, accumulated in place;
+            ``None`` skips the statistics.
+
+    Raises:
+        ValueError: sizes that do not match, or ``stats`` of another shape or dtype.
     """
     grads = list(grads)
     sizes = [int(n) for n in sizes]
@@ -198,11 +206,17 @@ def flatten_grads_with_stats_(
     for g, n in zip(grads, sizes):
         if g is not None and g.numel() != n:
             raise ValueError(f"gradient has {g.numel()} elements, expected {n}")
+    if stats is not None and not (
+        stats.dtype == torch.float32
+        and (tuple(stats.shape) == (2,) or (stats.dim() == 2 and stats.shape[1] == 2))
+    ):
+        raise ValueError(
+            f"stats must be float32 of shape [2] or [rows, 2], got {stats.dtype} {tuple(stats.shape)}: allocate "
+            "torch.zeros(2) or torch.zeros(spread_stats_rows(device), 2) on the bucket's device"
+        )
     backend = backend_for(out, stats, *grads)
     if backend == "triton" and not (
-        _supported(out, *grads)
-        and out.is_contiguous()
-        and (stats is None or (stats.dtype == torch.float32 and stats.numel() == 2 and stats.is_contiguous()))
+        _supported(out, *grads) and out.is_contiguous() and (stats is None or stats.is_contiguous())
     ):
         backend = "reference"
     if _record("flatten_grads_with_stats_", backend) == "reference":
@@ -212,6 +226,18 @@ def flatten_grads_with_stats_(
     prepared = [g if g is None or g.is_contiguous() else g.contiguous() for g in grads]
     with _on(out.device):
         _kmod.launch_flatten(prepared, sizes, out.view(-1), stats)
+
+
+def spread_stats_rows(device: torch.device | str) -> int:
+    """Rows of a ``[rows, 2]`` statistics buffer with which :func:`flatten_grads_with_stats_` spreads one
+    bucket's statistics, one row per program, instead of reducing them at the end of its launch (more rows
+    work too; fewer make it reduce). Does not import Triton."""
+    from ._configs import INTERP_SMS, SPREAD_ROWS_PER_SM
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * SPREAD_ROWS_PER_SM
+    return INTERP_SMS * SPREAD_ROWS_PER_SM
 
 
 def scatter_flat_(

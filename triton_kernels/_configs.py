@@ -158,6 +158,15 @@ def _k(n: int) -> str:
 
 # The kernels as they were before this table existed: 16 Ki-element rows, one program each, 1024-element
 # tiles on 4 warps, statistics reduced by a second launch. Kept as a sweep baseline.
+# Rows of a spread statistics buffer per SM (``spread_stats_rows``): the most programs per SM a flatten
+# config launches (the table's p16; the sweep's candidates stay at or below it). A launch with more programs than
+# the buffer has rows reduces on the device instead (correct, one ticket or launch slower).
+SPREAD_ROWS_PER_SM = 16
+# Under the interpreter there are no SMs; this many stand in, so a persistent grid of a few programs per "SM"
+# still gives each program several rows on CI-sized inputs (the stride loop gets exercised).
+INTERP_SMS = 2
+
+
 LEGACY = RowsConfig(chunk=1 << 14, block=1024, warps=4, programs_per_sm=0, one_pass=False)
 
 # NOTE: (max elements, config) per family, first match wins; the last bound must be None (no limit).

@@ -295,8 +295,11 @@ def _sum_parts(sq_ptr, bad_ptr, n, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr)
 
 @triton.jit
 def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                   ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr):
-    """A rows program's statistics: its partial sums into the partials buffer; with ONE_PASS the program that
+                   old_sq, old_bad, ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr,
+                   EPI_CNT64: tl.constexpr, SPREAD: tl.constexpr):  # fmt: skip
+    """A rows program's statistics: its partial sums into the partials buffer; with SPREAD into its own row
+    ``part_base + pid`` of ``stats`` (``[rows, 2]``: ``old_sq`` / ``old_bad`` are that row as the program
+    found it, loaded when it started), no reduction (the reader sums the rows); with ONE_PASS the program that
     draws the last ticket adds every partial (in a fixed order) to ``stats`` and resets the counter for the
     next launch on this stream (``RowsConfig.epilogue``):
 
@@ -339,9 +342,24 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
             tl.store(stats_ptr, old_sq + tsq)
             tl.store(stats_ptr + 1, old_bad + tbad.to(tl.float32))
             tl.atomic_xchg(counter_ptr, 0)
+    elif SPREAD:
+        row = stats_ptr + (part_base + pid).to(tl.int64) * 2
+        tl.store(row, old_sq + s)
+        tl.store(row + 1, old_bad + c.to(tl.float32))
     else:
         tl.store(part_sq_ptr + part_base + pid, s)
         tl.store(part_bad_ptr + part_base + pid, c)
+
+
+@triton.jit
+def _spread_row(stats_ptr, part_base, pid, SPREAD: tl.constexpr):
+    """SPREAD: program ``pid``'s row of ``stats`` as it is before the launch (loaded first thing, so that
+    its latency hides behind the copy); zeros otherwise."""
+    if SPREAD:
+        row = stats_ptr + (part_base + pid).to(tl.int64) * 2
+        return tl.load(row), tl.load(row + 1)
+    else:
+        return 0.0, 0.0
 
 
 # NOTE: only the pointers are specialised (16-byte alignment): the integers are keys and offsets, where a
@@ -369,6 +387,7 @@ def _rows_kernel(
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
+    SPREAD: tl.constexpr,
 ):
     """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
@@ -385,7 +404,8 @@ def _rows_kernel(
     and writes one partial. ONE_PASS: the program that finishes last (a ticket from an acq_rel atomic on
     ``counter_ptr``) adds all partials, in program order, to ``stats`` and resets the counter: one launch,
     deterministic (the row -> program assignment is fixed). Else ``_stats_finalize_kernel`` does that as a
-    second launch.
+    second launch. SPREAD: each program adds its partial into its own row ``part_base + pid`` of ``stats``
+    (``[rows, 2]``) and nothing reduces them in the launch: the reader sums the rows.
 
     STOCHASTIC (fp32 -> bf16 scatter): the counter of element ``i`` of a row is ``src_off + i + rng_offset``,
     i.e. ``offset`` + its index in the flat buffer, independent of the launch layout.
@@ -395,6 +415,7 @@ def _rows_kernel(
     lane = tl.arange(0, BLOCK)
     acc_sq = tl.zeros([BLOCK], dtype=tl.float32)
     acc_bad = tl.zeros([BLOCK], dtype=tl.int32)
+    old_sq, old_bad = _spread_row(stats_ptr, part_base, pid, SPREAD)
     VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
     VD: tl.constexpr = 4 if DST_KIND == 0 else 8
     lo = tl.load(starts_ptr + pid)
@@ -456,7 +477,7 @@ def _rows_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, BLOCK, EPI_W, EPI_CNT64)
+                       old_sq, old_bad, ONE_PASS, BLOCK, EPI_W, EPI_CNT64, SPREAD)
 
 
 # ---------------------------------------------------- rows, kernel 2: 2-D tiles, small accumulators
@@ -670,6 +691,7 @@ def _rows2_kernel(
     STREAM: tl.constexpr,
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
+    SPREAD: tl.constexpr,
 ):
     """:func:`_rows_kernel`'s contract (same rows, flags, statistics, counters, reduction), with tiles laid
     out for a read-mostly stream with statistics (``RowsConfig.kernel == 2``; see docs/triton_kernels.md):
@@ -692,7 +714,7 @@ def _rows2_kernel(
     * LOOKAHEAD (with PACKED): the word tiles' loads run one whole tile ahead of their stores (:func:`_word_rows`);
     * program ``pid``'s first row comes with its row range in one record ``heads[pid] = [lo, hi, src_off,
       dst_off, flags, n, 0, 0]``: one dependent load fewer before the first tile;
-    * ONE_PASS: the last program loads ``stats`` together with the partials.
+    * ONE_PASS: the last program loads ``stats`` together with the partials; SPREAD as in kernel 1.
 
     Statistics are deterministic for a given config (fixed rows per program, fixed order everywhere); the
     order of the fp32 additions differs from :func:`_rows_kernel`'s.
@@ -715,6 +737,7 @@ def _rows2_kernel(
     sca_offs = tl.arange(0, S)[:, None] * R + r_idx[None, :]  # [S, R]
     acc_sq = tl.zeros([R], dtype=tl.float32)
     acc_bad = tl.zeros([R], dtype=tl.int32)
+    old_sq, old_bad = _spread_row(stats_ptr, part_base, pid, SPREAD)
     head = heads_ptr + pid.to(tl.int64) * 8
     lo = tl.load(head).to(tl.int32)
     hi = tl.load(head + 1).to(tl.int32)
@@ -797,7 +820,7 @@ def _rows2_kernel(
         n = nxt_n
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
-                       ONE_PASS, R, EPI_W, EPI_CNT64)
+                       old_sq, old_bad, ONE_PASS, R, EPI_W, EPI_CNT64, SPREAD)
 
 
 @triton.jit
@@ -819,9 +842,7 @@ def _stats_finalize_kernel(part_sq_ptr, part_bad_ptr, n_parts, stats_ptr, BLOCK:
 
 # NOTE: the two-pass finalize reads 8 bytes per program of the main pass (a few KiB); one program suffices.
 _FINALIZE_BLOCK = 1024
-# NOTE: under the interpreter there are no SMs; this many stand in, so a persistent grid of a few programs
-# per "SM" still gives each program several rows on CI-sized inputs (the stride loop gets exercised).
-_INTERP_SMS = 2
+_INTERP_SMS = _configs.INTERP_SMS
 
 
 def _stream_key(device: torch.device) -> int:
@@ -878,9 +899,13 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic: bool) -> dict[str, Any]:
-    """The row kernel's constexprs for this config and dtype pair (kernel 2 also takes PACKED)."""
-    one_pass = cfg.one_pass and stats
+def _meta(
+    cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic: bool, spread: bool = False
+) -> dict[str, Any]:
+    """The row kernel's constexprs for this config and dtype pair (kernel 2 also takes PACKED); ``spread``:
+    the statistics go into one row of ``stats`` per program (no reduction in the launch)."""
+    spread = spread and stats
+    one_pass = cfg.one_pass and stats and not spread
     meta = dict(
         SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=one_pass, STOCHASTIC=stochastic, BLOCK=cfg.block,
     )  # fmt: skip
@@ -894,6 +919,7 @@ def _meta(cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic
     # the widest variant; _launch_rows narrows EPI_W to the launch's grid
     meta["EPI_W"] = _EPI_MAX * cfg.warps if one_pass and cfg.epilogue != "loop" else 0
     meta["EPI_CNT64"] = True
+    meta["SPREAD"] = spread
     return meta
 
 
@@ -1070,6 +1096,7 @@ class _FlattenPlan:
     part_sq: torch.Tensor | None
     part_bad: torch.Tensor | None
     counter: torch.Tensor | None
+    spread: bool = False  # one ``stats`` row per program (all groups' programs fit in its rows)
 
 
 _flatten_plans = PlanCache()
@@ -1084,6 +1111,11 @@ def launch_flatten(
     """Copy ``grads`` into ``out`` and accumulate stats: one launch per distinct source dtype (+ one
     finalize launch when the config reduces in two passes).
 
+    ``stats`` is float32 ``[2]`` or ``[rows, 2]`` (contiguous); its column sums grow by the statistics. With
+    ``rows`` at least the launches' programs, each program adds its partial to its own row and nothing is
+    reduced on the device ([Note: spread statistics] in docs/design.md); else the config's reduction adds the
+    total to row 0.
+
     ``grads`` entries must already be contiguous, on ``out``'s device, of a supported dtype, element-aligned
     and of the right size (the public function checks). ``None`` entries are zero-filled by the kernel.
     The launch plan (config, work tables, statistics scratch) is cached by the exact addresses, dtypes and
@@ -1092,11 +1124,13 @@ def launch_flatten(
     device = out.device
     cfg = _config("flatten", out.numel())
     want_stats = stats is not None
+    rows = stats.shape[0] if stats is not None and stats.dim() == 2 else 0
     key = (
         device,
         _stream_key(device),
         cfg,
         want_stats,
+        rows,
         out.data_ptr(),
         out.storage_offset(),
         out.dtype,
@@ -1106,7 +1140,7 @@ def launch_flatten(
     dst_kind = _KIND[out.dtype][0]
     plan: _FlattenPlan | None = _flatten_plans.get(key)
     if plan is None:
-        plan = _flatten_plan(cfg, grads, sizes, out, want_stats)
+        plan = _flatten_plan(cfg, grads, sizes, out, want_stats, rows)
         _flatten_plans.put(key, plan)
     if not plan.groups:
         return
@@ -1116,23 +1150,51 @@ def launch_flatten(
     for work, base_idx, skind in plan.groups:
         base = out_s if base_idx < 0 else _as_storage(grads[base_idx])  # type: ignore[arg-type]
         parts = None
-        if stats is not None:
+        if stats is not None and plan.spread:
+            parts = (_dummy(device, torch.float32), _dummy(device, torch.int32), part_base,
+                     _dummy(device, torch.int32), stats)  # fmt: skip
+        elif stats is not None:
             assert plan.part_sq is not None and plan.part_bad is not None and plan.counter is not None
             parts = (plan.part_sq, plan.part_bad, 0 if cfg.one_pass else part_base, plan.counter, stats)
         _launch_rows(
-            cfg, work, base, out_base, parts, (0, 0, 0), _meta(cfg, skind, dst_kind, want_stats, False)
-        )
+            cfg, work, base, out_base, parts, (0, 0, 0),
+            _meta(cfg, skind, dst_kind, want_stats, False, plan.spread),
+        )  # fmt: skip
         part_base += work[2]
-    if stats is not None and not cfg.one_pass:
+    if stats is not None and not cfg.one_pass and not plan.spread:
         _stats_finalize_kernel[(1,)](
             plan.part_sq, plan.part_bad, part_base, stats, BLOCK=_FINALIZE_BLOCK, num_warps=4
         )
 
 
 def _flatten_plan(
-    cfg: RowsConfig, grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, want_stats: bool
+    cfg: RowsConfig, grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, want_stats: bool,
+    rows: int,
 ) -> _FlattenPlan:
-    """Group by source dtype, build each group's device work, and the statistics scratch."""
+    """Group by source dtype, build each group's device work, and the statistics scratch. Spread statistics
+    when ``stats`` has ``rows`` >= the programs of all groups (the grid depends on the compiled variant's
+    occupancy, so the groups are built for the spread variant first)."""
+    spread = want_stats and rows > 0
+    groups = _flatten_groups(cfg, grads, sizes, out, want_stats, spread)
+    if spread and sum(w[2] for w, _, _ in groups) > rows:
+        spread = False
+        groups = _flatten_groups(cfg, grads, sizes, out, want_stats, spread)
+    device = out.device
+    part_sq = part_bad = counter = None
+    if want_stats and groups and not spread:
+        grids = [w[2] for w, _, _ in groups]
+        n_parts = max(grids) if cfg.one_pass else sum(grids)
+        part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
+        part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+    return _FlattenPlan(groups, part_sq, part_bad, counter, spread)
+
+
+def _flatten_groups(
+    cfg: RowsConfig, grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, want_stats: bool,
+    spread: bool,
+) -> list[tuple[_Work, int, int]]:
+    """One ``(work, base index or -1, source kind)`` per source dtype."""
     device = out.device
     dst_kind, dst_es = _KIND[out.dtype]
     sizes_np = np.asarray(sizes, dtype=np.int64)
@@ -1168,18 +1230,11 @@ def _flatten_plan(
             src_al[has] = aligned16(addrs) & (addrs[b] % 16 == 0)
         dst_al = aligned16(out_addr + flat_off[idx_np] * dst_es) & out_base_al
         flags = has * _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
-        meta = _meta(cfg, skind, dst_kind, want_stats, False)
+        meta = _meta(cfg, skind, dst_kind, want_stats, False, spread)
         work = _work(cfg, src_off, dst_off[idx_np], sizes_np[idx_np], flags, device, meta)
         if work is not None:
             groups.append((work, base_idx, skind))
-    part_sq = part_bad = counter = None
-    if want_stats and groups:
-        grids = [w[2] for w, _, _ in groups]
-        n_parts = max(grids) if cfg.one_pass else sum(grids)
-        part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
-        part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
-    return _FlattenPlan(groups, part_sq, part_bad, counter)
+    return groups
 
 
 # ------------------------------------------------------------------------------------------ scatter
@@ -1464,6 +1519,8 @@ def smoke_test(device: torch.device) -> None:
     out = torch.empty(4, dtype=torch.bfloat16, device=device)
     stats = torch.zeros(2, dtype=torch.float32, device=device)
     launch_flatten([g, None], [3, 1], out, stats)
+    spread = torch.zeros(_sm_count(device) * _configs.SPREAD_ROWS_PER_SM, 2, dtype=torch.float32, device=device)
+    launch_flatten([g, None], [3, 1], out, spread)
     back = torch.empty(3, dtype=torch.float32, device=device)
     launch_scatter(out[:3], [back], stochastic_rounding=True, seed=1)
     up = torch.empty(3, dtype=torch.float32, device=device)
@@ -1473,6 +1530,7 @@ def smoke_test(device: torch.device) -> None:
         and torch.equal(up, g * 2)
         and torch.equal(out[3:].float().cpu(), torch.zeros(1))
         and torch.equal(stats.cpu(), torch.tensor([16.25, 0.0]))
+        and torch.equal(spread.sum(dim=0).cpu(), torch.tensor([16.25, 0.0]))
     )
     if not ok:
         raise RuntimeError("Triton kernels produced wrong results in the smoke test")

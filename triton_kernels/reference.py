@@ -43,7 +43,8 @@ def flatten_grads_with_stats_(
         grads: per-parameter gradients of any shape, ``grads[i].numel() == sizes[i]``.
         sizes: element count of each entry.
         out: flat destination of ``sum(sizes)`` elements, usually bf16.
-        stats: float32 ``[2]`` on ``out``'s device, accumulated in place; ``None`` skips the statistics.
+        stats: float32 ``[2]`` or ``[rows, 2]`` on ``out``'s device; its column sums grow by the statistics
+            (here: row 0); ``None`` skips them.
     """
     if sum(sizes) != out.numel():
         raise ValueError(f"entries hold {sum(sizes)} elements but the bucket has {out.numel()}")
@@ -59,8 +60,9 @@ def flatten_grads_with_stats_(
         offset += n
     if stats is not None:
         f = out.to(torch.float32)
-        stats[0] += torch.sum(f * f)
-        stats[1] += (~torch.isfinite(f)).sum().to(torch.float32)
+        row = stats.view(-1)
+        row[0] += torch.sum(f * f)
+        row[1] += (~torch.isfinite(f)).sum().to(torch.float32)
 
 
 def scatter_flat_(

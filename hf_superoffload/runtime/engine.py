@@ -47,7 +47,7 @@ from ..planning.plan import (
     Rollback,
     WeightMode,
 )
-from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_
+from ..triton_kernels import adamw_flat_, flatten_grads_with_stats_, scatter_flat_, spread_stats_rows
 from .accumulation import HostAccumulator
 from .bucket import BucketState, DeviceBucket, HostBucket
 from .collectives import ShardGroup
@@ -328,13 +328,18 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 self._bucket_of[i] = b
         self._arrived: list[set[int]] = [set() for _ in self.buckets]
         self._flushed = [False] * len(self.buckets)
-        # Per-bucket [sum of squares, non-finite count]; host buckets' rows are also copied to the host
-        # with their gradients so the worker can refuse to speculate on a non-finite bucket.
-        self._grad_stats = torch.zeros(len(self.buckets), 2, dtype=torch.float32, device=self.device)
+        # Per-bucket [sum of squares, non-finite count], spread over rows (one per flatten program: [Note: spread
+        # statistics]); a bucket's statistics are its rows' column sums. Host buckets' rows are also copied to
+        # the host with their gradients so the worker can refuse to speculate on a non-finite bucket.
+        rows = spread_stats_rows(self.device)
+        self._grad_stats = torch.zeros(len(self.buckets), rows, 2, dtype=torch.float32, device=self.device)
         # The HostBuffer is kept: its page registration ends with it (a pageable row makes every flush's
         # non-blocking copy synchronous).
-        self._grad_stats_buf = HostBuffer(len(self.buckets) * 2, torch.float32, pin=pin, name="gradient statistics")
-        self._grad_stats_host = self._grad_stats_buf.tensor.view(-1, 2) if self.streams.is_cuda else self._grad_stats
+        self._grad_stats_buf = HostBuffer(len(self.buckets) * rows * 2, torch.float32, pin=pin,
+                                          name="gradient statistics")  # fmt: skip
+        self._grad_stats_host = (
+            self._grad_stats_buf.tensor.view(-1, rows, 2) if self.streams.is_cuda else self._grad_stats
+        )
         with torch.no_grad():
             self._load_masters_from_params()
 
@@ -772,7 +777,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
                 self._flush(b)
         with torch.profiler.record_function("superoffload::validate"):
             if self.comm is None:
-                sumsq, nonfinite = self._grad_stats.sum(dim=0).tolist()  # the one host sync of the step
+                sumsq, nonfinite = self._grad_stats.view(-1, 2).sum(dim=0).tolist()  # the one host sync of the step
                 if self._accum is not None:  # host-accumulated buckets: the sum's statistics, from the worker
                     for b in self.host_buckets:
                         if b.accumulated:

@@ -93,7 +93,7 @@ class HostStepMixin:
             assert self._accum is not None
             sumsq, nonfinite_count = self._accum.stats(b)
         else:
-            sumsq, nonfinite_count = self._grad_stats_host[b.index].tolist()
+            sumsq, nonfinite_count = self._grad_stats_host[b.index].sum(dim=0).tolist()
         with self._lock:
             verdict = ctx.verdict
             if verdict is None:

@@ -19,10 +19,12 @@ __all__ = ["DataParallelMixin"]
 
 
 def _add_stats_(x: torch.Tensor, stats: torch.Tensor) -> None:
-    """``stats += [sum of squares, non-finite count]`` of ``x`` as stored (no host sync)."""
+    """``stats``' column sums ``+= [sum of squares, non-finite count]`` of ``x`` as stored, into its first row
+    (``stats`` is ``[2]`` or ``[rows, 2]``; no host sync)."""
     xf = x.float()
-    stats[0] += xf.square().sum()
-    stats[1] += (~torch.isfinite(xf)).sum()
+    row = stats.view(-1)
+    row[0] += xf.square().sum()
+    row[1] += (~torch.isfinite(xf)).sum()
 
 
 class DataParallelMixin:
@@ -126,7 +128,7 @@ class DataParallelMixin:
         if self.streams.is_cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.streams.d2h)  # host buckets' rows land there
         key = torch.tensor(self._present, dtype=torch.float64)
-        local = torch.cat([self._grad_stats.sum(dim=0).double().cpu(), key, key * key])
+        local = torch.cat([self._grad_stats.view(-1, 2).sum(dim=0).double().cpu(), key, key * key])
         t = local.to(self.device)
         self.comm.all_reduce_sum(t)
         values = t.tolist()

@@ -28,7 +28,7 @@ def test_bench_triton_cpu_rehearsal(tmp_path: Path) -> None:
     assert all(r["error"] is None for r in data["sweep"]), [r for r in data["sweep"] if r["error"]][:3]
     ops = {r["op"] for r in data["sweep"]}
     assert ops == {"scatter_f32_bf16", "scatter_f32_bf16_sr", "scatter_bf16", "flatten_stats_bf16",
-                   "flatten_stats_f32_bf16"}  # fmt: skip
+                   "flatten_stats_f32_bf16", "flatten_stats_bf16_spread", "flatten_stats_f32_bf16_spread"}  # fmt: skip
     assert {b["bucket_mb"] for b in data["best"]} == {16, 64}
     for fam, entries in data["suggested_heuristic"].items():
         assert entries[-1]["max_elements"] is None and len(entries) == 2, fam

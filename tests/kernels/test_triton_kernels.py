@@ -387,6 +387,66 @@ class _KernelChecks:
             exp32 = torch.empty_like(out32)
             ref.flatten_grads_with_stats_(grads, sizes, exp32, None)
             assert torch.equal(out32, exp32)
+            # spread statistics: the same column sums (one row per program, or row 0 when the grid has more
+            # programs than rows), the same bits every time, and a second call adds to what is there
+            n_rows = tk.spread_stats_rows(out.device)
+            for rows_n in (n_rows, 1):
+                rows = self.t(torch.zeros(rows_n, 2))
+                rows[0] = self.t(torch.tensor([0.5, 1.0]))
+                out.fill_(7.0)
+                tk.flatten_grads_with_stats_(grads, sizes, out, rows)
+                assert torch.equal(out.view(torch.int16), exp_out.view(torch.int16))
+                assert_stats(rows.sum(dim=0), exp_stats)
+                again = self.t(torch.zeros(rows_n, 2))
+                again[0] = self.t(torch.tensor([0.5, 1.0]))
+                tk.flatten_grads_with_stats_(grads, sizes, out, again)
+                assert torch.equal(again, rows)
+                tk.flatten_grads_with_stats_(grads, sizes, out, again)
+                assert again[:, 1].sum().item() == 3.0  # 1 + the two calls' one +Inf each
+
+    @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+    def test_flatten_spread_statistics(self, src_dtype: torch.dtype) -> None:
+        """Persistent grids with enough rows: every program adds its partial to its own row (more than one row
+        is written, none twice: each row's count is that program's), nothing else changes; the rows' sums match
+        the twin's over float64, NaN / +-Inf in several programs' shares are all counted; the bucket's bits are
+        the twin's."""
+        cfg = _configs.RowsConfig(0, 256, 2, 8, kernel=2, packed=True)
+        gen = self.gen(31)
+        sizes = [5, 4099, 1, 20_000, 127, 9_001]
+        grads: list[torch.Tensor | None] = [torch.randn(n, generator=gen).to(src_dtype) for n in sizes]
+        for i, j, v in ((1, 17, float("nan")), (3, 9_999, float("-inf")), (3, 19_999, float("inf")), (5, 0, 3e38)):
+            grads[i][j] = v  # type: ignore[index]
+        grads = [self.t(g) for g in grads]  # type: ignore[arg-type]
+        out = self.t(torch.empty(sum(sizes), dtype=torch.bfloat16))
+        exp_out = torch.empty_like(out)
+        ref.flatten_grads_with_stats_(grads, sizes, exp_out, None)
+        rows = self.t(torch.zeros(tk.spread_stats_rows(out.device), 2))
+        with _configs.forced(flatten=cfg):
+            tk.flatten_grads_with_stats_(grads, sizes, out, rows)
+        nan = exp_out.isnan()  # NaN payloads from fp32 differ from torch's (module docs): NaN-ness, other bits
+        assert torch.equal(out.isnan(), nan)
+        assert torch.equal(out[~nan].view(torch.int16), exp_out[~nan].view(torch.int16))
+        written = (rows != 0).any(dim=1)
+        assert int(written.sum()) > 1, "the statistics were reduced, not spread"
+        assert rows[:, 1].sum().item() == 3.0 and int((rows[:, 1] > 0).sum()) >= 2
+        f = exp_out.double()
+        fin = torch.isfinite(f)
+        finite_rows = rows[rows[:, 1] == 0]
+        assert rows[:, 0].isnan().any()  # the NaN's (and the Infs') programs carry NaN / Inf sums
+        # the other programs' sums: together those of the values outside the non-finite programs' shares
+        assert torch.isfinite(finite_rows[:, 0]).all()
+        assert float(finite_rows[:, 0].double().sum()) <= float((f[fin] ** 2).sum()) * (1 + 1e-5)
+        # a finite bucket (no square overflows fp32): the rows' total against float64
+        finite = [None if g is None else torch.nan_to_num(g, nan=0.0).clamp(-8, 8) for g in grads]
+        rows.zero_()
+        with _configs.forced(flatten=cfg):
+            tk.flatten_grads_with_stats_(finite, sizes, out, rows)
+        f = out.double()
+        torch.testing.assert_close(rows[:, 0].double().sum(), (f * f).sum(), rtol=1e-5, atol=0.0)
+        assert rows[:, 1].sum().item() == 0.0
+        with _configs.forced(flatten=cfg):  # a second call adds to every row it writes
+            tk.flatten_grads_with_stats_(finite, sizes, out, rows)
+        torch.testing.assert_close(rows[:, 0].double().sum(), 2 * (f * f).sum(), rtol=1e-5, atol=0.0)
 
     @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy fp16 casts (interpreter)
     @pytest.mark.parametrize("cfg", SCATTER_CONFIGS + SMALL_VARIANTS, ids=lambda c: c.tag)
