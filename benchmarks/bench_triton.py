@@ -61,8 +61,8 @@ FAMILY = {
     "scatter_bf16": "scatter",
     "flatten_stats_bf16": "flatten",
     "flatten_stats_f32_bf16": "flatten",
-    "flatten_stats_bf16_spread": "flatten",
-    "flatten_stats_f32_bf16_spread": "flatten",
+    "flatten_stats_bf16_spread": "flatten_spread",
+    "flatten_stats_f32_bf16_spread": "flatten_spread",
 }
 
 
@@ -278,7 +278,7 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
     grads32 = [[torch.randn(s, device=device) for s in sizes] for _ in range(max(1, n_sets // 2))]
     m32 = len(grads32)
 
-    n_rows = tk.spread_stats_rows(device)
+    n_rows = tk.spread_stats_rows(device, sizes)
 
     def new_stats(spread: bool) -> torch.Tensor:
         """The op's statistics buffer: ``[2]`` (reduced in the launch) or one bucket's spread rows."""

@@ -182,7 +182,7 @@ def flatten_grads_with_stats_(
     The Triton path does it in one launch per distinct gradient dtype over a cached device-side work table
     of (source offset, bucket offset, flags, count) rows. With ``[2]`` (or too few rows) the statistics are
     reduced deterministically in the launch, by its last program or a tiny second launch (see
-    :mod:`._configs`); with ``[rows, 2]``, ``rows >= spread_stats_rows(device)``, each program adds its
+    :mod:`._configs`); with ``[rows, 2]``, ``rows >= spread_stats_rows(device, sizes)``, each program adds its
     partial to its own row and the reader sums the rows (``stats.sum(0)``, deterministic too): no serial
     reduction at the end of the launch ([Note: spread statistics] in docs/design.md). Non-contiguous
     gradients are first made contiguous (a temporary copy); a call mixing devices goes to the twin.
@@ -212,7 +212,7 @@ def flatten_grads_with_stats_(
     ):
         raise ValueError(
             f"stats must be float32 of shape [2] or [rows, 2], got {stats.dtype} {tuple(stats.shape)}: allocate "
-            "torch.zeros(2) or torch.zeros(spread_stats_rows(device), 2) on the bucket's device"
+            "torch.zeros(2) or torch.zeros(spread_stats_rows(device, sizes), 2) on the bucket's device"
         )
     backend = backend_for(out, stats, *grads)
     if backend == "triton" and not (
@@ -228,16 +228,16 @@ def flatten_grads_with_stats_(
         _kmod.launch_flatten(prepared, sizes, out.view(-1), stats)
 
 
-def spread_stats_rows(device: torch.device | str) -> int:
-    """Rows of a ``[rows, 2]`` statistics buffer with which :func:`flatten_grads_with_stats_` spreads one
-    bucket's statistics, one row per program, instead of reducing them at the end of its launch (more rows
-    work too; fewer make it reduce). Does not import Triton."""
-    from ._configs import INTERP_SMS, SPREAD_ROWS_PER_SM
+def spread_stats_rows(device: torch.device | str, sizes: Sequence[int] = ()) -> int:
+    """Rows of a ``[rows, 2]`` statistics buffer with which :func:`flatten_grads_with_stats_` spreads the
+    statistics of a bucket of entries of ``sizes`` elements, one row per program, instead of reducing them at
+    the end of its launch (more rows work too; fewer make it reduce). Does not import Triton."""
+    from ._configs import INTERP_SMS, SPREAD_MIN_CHUNK, SPREAD_ROWS_PER_SM
 
     device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count * SPREAD_ROWS_PER_SM
-    return INTERP_SMS * SPREAD_ROWS_PER_SM
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else INTERP_SMS
+    chunks = sum(-(-int(n) // SPREAD_MIN_CHUNK) for n in sizes)
+    return max(sms * SPREAD_ROWS_PER_SM, chunks)
 
 
 def scatter_flat_(

@@ -69,9 +69,11 @@ __all__ = [
     "sweep_candidates",
 ]
 
-# Op families with their own table: flatten (with or without statistics), the plain scatter (RNE cast or
-# bit copy) and the stochastic-rounding scatter (ALU-heavier: a hash per element).
-FAMILIES = ("flatten", "scatter", "scatter_sr")
+# Op families with their own table: flatten (with or without statistics reduced in the launch), flatten with
+# spread statistics (one ``stats`` row per program: no reduction, so many short programs cost nothing extra),
+# the plain scatter (RNE cast or bit copy) and the stochastic-rounding scatter (ALU-heavier: a hash per
+# element).
+FAMILIES = ("flatten", "flatten_spread", "scatter", "scatter_sr")
 # RowsConfig.epilogue values
 EPILOGUES = ("loop", "wide")
 
@@ -162,6 +164,9 @@ def _k(n: int) -> str:
 # config launches (the table's p16; the sweep's candidates stay at or below it). A launch with more programs than
 # the buffer has rows reduces on the device instead (correct, one ticket or launch slower).
 SPREAD_ROWS_PER_SM = 16
+# ... and one row per this many elements of each entry: configs with one program per chunk row (chunks of
+# at least this many elements) spread too.
+SPREAD_MIN_CHUNK = 4096
 # Under the interpreter there are no SMs; this many stand in, so a persistent grid of a few programs per "SM"
 # still gives each program several rows on CI-sized inputs (the stride loop gets exercised).
 INTERP_SMS = 2
@@ -189,6 +194,30 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
         (67108864, RowsConfig(chunk=0, block=2048, warps=4, programs_per_sm=16, one_pass=True)),
         # 256 MB: 83.7% (legacy 83.2%)
         (None, RowsConfig(chunk=0, block=1024, warps=4, programs_per_sm=8, one_pass=True)),
+    ),
+    # Session 11 sweep (benchmarks/results/2026-12-01_run17_session11/call4_triton_sweep), H200, ceiling 4250
+    # GB/s, means over the spread ops (bf16 and fp32 sources) and both layouts; what the engine runs.
+    "flatten_spread": (
+        # 16 MB: bf16 77.6%, fp32 source 79.1% (the same op reduced in the launch: 64-65% / 70%)
+        (
+            16777216,
+            RowsConfig(
+                chunk=0,
+                block=2048,
+                warps=4,
+                programs_per_sm=8,
+                one_pass=True,
+                kernel=2,
+                packed=True,
+                epilogue="wide",
+                stream=True,
+            ),
+        ),
+        # 64 MB: bf16 81.1% (aligned 87.3%), fp32 88.7%; 256 MB: bf16 86.9% (aligned 94.1%), fp32 94.9%
+        (
+            None,
+            RowsConfig(chunk=4096, block=4096, warps=4, programs_per_sm=0, one_pass=True, kernel=2, packed=True),
+        ),
     ),
     "scatter": (
         # 16 MB: 81.7% (legacy 65.0%)
@@ -295,7 +324,7 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
         RowsConfig(0, 2048, 8, 8),
         RowsConfig(0, 4096, 8, 4),
     ]
-    if family == "flatten":
+    if family in ("flatten", "flatten_spread"):
         # NOTE: session 5 sweep (benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt): the
         # kernel-1 w8 configs lost by 5-25 points on the bf16 statistics (2-5 programs per SM fit), c4096 by
         # 8-15, the kernel-2 two-launch, p12 and b4096 non-packed ones by 1-8; they are dropped for the
@@ -322,8 +351,6 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             # streaming cache hints
             RowsConfig(0, 2048, 4, 8, epilogue="wide", stream=True, **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="wide", stream=True),
-            # shares dealt round-robin in ~8 Ki-element pieces (one piece per program at 16 MB: no change)
-            RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, **k2w),
             # NOTE: session 7 (benchmarks/results/2026-11-30_run14_session7/callD_triton): p4/b4096/k2w/et and
             # p16/b1024/ew/s/i4k lost to their bases at every size, p16/b1024 ran as p8/b1024 (8 programs per
             # SM fit its 64 registers: the same launch, within 0.2 points); dropped for these three. The tree
@@ -339,6 +366,13 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             # (offline SASS, session 8: ptxas keeps them after the statistics, ahead of the stores only)
             RowsConfig(0, 2048, 4, 8, lookahead=True, **k2w),
             RowsConfig(0, 2048, 4, 8, realign=True, lookahead=True, **k2w),
+            # session 11 (benchmarks/probe_stats_kernels.py): with spread statistics, one 8-16 KB tile per program
+            # and no persistent loop reached 86-89% / 94-95% at 64 / 256 MB on one contiguous bf16 tensor. In the
+            # session 11 sweep c4096/b4096/w4 won the spread ops from 64 MB up; its w8, c8192/b8192/w8 and
+            # c8192/b4096/w8 siblings lost by 3-20 points and left the list (so did the persistent k2w/ew/i8k:
+            # its /ra twin stays); /ra carries the realigned vectors to its misaligned rows (unmeasured)
+            RowsConfig(4096, 4096, 4, 0, **k2w),
+            RowsConfig(4096, 4096, 4, 0, realign=True, **k2w),
         ]
     else:
         cands = list(base)

@@ -1122,9 +1122,9 @@ def launch_flatten(
     sizes, so a repeated call costs one pass over the list plus the launches.
     """
     device = out.device
-    cfg = _config("flatten", out.numel())
     want_stats = stats is not None
     rows = stats.shape[0] if stats is not None and stats.dim() == 2 else 0
+    cfg = _config("flatten_spread" if rows > 1 else "flatten", out.numel())
     key = (
         device,
         _stream_key(device),

@@ -331,7 +331,7 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
         # Per-bucket [sum of squares, non-finite count], spread over rows (one per flatten program: [Note: spread
         # statistics]); a bucket's statistics are its rows' column sums. Host buckets' rows are also copied to
         # the host with their gradients so the worker can refuse to speculate on a non-finite bucket.
-        rows = spread_stats_rows(self.device)
+        rows = max(spread_stats_rows(self.device, b.sizes) for b in self.buckets) if self.buckets else 1
         self._grad_stats = torch.zeros(len(self.buckets), rows, 2, dtype=torch.float32, device=self.device)
         # The HostBuffer is kept: its page registration ends with it (a pageable row makes every flush's
         # non-blocking copy synchronous).

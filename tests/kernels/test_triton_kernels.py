@@ -49,7 +49,7 @@ def _family_configs(*families: str) -> list[_configs.RowsConfig]:
 
 
 # Each forced in turn below, per op (each family has its own table: a flatten config never runs a scatter).
-FLATTEN_CONFIGS = _family_configs("flatten")
+FLATTEN_CONFIGS = _family_configs("flatten", "flatten_spread")
 SCATTER_CONFIGS = _family_configs("scatter", "scatter_sr")
 ALL_CONFIGS = sorted(set(FLATTEN_CONFIGS) | set(SCATTER_CONFIGS), key=lambda c: c.tag)
 _NEW_FIELDS_AT_DEFAULT = dict(epilogue="loop", stream=False, min_per_program=0, interleave=0)
@@ -370,7 +370,7 @@ class _KernelChecks:
         exp_out = torch.empty_like(out)
         exp_stats = self.t(torch.tensor([0.5, 1.0]))
         ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
-        with _configs.forced(flatten=cfg):
+        with _configs.forced(flatten=cfg, flatten_spread=cfg):
             stats = self.t(torch.tensor([0.5, 1.0]))
             tk.flatten_grads_with_stats_(grads, sizes, out, stats)
             assert tk.last_backend("flatten_grads_with_stats_") == "triton"
@@ -389,7 +389,7 @@ class _KernelChecks:
             assert torch.equal(out32, exp32)
             # spread statistics: the same column sums (one row per program, or row 0 when the grid has more
             # programs than rows), the same bits every time, and a second call adds to what is there
-            n_rows = tk.spread_stats_rows(out.device)
+            n_rows = tk.spread_stats_rows(out.device, sizes)
             for rows_n in (n_rows, 1):
                 rows = self.t(torch.zeros(rows_n, 2))
                 rows[0] = self.t(torch.tensor([0.5, 1.0]))
@@ -420,8 +420,8 @@ class _KernelChecks:
         out = self.t(torch.empty(sum(sizes), dtype=torch.bfloat16))
         exp_out = torch.empty_like(out)
         ref.flatten_grads_with_stats_(grads, sizes, exp_out, None)
-        rows = self.t(torch.zeros(tk.spread_stats_rows(out.device), 2))
-        with _configs.forced(flatten=cfg):
+        rows = self.t(torch.zeros(tk.spread_stats_rows(out.device, sizes), 2))
+        with _configs.forced(flatten_spread=cfg):
             tk.flatten_grads_with_stats_(grads, sizes, out, rows)
         nan = exp_out.isnan()  # NaN payloads from fp32 differ from torch's (module docs): NaN-ness, other bits
         assert torch.equal(out.isnan(), nan)
@@ -439,12 +439,12 @@ class _KernelChecks:
         # a finite bucket (no square overflows fp32): the rows' total against float64
         finite = [None if g is None else torch.nan_to_num(g, nan=0.0).clamp(-8, 8) for g in grads]
         rows.zero_()
-        with _configs.forced(flatten=cfg):
+        with _configs.forced(flatten_spread=cfg):
             tk.flatten_grads_with_stats_(finite, sizes, out, rows)
         f = out.double()
         torch.testing.assert_close(rows[:, 0].double().sum(), (f * f).sum(), rtol=1e-5, atol=0.0)
         assert rows[:, 1].sum().item() == 0.0
-        with _configs.forced(flatten=cfg):  # a second call adds to every row it writes
+        with _configs.forced(flatten_spread=cfg):  # a second call adds to every row it writes
             tk.flatten_grads_with_stats_(finite, sizes, out, rows)
         torch.testing.assert_close(rows[:, 0].double().sum(), 2 * (f * f).sum(), rtol=1e-5, atol=0.0)
 
