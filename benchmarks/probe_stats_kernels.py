@@ -9,11 +9,16 @@ Every kernel moves bf16 pairs as int32 words and computes the statistics on the 
 arithmetic as ``_word_sums``). Variants:
 
 * ``copy/bB/wW``: plain copy, one program per ``B``-word tile (torch's elementwise shape).
-* ``st/bB/wW/2p``: copy + statistics, one partial per program, a second launch adds the partials in order.
-* ``st/bB/wW/1p``: the same with the last-ticket finish inside the launch (what the row kernels do).
-* ``gs/bB/wW/pP``: persistent grid-stride loop (program p takes tiles p, p + G, ...; memory swept as a front),
-  ``[B]`` register accumulators, one partial per program, last-ticket finish.
+* ``st/bB/wW/F``: copy + statistics, one program per tile, one partial each; ``F`` is the finish: ``1p`` the
+  last-ticket reduction inside the launch (what the row kernels did), ``2p`` a second launch, ``0p`` none (the
+  partials stay for the reader: [Note: spread statistics] in docs/design.md).
+* ``gs/bB/wW/pP/F``: persistent grid-stride loop (program p takes tiles p, p + G, ...; memory swept as a front),
+  ``[B]`` register accumulators, one partial per program.
 * ``gs2/...``: the grid-stride loop with the next tile's load issued before the current tile's store.
+
+Session 11 (results/2026-12-01_run17_session11/call1_probe_gc, call2_probe_finish_8b): the finish, not the
+arithmetic, is what the statistics cost (16 MB: 58-69% of the ceiling with ``1p``, 76-84% with ``0p``, 88-89% for
+the plain copy).
 
 Timing is bench_triton's: 8 calls captured in a CUDA graph, sources rotated past L2, median of replays; the
 ceiling is its 2 GB ``copy_``, the size-matched row its graph-timed contiguous ``copy_``. Every statistics
