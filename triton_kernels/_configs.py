@@ -166,7 +166,7 @@ def _k(n: int) -> str:
 SPREAD_ROWS_PER_SM = 16
 # ... and one row per this many elements of each entry: configs with one program per chunk row (chunks of
 # at least this many elements) spread too.
-SPREAD_MIN_CHUNK = 4096
+SPREAD_MIN_CHUNK = 2048
 # Under the interpreter there are no SMs; this many stand in, so a persistent grid of a few programs per "SM"
 # still gives each program several rows on CI-sized inputs (the stride loop gets exercised).
 INTERP_SMS = 2
@@ -324,7 +324,7 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
         RowsConfig(0, 2048, 8, 8),
         RowsConfig(0, 4096, 8, 4),
     ]
-    if family in ("flatten", "flatten_spread"):
+    if family == "flatten":
         # NOTE: session 5 sweep (benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt): the
         # kernel-1 w8 configs lost by 5-25 points on the bf16 statistics (2-5 programs per SM fit), c4096 by
         # 8-15, the kernel-2 two-launch, p12 and b4096 non-packed ones by 1-8; they are dropped for the
@@ -351,6 +351,8 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             # streaming cache hints
             RowsConfig(0, 2048, 4, 8, epilogue="wide", stream=True, **k2w),
             RowsConfig(0, 1024, 4, 8, epilogue="wide", stream=True),
+            # shares dealt round-robin in ~8 Ki-element pieces (one piece per program at 16 MB: no change)
+            RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, **k2w),
             # NOTE: session 7 (benchmarks/results/2026-11-30_run14_session7/callD_triton): p4/b4096/k2w/et and
             # p16/b1024/ew/s/i4k lost to their bases at every size, p16/b1024 ran as p8/b1024 (8 programs per
             # SM fit its 64 registers: the same launch, within 0.2 points); dropped for these three. The tree
@@ -366,13 +368,32 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             # (offline SASS, session 8: ptxas keeps them after the statistics, ahead of the stores only)
             RowsConfig(0, 2048, 4, 8, lookahead=True, **k2w),
             RowsConfig(0, 2048, 4, 8, realign=True, lookahead=True, **k2w),
-            # session 11 (benchmarks/probe_stats_kernels.py): with spread statistics, one 8-16 KB tile per program
-            # and no persistent loop reached 86-89% / 94-95% at 64 / 256 MB on one contiguous bf16 tensor. In the
-            # session 11 sweep c4096/b4096/w4 won the spread ops from 64 MB up; its w8, c8192/b8192/w8 and
-            # c8192/b4096/w8 siblings lost by 3-20 points and left the list (so did the persistent k2w/ew/i8k:
-            # its /ra twin stays); /ra carries the realigned vectors to its misaligned rows (unmeasured)
+        ]
+    elif family == "flatten_spread":
+        # NOTE: session 11 (benchmarks/probe_stats_kernels.py, results/2026-12-01_run17_session11): without a
+        # reduction in the launch, one 8-16 KB tile per program and no persistent loop reached 86-89% / 94-95%
+        # at 64 / 256 MB on one contiguous bf16 tensor (83.5% at 16 MB with 8 KB tiles). In the session 11
+        # flatten sweep, on the spread ops, c4096/b4096/w4/k2w won from 64 MB up and p8/b2048/k2w/ew/s at 16 MB;
+        # c4096/b4096/w8, c8192/b8192/w8 and c8192/b4096/w8 lost by 3-20 points. The rest of the flatten list
+        # is left out: its epilogue variants do nothing here. Candidates: the session 11 winners and their
+        # realigned twins (the odd layout), 2048-element tiles (the probe's 16 MB best), two tiles per program.
+        k2w = dict(kernel=2, packed=True)
+        cands = [
+            LEGACY,
+            RowsConfig(0, 1024, 4, 8),
+            RowsConfig(0, 2048, 4, 16),
+            RowsConfig(0, 2048, 4, 8, **k2w),
+            RowsConfig(0, 2048, 4, 8, stream=True, realign=True, **k2w),
+            RowsConfig(0, 2048, 4, 8, min_per_program=16384, realign=True, **k2w),
+            RowsConfig(4096, 1024, 4, 0, one_pass=False),
             RowsConfig(4096, 4096, 4, 0, **k2w),
             RowsConfig(4096, 4096, 4, 0, realign=True, **k2w),
+            RowsConfig(4096, 4096, 4, 0, stream=True, **k2w),
+            RowsConfig(4096, 2048, 4, 0, **k2w),
+            RowsConfig(2048, 2048, 4, 0, **k2w),
+            RowsConfig(2048, 2048, 4, 0, realign=True, **k2w),
+            RowsConfig(2048, 2048, 2, 0, **k2w),
+            RowsConfig(8192, 4096, 4, 0, realign=True, **k2w),
         ]
     else:
         cands = list(base)
