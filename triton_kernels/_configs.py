@@ -195,10 +195,10 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
         # 256 MB: 83.7% (legacy 83.2%)
         (None, RowsConfig(chunk=0, block=1024, warps=4, programs_per_sm=8, one_pass=True)),
     ),
-    # Session 11 sweep (benchmarks/results/2026-12-01_run17_session11/call4_triton_sweep), H200, ceiling 4250
-    # GB/s, means over the spread ops (bf16 and fp32 sources) and both layouts; what the engine runs.
+    # Session 11 sweep of this family (benchmarks/results/2026-12-01_run17_session11/call6_spread_sweep), H200,
+    # ceiling 4199 GB/s, means over the spread ops (bf16 and fp32 sources) and both layouts; what the engine runs.
     "flatten_spread": (
-        # 16 MB: bf16 77.6%, fp32 source 79.1% (the same op reduced in the launch: 64-65% / 70%)
+        # 16 MB: 80.5% (bf16 79.6%, fp32 source 81.5%; the same ops reduced in the launch: 63-65% / 67-71%)
         (
             16777216,
             RowsConfig(
@@ -209,14 +209,16 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
                 one_pass=True,
                 kernel=2,
                 packed=True,
-                epilogue="wide",
                 stream=True,
+                realign=True,
             ),
         ),
-        # 64 MB: bf16 81.1% (aligned 87.3%), fp32 88.7%; 256 MB: bf16 86.9% (aligned 94.1%), fp32 94.9%
+        # 64 MB: 85.9% (bf16 86.4 / 83.5% aligned / odd); 256 MB: 93.2% (bf16 95.3 / 91.2%)
         (
             None,
-            RowsConfig(chunk=4096, block=4096, warps=4, programs_per_sm=0, one_pass=True, kernel=2, packed=True),
+            RowsConfig(
+                chunk=8192, block=4096, warps=4, programs_per_sm=0, one_pass=True, kernel=2, packed=True, realign=True
+            ),
         ),
     ),
     "scatter": (
