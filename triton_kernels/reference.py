@@ -60,7 +60,7 @@ def flatten_grads_with_stats_(
         offset += n
     if stats is not None:
         f = out.to(torch.float32)
-        row = stats.view(-1)
+        row = stats if stats.dim() == 1 else stats[0]  # indexing, not view(): any strides
         row[0] += torch.sum(f * f)
         row[1] += (~torch.isfinite(f)).sum().to(torch.float32)
 

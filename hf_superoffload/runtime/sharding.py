@@ -22,7 +22,7 @@ def _add_stats_(x: torch.Tensor, stats: torch.Tensor) -> None:
     """``stats``' column sums ``+= [sum of squares, non-finite count]`` of ``x`` as stored, into its first row
     (``stats`` is ``[2]`` or ``[rows, 2]``; no host sync)."""
     xf = x.float()
-    row = stats.view(-1)
+    row = stats if stats.dim() == 1 else stats[0]
     row[0] += xf.square().sum()
     row[1] += (~torch.isfinite(xf)).sum()
 

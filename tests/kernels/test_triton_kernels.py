@@ -1013,3 +1013,28 @@ def test_kernel2_heads_and_scalar_rows() -> None:
                                       (8192, 8, 1, 2), (65536, 4, 1, 1)]:  # fmt: skip
         cfg = _configs.RowsConfig(0, block, warps, 8, kernel=2)
         assert _kernels._scalar_rows(cfg, dst_kind) == s, (block, warps, dst_kind)
+
+
+@pytest.mark.parametrize(
+    "bad", [torch.zeros(3), torch.zeros(4, 3), torch.zeros(2, dtype=torch.float64), torch.zeros(2, 2, 2)]
+)
+def test_flatten_rejects_bad_stats_before_writing(bad: torch.Tensor) -> None:
+    """A statistics buffer that is neither ``[2]`` nor ``[rows, 2]`` float32 is a ValueError naming what to
+    allocate, raised before the bucket is touched."""
+    out = torch.full((5,), 3.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"spread_stats_rows"):
+        tk.flatten_grads_with_stats_([torch.ones(5)], [5], out, bad)
+    assert torch.equal(out, torch.full((5,), 3.0, dtype=torch.bfloat16))
+
+
+def test_flatten_strided_spread_stats_take_the_twin() -> None:
+    """Non-contiguous ``[rows, 2]`` statistics go to the twin, which adds into the first row."""
+    g = torch.randn(100).to(torch.bfloat16)
+    out = torch.empty(100, dtype=torch.bfloat16)
+    stats = torch.zeros(2, 7).T  # [7, 2], strided
+    stats[3, 0] = 1.5  # what a row held before: kept
+    tk.flatten_grads_with_stats_([g], [100], out, stats)
+    assert tk.last_backend("flatten_grads_with_stats_") == "reference"
+    f = g.double()
+    torch.testing.assert_close(stats[:, 0].double().sum(), (f * f).sum() + 1.5, rtol=1e-5, atol=0.0)
+    assert stats[:, 1].sum().item() == 0.0
