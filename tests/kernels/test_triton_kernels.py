@@ -406,10 +406,10 @@ class _KernelChecks:
 
     @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
     def test_flatten_spread_statistics(self, src_dtype: torch.dtype) -> None:
-        """Persistent grids with enough rows: every program adds its partial to its own row (more than one row
-        is written, none twice: each row's count is that program's), nothing else changes; the rows' sums match
-        the twin's over float64, NaN / +-Inf in several programs' shares are all counted; the bucket's bits are
-        the twin's."""
+        """A persistent grid with enough rows spreads: more than one row is written, NaN / +-Inf in several
+        programs' shares are all counted (in more than one row), the finite rows hold no more than the finite
+        values' squares; on a finite bucket the rows' total matches float64, and a second call adds to it; the
+        bucket's bits are the twin's."""
         cfg = _configs.RowsConfig(0, 256, 2, 8, kernel=2, packed=True)
         gen = self.gen(31)
         sizes = [5, 4099, 1, 20_000, 127, 9_001]
