@@ -70,7 +70,7 @@ def _copy_k(src, dst, nw, BLOCK: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _finish(part_sq, part_bad, ticket, stats, nparts, WIDTH: tl.constexpr):
+def _finish(part_sq, part_bad, stats, nparts, WIDTH: tl.constexpr):
     """Adds ``nparts`` partials in order into ``stats`` (fp32 sum of squares, fp32 count)."""
     acc_s = tl.zeros([WIDTH], tl.float32)
     acc_c = tl.zeros([WIDTH], tl.int32)
@@ -102,13 +102,13 @@ def _stats_k(src, dst, part_sq, part_bad, ticket, stats, nw, BLOCK: tl.constexpr
         n = tl.num_programs(0)
         t = tl.atomic_add(ticket, 1, sem="acq_rel")
         if t == n - 1:
-            _finish(part_sq, part_bad, ticket, stats, n, WIDTH)
+            _finish(part_sq, part_bad, stats, n, WIDTH)
             tl.atomic_xchg(ticket, 0)
 
 
 @triton.jit
-def _finish_k(part_sq, part_bad, ticket, stats, nparts, WIDTH: tl.constexpr):
-    _finish(part_sq, part_bad, ticket, stats, nparts, WIDTH)
+def _finish_k(part_sq, part_bad, stats, nparts, WIDTH: tl.constexpr):
+    _finish(part_sq, part_bad, stats, nparts, WIDTH)
 
 
 @triton.jit
@@ -149,7 +149,7 @@ def _gs_k(src, dst, part_sq, part_bad, ticket, stats, nw, BLOCK: tl.constexpr, A
     if FINISH == 1:
         tk = tl.atomic_add(ticket, 1, sem="acq_rel")
         if tk == g - 1:
-            _finish(part_sq, part_bad, ticket, stats, g, WIDTH)
+            _finish(part_sq, part_bad, stats, g, WIDTH)
             tl.atomic_xchg(ticket, 0)
 
 
@@ -219,9 +219,7 @@ class Runner:
                 _gs_k[(g,)](src, dst, self.part_sq, self.part_bad, self.ticket, self.stats, nw, BLOCK=b,
                             AHEAD=v["ahead"], FINISH=fin, WIDTH=1024, num_warps=v["warps"])  # fmt: skip
             if v["finish"] == "2p":
-                _finish_k[(1,)](
-                    self.part_sq, self.part_bad, self.ticket, self.stats, g, WIDTH=1024, num_warps=4
-                )
+                _finish_k[(1,)](self.part_sq, self.part_bad, self.stats, g, WIDTH=1024, num_warps=4)
 
         return run
 

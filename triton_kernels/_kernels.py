@@ -842,7 +842,6 @@ def _stats_finalize_kernel(part_sq_ptr, part_bad_ptr, n_parts, stats_ptr, BLOCK:
 
 # NOTE: the two-pass finalize reads 8 bytes per program of the main pass (a few KiB); one program suffices.
 _FINALIZE_BLOCK = 1024
-_INTERP_SMS = _configs.INTERP_SMS
 
 
 def _stream_key(device: torch.device) -> int:
@@ -1008,7 +1007,7 @@ def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> 
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return _INTERP_SMS
+    return _configs.INTERP_SMS
 
 
 def _work(
@@ -1123,8 +1122,9 @@ def launch_flatten(
     """
     device = out.device
     want_stats = stats is not None
-    rows = stats.shape[0] if stats is not None and stats.dim() == 2 else 0
-    cfg = _config("flatten_spread" if rows > 1 else "flatten", out.numel())
+    # rows to spread the statistics over (0: reduce in the launch, into ``stats``' first row)
+    rows = stats.shape[0] if stats is not None and stats.dim() == 2 and stats.shape[0] > 1 else 0
+    cfg = _config("flatten_spread" if rows else "flatten", out.numel())
     key = (
         device,
         _stream_key(device),
@@ -1174,7 +1174,7 @@ def _flatten_plan(
     """Group by source dtype, build each group's device work, and the statistics scratch. Spread statistics
     when ``stats`` has ``rows`` >= the programs of all groups (the grid depends on the compiled variant's
     occupancy, so the groups are built for the spread variant first)."""
-    spread = want_stats and rows > 0
+    spread = want_stats and rows > 0  # rows: 0 or more than one
     groups = _flatten_groups(cfg, grads, sizes, out, want_stats, spread)
     if spread and sum(w[2] for w, _, _ in groups) > rows:
         spread = False
