@@ -383,8 +383,8 @@ def bench_bucket(
         if ops is not None and op.name not in ops:
             continue
         fam = FAMILY.get(op.name)
-        cfg = _kernels._config(fam, bucket_mb * MB // 2) if fam else None
         t_ms = time_ms(op.tri, n_sets, reps)
+        ran = "+".join(dict.fromkeys(_kernels.last_tags(_plan_kind(fam)))) if fam else None
         g_ms = time_graph_ms(op.tri, n_sets, reps)
         legacy = None
         if fam:
@@ -395,7 +395,7 @@ def bench_bucket(
         tg, rg = op.nbytes / t_ms / 1e6, op.nbytes / r_ms / 1e6
         gg = op.nbytes / g_ms / 1e6 if g_ms else None
         rows.append(Row(op.name, bucket_mb, n_tensors, op.nbytes, layout, t_ms, tg, tg / ceiling, g_ms, gg, r_ms,
-                        rg, r_ms / t_ms, cfg.tag if cfg else None, legacy, size_copy if fam else None))  # fmt: skip
+                        rg, r_ms / t_ms, ran, legacy, size_copy if fam else None))  # fmt: skip
         gtxt = f"graph {g_ms:7.3f} ms {gg:5.0f} GB/s ({gg / ceiling:4.0%})" if g_ms and gg else "graph n/a"
         ltxt = f"  legacy {legacy / ceiling:4.0%}" if legacy else ""
         print(f"  {op.name:22s} {bucket_mb:4d} MB {layout:7s} triton {t_ms:7.3f} ms {tg:5.0f} GB/s "
@@ -417,7 +417,7 @@ def sweep(
     the given order, so the small buckets that matter most come first). Each config's output is checked
     before it is timed; a wrong one is recorded with its error and never chosen. Returns the records and
     whether the sweep was complete (False: ``budget_s`` ran out)."""
-    from hf_superoffload.triton_kernels import _configs
+    from hf_superoffload.triton_kernels import _configs, _kernels
 
     t0 = time.perf_counter()
     out: list[dict[str, Any]] = []
@@ -438,6 +438,9 @@ def sweep(
                     with _configs.forced(**{fam: cfg}):
                         try:
                             err = op.check() if op.check else None
+                            ran = _kernels.last_tags(_plan_kind(fam))
+                            if not err and cfg.tag not in ran:  # kernel 3 on rows it cannot take
+                                err = f"not run: the launch ran {'+'.join(ran)}"
                             g_ms = None if err else time_graph_ms(op.tri, n_sets, reps)
                         except Exception as e:  # a config that does not compile or launch
                             err, g_ms = f"{type(e).__name__}: {e}", None
@@ -451,6 +454,11 @@ def sweep(
             del built
             _empty_cache()
     return out, True
+
+
+def _plan_kind(family: str) -> str:
+    """The launch-plan cache a family's launches go through: ``"flatten"`` or ``"scatter"``."""
+    return "flatten" if family.startswith("flatten") else "scatter"
 
 
 def summarize(records: list[dict[str, Any]], ceiling: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -180,7 +180,9 @@ def flatten_grads_with_stats_(
     (float32 ``[2]`` or ``[rows, 2]`` on ``out``'s device) grow by ``[sum of squares, non-finite count]`` of
     the values *as stored in* ``out`` (so after rounding to ``out``'s dtype), with no host synchronisation.
     The Triton path does it in one launch per distinct gradient dtype over a cached device-side work table
-    of (source offset, bucket offset, flags, count) rows. With ``[2]`` (or too few rows) the statistics are
+    of (source offset, bucket offset, flags, count) rows; a launch of at most ``ENTRY_SLOTS`` (8) rows,
+    all 16-byte aligned, may pass its rows as kernel arguments instead (kernel 3, where the size table
+    says so: no table lookup before the first tile). With ``[2]`` (or too few rows) the statistics are
     reduced deterministically in the launch, by its last program or a tiny second launch (see
     :mod:`._configs`); with ``[rows, 2]``, ``rows >= spread_stats_rows(device, sizes)``, each program adds its
     partial to its own row and the reader sums the rows (``stats.sum(0)``, deterministic too): no serial

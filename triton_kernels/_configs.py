@@ -18,7 +18,11 @@ same launch; else a second, single-program launch does.
 (2-D tiles of whole 16-byte vectors, statistics folded within the thread into one slot per vector, so a
 wide tile keeps more bytes in flight without costing registers; vector-granular tails; one layout on
 misaligned rows), and ``packed`` makes kernel 2 move bf16 -> bf16 aligned rows as int32 words with the
-statistics on the packed bits. docs/triton_kernels.md has the reasoning.
+statistics on the packed bits. 3 is ``_entries_kernel``: no work table, the rows themselves are kernel
+arguments (one program per ``chunk`` elements of a row); it runs only a launch of at most ``ENTRY_SLOTS``
+rows, every one 16-byte aligned on both sides and with a source, without statistics or with spread ones
+(:func:`usable`). Where it cannot, :func:`choose` goes on down the table. docs/triton_kernels.md has the
+reasoning.
 
 Aimed at the fixed costs and the memory system (issue #4's last item; docs/triton_kernels.md, "Fixed costs"):
 
@@ -34,11 +38,17 @@ Aimed at the fixed costs and the memory system (issue #4's last item; docs/trito
 * ``realign`` (kernel 2, packed): bf16 -> bf16 rows that are not 16-byte aligned on both sides (an entry
   at an odd bucket offset) move whole 16-byte vectors too: aligned on the destination, each built from two
   aligned source vectors shifted by the row's phase difference, instead of element by element (8 2-byte
-  loads and 8 2-byte stores per 16 bytes). docs/triton_kernels.md, "Per-byte costs in the SASS".
+  loads and 8 2-byte stores per 16 bytes). docs/triton_kernels.md, "Per-byte costs in the SASS". Rows with
+  an fp32 side (an fp32 gradient into a bf16 bucket, the scatter's fp32 bucket at an odd offset) move whole
+  tiles aligned on the destination (16-byte stores) with the source read element by element (session 12).
 * ``lookahead`` (kernel 2, packed): the word tiles' loads run one whole tile ahead of their stores and
   statistics (the statistics loop is not unrolled, so without it a warp issues its next loads only after
   the current tile's ~85 store / statistics instructions; docs/triton_kernels.md, "Per-byte costs in the
   SASS"). 8 more registers per thread at b2048.
+* ``pdl``: launched as a programmatic dependent launch (sm_90+, compiled Triton; elsewhere a plain
+  launch): the launch's programs are scheduled while the previous grid in the stream drains and wait for it
+  to complete before any memory access, so back-to-back launches lose less to the gap between grids
+  (docs/triton_kernels.md, "Dependent launch").
 * ``interleave``: on a persistent grid, each program's share is cut into pieces of about this many
   elements, dealt round-robin over the programs (piece ``i`` to program ``i % grid``), so at any moment the
   grid streams through one region of memory instead of ``grid`` distant ones (0: one contiguous share).
@@ -57,6 +67,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = [
+    "ENTRY_SLOTS",
     "EPILOGUES",
     "FAMILIES",
     "HEURISTIC",
@@ -67,6 +78,7 @@ __all__ = [
     "is_forced",
     "max_resident_programs",
     "sweep_candidates",
+    "usable",
 ]
 
 # Op families with their own table: flatten (with or without statistics reduced in the launch), flatten with
@@ -95,6 +107,7 @@ class RowsConfig:
     interleave: int = 0
     realign: bool = False
     lookahead: bool = False
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, fix: str) -> ValueError:
@@ -114,10 +127,14 @@ class RowsConfig:
             )
         if not self.programs_per_sm and (self.chunk < self.block or self.chunk % self.block):
             raise bad("chunk", self.chunk, f"use a multiple of block={self.block} (e.g. {4 * self.block})")
-        if self.kernel not in (1, 2):
-            raise bad("kernel", self.kernel, "use 1 (_rows_kernel) or 2 (_rows2_kernel)")
-        if self.packed and self.kernel != 2:
-            raise bad("packed", self.packed, "use packed=True only with kernel=2")
+        if self.kernel not in (1, 2, 3):
+            raise bad("kernel", self.kernel, "use 1 (_rows_kernel), 2 (_rows2_kernel) or 3 (_entries_kernel)")
+        if self.kernel == 3 and self.programs_per_sm:
+            raise bad("programs_per_sm", self.programs_per_sm, "use 0 with kernel=3 (one program per chunk)")
+        if self.kernel == 3 and self.chunk > 8 * self.block:
+            raise bad("chunk", self.chunk, f"use at most 8 tiles per program with kernel=3 (<= {8 * self.block})")
+        if self.packed and self.kernel == 1:
+            raise bad("packed", self.packed, "use packed=True only with kernel=2 or 3")
         if self.realign and not (self.kernel == 2 and self.packed):
             raise bad("realign", self.realign, "use realign=True only with kernel=2 and packed=True")
         if self.lookahead and not (self.kernel == 2 and self.packed):
@@ -141,7 +158,7 @@ class RowsConfig:
         """A short readable name, e.g. ``p8/b2048/w4/1p`` (persistent) or ``c16384/b1024/w4/2p`` (rows);
         kernel 2 adds ``/k2`` (``/k2w`` when packed), e.g. ``p8/b4096/w4/1p/k2w``; then ``/ew`` (wide
         epilogue), ``/s`` (streaming hints), ``/m32k`` (min_per_program), ``/i8k`` (interleave),
-        ``/ra`` (realign), ``/la`` (lookahead)."""
+        ``/ra`` (realign), ``/la`` (lookahead), ``/pdl`` (dependent launch)."""
         grid = f"p{self.programs_per_sm}" if self.programs_per_sm else f"c{self.chunk}"
         k = "" if self.kernel == 1 else f"/k{self.kernel}{'w' if self.packed else ''}"
         extra = {"loop": "", "wide": "/ew"}[self.epilogue]
@@ -150,12 +167,24 @@ class RowsConfig:
         extra += f"/i{_k(self.interleave)}" if self.interleave else ""
         extra += "/ra" if self.realign else ""
         extra += "/la" if self.lookahead else ""
+        extra += "/pdl" if self.pdl else ""
         return f"{grid}/b{self.block}/w{self.warps}/{'1p' if self.one_pass else '2p'}{k}{extra}"
 
 
 def _k(n: int) -> str:
     """``32768`` -> ``32k``; other counts as they are."""
     return f"{n >> 10}k" if n and n % 1024 == 0 else str(n)
+
+
+# Kernel 3 takes at most this many rows per launch, as arguments.
+ENTRY_SLOTS = 8
+
+
+def usable(cfg: RowsConfig, *, few_aligned: bool, stats: bool, spread: bool) -> bool:
+    """Whether ``cfg`` can run a launch: kernel 3 only on ``few_aligned`` rows (at most ``ENTRY_SLOTS``, each
+    with a source and 16-byte aligned on both sides), without statistics or with spread ones; the others
+    always."""
+    return cfg.kernel != 3 or (few_aligned and (spread or not stats))
 
 
 # The kernels as they were before this table existed: 16 Ki-element rows, one program each, 1024-element
@@ -198,7 +227,15 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
     # Session 11 sweep of this family (benchmarks/results/2026-12-01_run17_session11/call6_spread_sweep), H200,
     # ceiling 4199 GB/s, means over the spread ops (bf16 and fp32 sources) and both layouts; what the engine runs.
     "flatten_spread": (
-        # 16 MB: 80.5% (bf16 79.6%, fp32 source 81.5%; the same ops reduced in the launch: 63-65% / 67-71%)
+        # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3, one 2048-element tile per program on 4 warps
+        # with streaming hints, a dependent launch. Session 12 sweep (results/2026-12-01_run18_session12/
+        # call4_pdl_sweep, ceiling 4132 GB/s): bf16 86.0%, fp32 source 90.8% (torch's copy_ of the bf16 bytes
+        # 84.5%); without the dependent launch 81.5 / 87.8%; c4096/b4096/w8 85.7 / 89.8% (83.6 / 87.3% without)
+        (
+            16777216,
+            RowsConfig(chunk=2048, block=2048, warps=4, programs_per_sm=0, kernel=3, packed=True, stream=True, pdl=True),
+        ),
+        # 16 MB otherwise: 80.5% (bf16 79.6%, fp32 source 81.5%; the same ops reduced in the launch: 63-65% / 67-71%)
         (
             16777216,
             RowsConfig(
@@ -213,34 +250,42 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
                 realign=True,
             ),
         ),
-        # 64 MB: 85.9% (bf16 86.4 / 83.5% aligned / odd); 256 MB: 93.2% (bf16 95.3 / 91.2%)
+        # 64 MB: 88.0% (bf16 87.9 / 85.1% aligned / odd), 256 MB: 94.2% (bf16 95.6 / 90.8%), with a dependent launch
+        # (session 12 call 5, results/2026-12-01_run18_session12/call5_pdl_k2_sweep: 87.0 / 93.9% without it)
         (
             None,
             RowsConfig(
-                chunk=8192, block=4096, warps=4, programs_per_sm=0, one_pass=True, kernel=2, packed=True, realign=True
+                chunk=8192, block=4096, warps=4, programs_per_sm=0, one_pass=True, kernel=2, packed=True, realign=True,
+                pdl=True,
             ),
         ),
     ),
     "scatter": (
-        # 16 MB: 81.7% (legacy 65.0%)
+        # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3 (session 12 sweeps, calls 2-4): the fp32 -> bf16 cast
+        # 95.0%, the bf16 copy 87.2% with streaming hints and a dependent launch (92.1 / 84.9% without the
+        # dependent launch, 88.6 / 80.0% without either; kernel 1's c4096/b1024/w4/2p/s: 89.7 / 75.2%)
         (
             16777216,
-            RowsConfig(
-                chunk=0, block=2048, warps=4, programs_per_sm=8, one_pass=True, kernel=2, packed=False
-            ),
+            RowsConfig(chunk=2048, block=2048, warps=4, programs_per_sm=0, kernel=3, packed=True, stream=True, pdl=True),
         ),
-        # 64 MB: 88.0% (legacy 81.0%)
-        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
-        # 256 MB: 94.1% (legacy 91.5%)
-        (None, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 16 MB otherwise, 64 MB and 256 MB: kernel 1 on 4096-element rows, a dependent launch (session 12 call 5):
+        # 16 MB 86.2% with streaming hints (83.3% without the dependent launch; kernel 2's p8/b2048/w4 81.3%);
+        # 64 MB 87.9% (cast 94.2 / 95.7% odd / aligned; 86.6% without it; with hints 86.3%); 256 MB 93.9% with
+        # hints (93.4% without them)
+        (16777216, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, stream=True, pdl=True)),
+        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, pdl=True)),
+        (None, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, stream=True, pdl=True)),
     ),
     "scatter_sr": (
-        # 16 MB: 69.9% (legacy 59.0%)
-        (16777216, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
-        # 64 MB: 84.0% (legacy 81.2%)
-        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
-        # 256 MB: 92.2%, the LEGACY config itself
-        (None, RowsConfig(chunk=16384, block=1024, warps=4, programs_per_sm=0, one_pass=False)),
+        # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3 (session 12 sweeps, calls 2-4), 82.5% with
+        # streaming hints and a dependent launch (79.3% without it, 75.8% without either; the row below 69.3%)
+        (16777216, RowsConfig(chunk=2048, block=2048, warps=4, programs_per_sm=0, kernel=3, stream=True, pdl=True)),
+        # 16 MB otherwise and 64 MB: kernel 1 on 4096-element rows with streaming hints and a dependent launch
+        # (session 12 call 5): 76.9% (70.1% plain) and 85.2% (83.1% plain); 256 MB: without hints 88.7% (88.4%
+        # without the dependent launch; the LEGACY config, this row before, 85.5%)
+        (16777216, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, stream=True, pdl=True)),
+        (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, stream=True, pdl=True)),
+        (None, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, pdl=True)),
     ),
 }
 
@@ -248,15 +293,17 @@ _force_lock = threading.Lock()
 _forced: dict[str, RowsConfig] = {}
 
 
-def choose(family: str, numel: int) -> RowsConfig:
-    """The config for ``numel`` elements of op ``family`` (a forced one if :func:`forced` is active)."""
+def choose(family: str, numel: int, *, kernel3: bool = True) -> RowsConfig:
+    """The config for ``numel`` elements of op ``family``: a forced one if :func:`forced` is active, else the
+    table's first row whose bound holds; with ``kernel3=False`` (the launch cannot run kernel 3:
+    :func:`usable`) kernel-3 rows (forced or not) are passed over."""
     cfg = _forced.get(family)
-    if cfg is not None:
+    if cfg is not None and (kernel3 or cfg.kernel != 3):
         return cfg
     for bound, c in HEURISTIC[family]:
-        if bound is None or numel <= bound:
+        if (bound is None or numel <= bound) and (kernel3 or c.kernel != 3):
             return c
-    raise AssertionError(f"HEURISTIC[{family!r}] has no unbounded last row")
+    raise AssertionError(f"HEURISTIC[{family!r}] has no unbounded last row without kernel 3")
 
 
 def is_forced(family: str) -> bool:
@@ -310,6 +357,11 @@ def max_resident_programs(
     by_regs = (regs_per_sm // per_warp) // warps
     by_shared = shared_per_sm // shared_bytes if shared_bytes > 0 else max_blocks_per_sm
     return max(1, min(by_threads, by_regs, by_shared, max_blocks_per_sm))
+
+
+def _kernel3(*, packed: bool, chunks: tuple[int, ...], warps: tuple[int, ...]) -> list[RowsConfig]:
+    """Kernel-3 candidates: one tile of each chunk size per program, on each warp count."""
+    return [RowsConfig(c, c, w, 0, kernel=3, packed=packed) for c in chunks for w in warps]
 
 
 def sweep_candidates(family: str) -> list[RowsConfig]:
@@ -382,20 +434,32 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
         k2w = dict(kernel=2, packed=True)
         cands = [
             LEGACY,
-            RowsConfig(0, 1024, 4, 8),
-            RowsConfig(0, 2048, 4, 16),
             RowsConfig(0, 2048, 4, 8, **k2w),
             RowsConfig(0, 2048, 4, 8, stream=True, realign=True, **k2w),
-            RowsConfig(0, 2048, 4, 8, min_per_program=16384, realign=True, **k2w),
-            RowsConfig(4096, 1024, 4, 0, one_pass=False),
             RowsConfig(4096, 4096, 4, 0, **k2w),
             RowsConfig(4096, 4096, 4, 0, realign=True, **k2w),
             RowsConfig(4096, 4096, 4, 0, stream=True, **k2w),
-            RowsConfig(4096, 2048, 4, 0, **k2w),
-            RowsConfig(2048, 2048, 4, 0, **k2w),
-            RowsConfig(2048, 2048, 4, 0, realign=True, **k2w),
-            RowsConfig(2048, 2048, 2, 0, **k2w),
             RowsConfig(8192, 4096, 4, 0, realign=True, **k2w),
+            # NOTE: session 12: kernel 3 (the rows as arguments; only on buckets of at most ENTRY_SLOTS aligned
+            # rows: the 16 MB layouts), one tile per program as in benchmarks/probe_entry_args.py. Made room for
+            # by c4096/b2048/w4/k2w and c2048/b2048/w2/k2w (session 11: behind c4096/b4096 everywhere). Call 2:
+            # c4096/b4096/w8/k3w/s won (83.4 / 85.2%), c2048/b2048/w8 (52 / 70%) and c8192/b4096/w8 (79 / 77%)
+            # lost and left. Call 3: 16 warps lost by 6-35 points and left; c2048/b2048/w4/k3w/s 78.7 / 87.1%.
+            # Call 4: the dependent launch (/pdl) won at 16 MB, c2048/b2048/w4/k3w/s/pdl 86.0 / 90.8% (bf16 /
+            # fp32 source); left: kernel 3 without hints and c4096/b4096/w4 (1-3 points behind), and the
+            # losers by 5-20 points: p8/b1024, p16/b2048, c4096/b1024/2p, c2048/b2048/k2w(/ra),
+            # p8/b2048/k2w/m16k/ra. Now /pdl on kernel 2 (the buckets kernel 3 cannot take; 64 MB up).
+            *[RowsConfig(c, c, w, 0, kernel=3, packed=True, stream=True) for c, w in ((2048, 4), (4096, 8))],
+            *[RowsConfig(c, c, w, 0, kernel=3, packed=True, stream=True, pdl=True) for c, w in ((2048, 4), (4096, 8))],
+            RowsConfig(0, 2048, 4, 8, stream=True, realign=True, pdl=True, **k2w),
+            RowsConfig(8192, 4096, 4, 0, realign=True, pdl=True, **k2w),
+            RowsConfig(8192, 4096, 4, 0, stream=True, realign=True, pdl=True, **k2w),
+            # Call 5: c8192/b4096/w4/k2w/ra/pdl won from 64 MB up (88.0 / 94.2%; 87.0 / 93.9% without /pdl), the
+            # odd 64 MB layout at 85.1 / 84.2% (bf16 / fp32 source); c4096/b4096/k2w/ra/pdl 5-8 points behind, left.
+            # Now for that layout: more elements per program, the next tile's loads ahead, 8 warps.
+            RowsConfig(16384, 4096, 4, 0, realign=True, pdl=True, **k2w),
+            RowsConfig(8192, 4096, 4, 0, realign=True, lookahead=True, pdl=True, **k2w),
+            RowsConfig(8192, 8192, 8, 0, realign=True, pdl=True, **k2w),
         ]
     else:
         cands = list(base)
@@ -408,6 +472,22 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(4096, 1024, 4, 0, one_pass=False, stream=True),
             # bf16 -> bf16 from a flat buffer at odd offsets as whole vectors (realign)
             RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, realign=True),
+        ]
+    if family in ("scatter", "scatter_sr"):
+        # Kernel 3 (session 12), for the buckets it can take. Call 2: c2048/b2048/w4 won (cast 88.6%, SR 75.8%);
+        # 8 warps and 1024-element tiles on 4-8 warps lost by 8-45 points. Call 3: with streaming hints 90.4 /
+        # 78.4% (bf16 copy 82.3%); c4096/b4096/w4 and 2048-element tiles on 2 warps 1-8 points behind, left.
+        # Call 4: the dependent launch (/pdl) won at 16 MB (cast 95.0%, bf16 copy 87.2%, SR 82.5%); left:
+        # c4096/b4096/w8 and c1024/b1024/w2 without hints (1-5 points behind c2048/b2048/w4). Now /pdl on the
+        # 64-256 MB rows too.
+        pk = family == "scatter"
+        cands += [
+            RowsConfig(2048, 2048, 4, 0, kernel=3, packed=pk),
+            RowsConfig(2048, 2048, 4, 0, kernel=3, packed=pk, stream=True),
+            RowsConfig(2048, 2048, 4, 0, kernel=3, packed=pk, stream=True, pdl=True),
+            RowsConfig(4096, 4096, 8, 0, kernel=3, packed=pk, stream=True, pdl=True),
+            RowsConfig(4096, 1024, 4, 0, one_pass=False, stream=True, pdl=True),
+            RowsConfig(4096, 1024, 4, 0, one_pass=False, pdl=True),
         ]
     if family == "scatter_sr":
         cands = [LEGACY, *[c for c in cands[1:] if c.block <= 2048 and c.programs_per_sm != 16]]

@@ -36,6 +36,7 @@ decorated when ``triton`` itself was imported. :func:`mode` reports which one th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any
 
@@ -238,10 +239,16 @@ def _convert(x, ctr, k0, k1, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr, STO
 
 # --------------------------------------------------------------------------- rows: flatten and scatter
 
+# Kernel 3's row offsets travel biased by this much, so that Triton types every one of them int64 whatever
+# its value (an argument within the int32 range would be typed i32: another compiled variant per pattern).
+# Element offsets between two allocations stay far below it.
+_ARG_BIAS_HOST = 1 << 50
+_ARG_BIAS = tl.constexpr(_ARG_BIAS_HOST)
 # Row flag bits of the work tables.
 _HAS_SRC = 1  # the row has a source (flatten: a None gradient has not; the kernel writes zeros)
 _SRC_AL = 2  # the row's source address is 16-byte aligned
 _DST_AL = 4  # the row's destination address is 16-byte aligned
+_ALL_AL = _HAS_SRC | _SRC_AL | _DST_AL  # what kernel 3 needs of every row
 
 
 @triton.jit
@@ -294,6 +301,12 @@ def _sum_parts(sq_ptr, bad_ptr, n, EPI_W: tl.constexpr, EPI_CNT64: tl.constexpr)
 
 
 @triton.jit
+def _add_pair(a_sq, a_bad, b_sq, b_bad):
+    """Combine of the joint statistics reduction: ``tl.reduce((sq, bad), axis, _add_pair)``."""
+    return a_sq + b_sq, a_bad + b_bad
+
+
+@triton.jit
 def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
                    old_sq, old_bad, ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr,
                    EPI_CNT64: tl.constexpr, SPREAD: tl.constexpr):  # fmt: skip
@@ -309,8 +322,11 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
 
     With EPI_W > 0 the counts are summed in int64 only when ``EPI_CNT64`` (a launch of 2**31 elements or
     more; below that an int32 sum cannot overflow). Every order is fixed: deterministic."""
-    s = tl.sum(acc_sq, axis=0)
-    c = tl.sum(acc_bad, axis=0)
+    if SPREAD:  # both sums in one reduction: one shared-memory exchange instead of two
+        s, c = tl.reduce((acc_sq, acc_bad), 0, _add_pair)
+    else:
+        s = tl.sum(acc_sq, axis=0)
+        c = tl.sum(acc_bad, axis=0)
     if ONE_PASS and EPI_W == 0:
         # NOTE: the session 5 code as it was, so that "loop" compiles to the same registers (Triton 3.6, sm_90:
         # restructured, p8/b1024/w4 bf16 went from 64 registers to 56 with spills).
@@ -352,6 +368,16 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
 
 
 @triton.jit
+def _dependent_launch(PDL: tl.constexpr):
+    """PDL (the launch is a programmatic dependent launch, sm_90+): wait for the previous grid in the stream
+    to complete and flush (before any memory access), then let the next PDL-launched grid start its programs
+    as this one's finish (docs/triton_kernels.md, "Dependent launch"). Nothing otherwise."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _spread_row(stats_ptr, part_base, pid, SPREAD: tl.constexpr):
     """SPREAD: program ``pid``'s row of ``stats`` as it is before the launch (loaded first thing, so that
     its latency hides behind the copy); zeros otherwise."""
@@ -388,6 +414,7 @@ def _rows_kernel(
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
     SPREAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Copy + cast the table's rows ``[src_off, dst_off, flags, n]``: ``dst[dst_off + i] = cast(src[src_off + i])``.
 
@@ -408,8 +435,10 @@ def _rows_kernel(
     (``[rows, 2]``) and nothing reduces them in the launch: the reader sums the rows.
 
     STOCHASTIC (fp32 -> bf16 scatter): the counter of element ``i`` of a row is ``src_off + i + rng_offset``,
-    i.e. ``offset`` + its index in the flat buffer, independent of the launch layout.
+    i.e. ``offset`` + its index in the flat buffer, independent of the launch layout. PDL: see
+    :func:`_dependent_launch`.
     """
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     lane = tl.arange(0, BLOCK)
@@ -692,6 +721,7 @@ def _rows2_kernel(
     EPI_W: tl.constexpr,
     EPI_CNT64: tl.constexpr,
     SPREAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """:func:`_rows_kernel`'s contract (same rows, flags, statistics, counters, reduction), with tiles laid
     out for a read-mostly stream with statistics (``RowsConfig.kernel == 2``; see docs/triton_kernels.md):
@@ -710,15 +740,17 @@ def _rows2_kernel(
     * REALIGN (with PACKED, bf16 -> bf16): a row that is not aligned on both sides still moves whole
       16-byte vectors: aligned on the destination, each built from two aligned source vectors shifted by
       the row's phase difference (:func:`_word_tile`); only a head of < 16 elements and a tail of < 24
-      go element by element;
+      go element by element. With an fp32 side (no words): whole tiles aligned on the destination, the
+      source read element by element in the tile's layout (a head of < 8 elements first);
     * LOOKAHEAD (with PACKED): the word tiles' loads run one whole tile ahead of their stores (:func:`_word_rows`);
     * program ``pid``'s first row comes with its row range in one record ``heads[pid] = [lo, hi, src_off,
       dst_off, flags, n, 0, 0]``: one dependent load fewer before the first tile;
     * ONE_PASS: the last program loads ``stats`` together with the partials; SPREAD as in kernel 1.
 
     Statistics are deterministic for a given config (fixed rows per program, fixed order everywhere); the
-    order of the fp32 additions differs from :func:`_rows_kernel`'s.
+    order of the fp32 additions differs from :func:`_rows_kernel`'s. PDL: see :func:`_dependent_launch`.
     """
+    _dependent_launch(PDL)
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     # Elements per row of a vector tile: 16 bytes of the destination (Triton stores at most 16 bytes per
@@ -799,6 +831,27 @@ def _rows2_kernel(
                                                      STREAM, BLOCK, k, LOOKAHEAD)
                 e0 = (j0 + nve).to(e0.dtype)
             s_full = e0 + ((n_src - e0) // (S * R)) * (S * R)
+        elif REALIGN:
+            # An fp32 side (no words): rows not aligned on both sides move whole [R, VW] tiles aligned on the
+            # destination (one 16-byte store per vector row) with the source read element by element in the
+            # same layout (scalar loads, each thread's 16-32 bytes contiguous); a head of < VD elements first,
+            # the rest below.
+            hd = ((-dst_off) & (VD - 1)).to(tl.int32)
+            nt = tl.where(both_al, 0, tl.maximum(n_src - hd, 0) // BLOCK)
+            e0 = tl.where(both_al, n8, 0)
+            if nt > 0:
+                acc_sq, acc_bad = _scalar_tile(
+                    src, dst, sca_offs, hd, hd, ctr_base, k0, k1, acc_sq, acc_bad,
+                    SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, True,
+                )  # fmt: skip
+                dst_v = dst_base_ptr + _aligned_off(dst_off + hd, VD)
+                for start in range(0, nt * BLOCK, BLOCK):
+                    acc_sq, acc_bad = _vec_tile(
+                        src + hd + start, dst_v + start, vec_offs, None, ctr_base + hd + start, k0, k1, acc_sq,
+                        acc_bad, SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, False,
+                    )  # fmt: skip
+                e0 = (hd + nt * BLOCK).to(e0.dtype)
+            s_full = e0 + ((n_src - e0) // (S * R)) * (S * R)
         else:
             e0 = n8
             s_full = tl.where(both_al, n8, (n_src // (S * R)) * (S * R))
@@ -821,6 +874,112 @@ def _rows2_kernel(
     if STATS:
         _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
                        old_sq, old_bad, ONE_PASS, R, EPI_W, EPI_CNT64, SPREAD)
+
+
+# ------------------------------------------------------------------ kernel 3: the rows as arguments
+
+
+@triton.jit
+def _entry_tile(
+    src, dst, lane, rem, ctr, k0, k1,
+    SRC_KIND, DST_KIND, STATS, STOCHASTIC, STREAM, WORDS: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One tile of kernel 3 at ``src`` / ``dst`` (16-byte aligned when not MASKED); ``rem``: elements left in
+    the row from here (MASKED). WORDS (bf16 -> bf16, unmasked): int32 words of two bf16, statistics on the
+    packed bits. Returns the tile's (sum of squares, non-finite count) of what it stored, in one reduction."""
+    if WORDS:
+        w = _sload(src.to(tl.pointer_type(tl.int32), bitcast=True) + lane, None, False, STREAM)
+        _sstore(dst.to(tl.pointer_type(tl.int32), bitcast=True) + lane, w, None, False, STREAM)
+        if STATS:
+            lo = (w << 16).to(tl.float32, bitcast=True)
+            hi = (w & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000 as an int32
+            pair = (((w & 0x7F807F80) + 0x00800080) >> 15) & 0x00010001  # see _word_sums
+            return tl.reduce((lo * lo + hi * hi, (pair & 0xFFFF) + (pair >> 16)), 0, _add_pair)
+        else:
+            return 0.0, 0
+    else:
+        mask = lane < rem
+        y = _convert(_sload(src + lane, mask, MASKED, STREAM), ctr + lane, k0, k1, SRC_KIND, DST_KIND, STOCHASTIC)
+        _sstore(dst + lane, y, mask, MASKED, STREAM)
+        if STATS:  # masked-out lanes loaded 0: they add nothing
+            v = _to_f32(y, DST_KIND)
+            return tl.reduce((v * v, _nonfinite(v)), 0, _add_pair)
+        else:
+            return 0.0, 0
+
+
+@triton.jit(
+    do_not_specialize=["part_base", "k0", "k1", "rng_offset"]
+    + [f"{c}{k}" for c in "sdnt" for k in range(8)]
+)
+def _entries_kernel(
+    src_base_ptr, dst_base_ptr, stats_ptr, part_base, k0, k1, rng_offset,
+    s0, s1, s2, s3, s4, s5, s6, s7,
+    d0, d1, d2, d3, d4, d5, d6, d7,
+    n0, n1, n2, n3, n4, n5, n6, n7,
+    t0, t1, t2, t3, t4, t5, t6, t7,
+    SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr, STATS: tl.constexpr, STOCHASTIC: tl.constexpr,
+    BLOCK: tl.constexpr, CHUNK: tl.constexpr, PACKED: tl.constexpr, STREAM: tl.constexpr, SPREAD: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Kernel 3 (``RowsConfig.kernel == 3``): the rows of a launch of at most ``ENTRY_SLOTS`` rows, each 16-byte
+    aligned on both sides, given as scalar arguments instead of a work table, so that no program waits for a
+    dependent load before its first data load (docs/triton_kernels.md, "Rows as arguments").
+
+    Row ``k``: source / destination element offsets ``s_k - _ARG_BIAS`` / ``d_k - _ARG_BIAS`` (biased so that
+    every launch passes them as int64: one compiled variant), ``n_k`` elements, programs ``[t_k, t_{k+1})``
+    (``t_0 = 0``; unused slots: ``t_k`` = 2**31 - 1). Program ``pid`` takes elements ``[i * CHUNK, (i + 1) *
+    CHUNK)`` of its row, ``i = pid - t_k``, in BLOCK-element tiles: whole tiles unmasked (16-byte vectors;
+    bf16 -> bf16 with PACKED as int32 words), the row's last tile masked. Statistics only spread (SPREAD, which
+    implies STATS): each program adds its (sum of squares, non-finite count) to row ``part_base + pid`` of
+    ``stats``. PDL: see :func:`_dependent_launch`."""
+    _dependent_launch(PDL)
+    pid = tl.program_id(0)
+    old_sq, old_bad = _spread_row(stats_ptr, part_base, pid, SPREAD)
+    so = s0
+    do = d0
+    n = n0
+    first = t0
+    for k in tl.static_range(1, 8):
+        tk = _pick(t0, t1, t2, t3, t4, t5, t6, t7, k)
+        sel = pid >= tk
+        so = tl.where(sel, _pick(s0, s1, s2, s3, s4, s5, s6, s7, k), so)
+        do = tl.where(sel, _pick(d0, d1, d2, d3, d4, d5, d6, d7, k), do)
+        n = tl.where(sel, _pick(n0, n1, n2, n3, n4, n5, n6, n7, k), n)
+        first = tl.where(sel, tk, first)
+    VS: tl.constexpr = 4 if SRC_KIND == 0 else 8  # elements per 16 bytes
+    VD: tl.constexpr = 4 if DST_KIND == 0 else 8
+    WORDS: tl.constexpr = PACKED and SRC_KIND == 1 and DST_KIND == 1
+    src_off = _aligned_off(so - _ARG_BIAS, VS)
+    dst_off = _aligned_off(do - _ARG_BIAS, VD)
+    start = (pid - first).to(tl.int64) * CHUNK
+    src = src_base_ptr + src_off + start
+    dst = dst_base_ptr + dst_off + start
+    ctr = src_off + rng_offset + start
+    lane = tl.arange(0, BLOCK)
+    lane_w = tl.arange(0, BLOCK // 2)
+    sq = 0.0
+    bad = 0
+    for t in tl.static_range(0, CHUNK, BLOCK):
+        rem = n - start - t  # elements of the row from this tile on (may be <= 0: past the row's end)
+        if rem >= BLOCK:
+            if WORDS:
+                s, c = _entry_tile(src + t, dst + t, lane_w, rem, ctr + t, k0, k1, SRC_KIND, DST_KIND, STATS,
+                                   STOCHASTIC, STREAM, True, False)  # fmt: skip
+            else:
+                s, c = _entry_tile(src + t, dst + t, lane, rem, ctr + t, k0, k1, SRC_KIND, DST_KIND, STATS,
+                                   STOCHASTIC, STREAM, False, False)  # fmt: skip
+            sq += s
+            bad += c
+        elif rem > 0:
+            s, c = _entry_tile(src + t, dst + t, lane, rem.to(tl.int32), ctr + t, k0, k1, SRC_KIND, DST_KIND,
+                               STATS, STOCHASTIC, STREAM, False, True)  # fmt: skip
+            sq += s
+            bad += c
+    if SPREAD:
+        row = stats_ptr + (part_base + pid).to(tl.int64) * 2
+        tl.store(row, old_sq + sq)
+        tl.store(row + 1, old_bad + bad.to(tl.float32))
 
 
 @triton.jit
@@ -872,11 +1031,17 @@ def _upload(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.to(device)
 
 
-def _config(family: str, numel: int) -> RowsConfig:
-    """The launch config: the table's (or a forced one); under the interpreter the table's tiles are
-    widened (see :func:`_tile`) while forced configs run exactly as given, so tests can cover each one."""
-    cfg = _configs.choose(family, numel)
-    if mode() == "interpreter" and not _configs.is_forced(family):
+def _configs_for(family: str, numel: int) -> tuple[RowsConfig, RowsConfig]:
+    """The launch's config and the one for rows kernel 3 cannot run (the same unless the first is kernel 3)."""
+    return _config(family, numel), _config(family, numel, kernel3=False)
+
+
+def _config(family: str, numel: int, *, kernel3: bool = True) -> RowsConfig:
+    """The launch config: the table's (or a forced one; ``kernel3``: see :func:`._configs.choose`); under the
+    interpreter the table's tiles are widened (see :func:`_tile`) while forced configs run exactly as given,
+    so tests can cover each one."""
+    cfg = _configs.choose(family, numel, kernel3=kernel3)
+    if mode() == "interpreter" and not (_configs.is_forced(family) and cfg == _configs.choose(family, numel)):
         block = _tile(cfg.block)
         chunk = max(cfg.chunk, 4 * block) if cfg.chunk else 0
         cfg = dataclasses.replace(cfg, block=block, chunk=chunk)
@@ -899,11 +1064,25 @@ def _dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _meta(
-    cfg: RowsConfig, src_kind: int, dst_kind: int, stats: bool, stochastic: bool, spread: bool = False
+    cfg: RowsConfig,
+    src_kind: int,
+    dst_kind: int,
+    stats: bool,
+    stochastic: bool,
+    spread: bool = False,
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """The row kernel's constexprs for this config and dtype pair (kernel 2 also takes PACKED); ``spread``:
-    the statistics go into one row of ``stats`` per program (no reduction in the launch)."""
+    the statistics go into one row of ``stats`` per program (no reduction in the launch). PDL holds only where
+    a dependent launch exists: compiled (not the interpreter), on an sm_90+ ``device``."""
     spread = spread and stats
+    pdl = cfg.pdl and device is not None and _pdl_capable(device)
+    if cfg.kernel == 3:
+        return dict(
+            SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, STOCHASTIC=stochastic, BLOCK=cfg.block,
+            CHUNK=cfg.chunk, PACKED=cfg.packed, STREAM=cfg.stream, SPREAD=spread,
+            PDL=pdl,
+        )  # fmt: skip
     one_pass = cfg.one_pass and stats and not spread
     meta = dict(
         SRC_KIND=src_kind, DST_KIND=dst_kind, STATS=stats, ONE_PASS=one_pass, STOCHASTIC=stochastic, BLOCK=cfg.block,
@@ -919,6 +1098,7 @@ def _meta(
     meta["EPI_W"] = _EPI_MAX * cfg.warps if one_pass and cfg.epilogue != "loop" else 0
     meta["EPI_CNT64"] = True
     meta["SPREAD"] = spread
+    meta["PDL"] = pdl
     return meta
 
 
@@ -956,12 +1136,25 @@ def _scalar_rows(cfg: RowsConfig, dst_kind: int) -> int:
 
 def _rows_fn(cfg: RowsConfig) -> Any:
     """The row kernel that runs ``cfg``."""
-    return _rows2_kernel if cfg.kernel == 2 else _rows_kernel
+    return {1: _rows_kernel, 2: _rows2_kernel, 3: _entries_kernel}[cfg.kernel]
 
 
 _STORAGE = {0: torch.float32, 1: torch.int16, 2: torch.float16}
-# One launch's work on the device: (row table, starts or kernel 2's heads, grid, elements in the launch).
-_Work = tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """One launch: the config that runs it and its constexprs, the grid and element count, and the rows: a
+    work table with per-program starts (kernel 1) or heads (kernel 2) on the device, or kernel 3's scalar
+    arguments."""
+
+    cfg: RowsConfig
+    meta: dict[str, Any]
+    grid: int
+    total: int
+    table: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
+    args: tuple[int, ...] = ()
 
 
 def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> int:
@@ -1004,6 +1197,13 @@ def _fit_per_sm(cfg: RowsConfig, device: torch.device, meta: dict[str, Any]) -> 
     return fit
 
 
+@functools.cache
+def _pdl_capable(device: torch.device) -> bool:
+    """Whether launches on ``device`` can be programmatic dependent launches: compiled Triton on a CUDA device
+    of compute capability 9.0 or newer (the ``griddepcontrol`` instructions)."""
+    return mode() == "native" and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -1011,23 +1211,39 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _work(
-    cfg: RowsConfig,
+    cfgs: tuple[RowsConfig, RowsConfig],
     src_off: np.ndarray,
     dst_off: np.ndarray,
     numel: np.ndarray,
     flags: np.ndarray,
     device: torch.device,
-    meta: dict[str, Any],
+    kinds: tuple[int, int],
+    *,
+    stats: bool,
+    stochastic: bool = False,
+    spread: bool = False,
 ) -> _Work | None:
-    """One launch's work on the device: ``(row table, per-program row starts, grid, elements)``; None if no
-    rows.
+    """One launch's work (None if no rows) with ``cfgs[0]``, or ``cfgs[1]`` (the table's choice without kernel
+    3) where the first is kernel 3 and these rows do not qualify (:func:`._configs.usable`).
 
-    One program per ``chunk``-element row, or a persistent grid of ``programs_per_sm`` per SM (clamped to
-    the variant's occupancy, to one tile per program and to ``min_per_program`` elements per program) with
-    an equal share each: one contiguous run of rows, or (``interleave``) pieces dealt round-robin. Kernel 2
-    takes per-program *heads* instead of the starts: ``[lo, hi, first row's 4 columns, 0, 0]`` (int64).
+    Kernel 3: the rows as arguments (:func:`_entries_work`). Else one program per ``chunk``-element row, or a
+    persistent grid of ``programs_per_sm`` per SM (clamped to the variant's occupancy, to one tile per
+    program and to ``min_per_program`` elements per program) with an equal share each: one contiguous run of
+    rows, or (``interleave``) pieces dealt round-robin. Kernel 2 takes per-program *heads* instead of the
+    starts: ``[lo, hi, first row's 4 columns, 0, 0]`` (int64).
     """
-    total = int(np.asarray(numel, dtype=np.int64).sum())
+    numel = np.asarray(numel, dtype=np.int64)
+    some = numel > 0
+    few_aligned = (
+        int(some.sum()) <= _configs.ENTRY_SLOTS
+        and bool(np.all(flags[some] & _ALL_AL == _ALL_AL))
+        and int(numel.max(initial=0)) < 2**31 - 1
+    )
+    cfg = cfgs[0] if _configs.usable(cfgs[0], few_aligned=few_aligned, stats=stats, spread=spread) else cfgs[1]
+    meta = _meta(cfg, kinds[0], kinds[1], stats, stochastic, spread, device)
+    total = int(numel.sum())
+    if cfg.kernel == 3:
+        return _entries_work(cfg, meta, src_off[some], dst_off[some], numel[some])
     if cfg.programs_per_sm == 0:
         rows = chunk_rows(src_off, dst_off, numel, flags, cfg.chunk)
         starts = np.arange(len(rows) + 1, dtype=np.int32)
@@ -1040,9 +1256,28 @@ def _work(
         rows, starts = interleaved_rows(src_off, dst_off, numel, flags, grid, pieces)
     if len(rows) == 0:
         return None
-    if cfg.kernel == 2:
-        return _upload(rows, device), _upload(_heads(rows, starts), device), len(starts) - 1, total
-    return _upload(rows, device), _upload(starts, device), len(starts) - 1, total
+    per_program = _heads(rows, starts) if cfg.kernel == 2 else starts
+    return _Work(cfg, meta, len(starts) - 1, total, _upload(rows, device), _upload(per_program, device))
+
+
+def _entries_work(
+    cfg: RowsConfig, meta: dict[str, Any], src_off: np.ndarray, dst_off: np.ndarray, numel: np.ndarray
+) -> _Work | None:
+    """Kernel 3's arguments for these rows (at most ``ENTRY_SLOTS``, none empty): biased offsets, lengths and
+    first programs, unused slots padded (no program reaches them)."""
+    tiles = -(-numel // cfg.chunk)
+    first = np.cumsum(tiles) - tiles
+    grid = int(tiles.sum())
+    if grid == 0:
+        return None
+    pad = _configs.ENTRY_SLOTS - len(numel)
+    args = (
+        *(int(x) + _ARG_BIAS_HOST for x in src_off), *([_ARG_BIAS_HOST] * pad),
+        *(int(x) + _ARG_BIAS_HOST for x in dst_off), *([_ARG_BIAS_HOST] * pad),
+        *(int(x) for x in numel), *([0] * pad),
+        *(int(x) for x in first), *([2**31 - 1] * pad),
+    )  # fmt: skip
+    return _Work(cfg, meta, grid, int(numel.sum()), args=args)
 
 
 def _heads(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -1059,27 +1294,31 @@ def _heads(rows: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 
 def _launch_rows(
-    cfg: RowsConfig,
     work: _Work,
     src_base: torch.Tensor,
     dst_base: torch.Tensor,
     parts: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor] | None,
     keys: tuple[int, int, int],
-    meta: dict[str, Any],
 ) -> None:
     """One row-kernel launch. ``parts``: ``(part_sq, part_bad, part_base, counter, stats)`` when the launch
     computes statistics."""
-    table, starts, grid, total = work
+    cfg, grid = work.cfg, work.grid
     if parts is None:  # unused (STATS=False); typed like real ones: the same compiled variant either way
-        device = table.device
+        device = dst_base.device
         part_sq, stats = _dummy(device, torch.float32), _dummy(device, torch.float32)
         part_bad = counter = _dummy(device, torch.int32)
         part_base = 0
     else:
         part_sq, part_bad, part_base, counter, stats = parts
+    pdl = {"launch_pdl": True} if work.meta["PDL"] else {}  # the interpreter takes no such option
+    if cfg.kernel == 3:
+        _entries_kernel[(grid,)](
+            src_base, dst_base, stats, part_base, *keys, *work.args, num_warps=cfg.warps, **pdl, **work.meta
+        )
+        return
     _rows_fn(cfg)[(grid,)](
-        table, starts, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys,
-        num_warps=cfg.warps, **_epilogue_meta(meta, grid, total),
+        work.table, work.starts, src_base, dst_base, part_sq, part_bad, part_base, counter, stats, *keys,
+        num_warps=cfg.warps, **pdl, **_epilogue_meta(work.meta, grid, work.total),
     )  # fmt: skip
 
 
@@ -1091,7 +1330,7 @@ class _FlattenPlan:
     """Cached per exact call layout: each dtype group's work and base tensor, and the statistics scratch
     (one partial per program and, for ONE_PASS, the ticket counter, zero between launches)."""
 
-    groups: list[tuple[_Work, int, int]]  # (work, base index or -1, src kind)
+    groups: list[tuple[_Work, int]]  # (work, base index or -1)
     part_sq: torch.Tensor | None
     part_bad: torch.Tensor | None
     counter: torch.Tensor | None
@@ -1124,11 +1363,11 @@ def launch_flatten(
     want_stats = stats is not None
     # rows to spread the statistics over (0: reduce in the launch, into ``stats``' first row)
     rows = stats.shape[0] if stats is not None and stats.dim() == 2 and stats.shape[0] > 1 else 0
-    cfg = _config("flatten_spread" if rows else "flatten", out.numel())
+    cfgs = _configs_for("flatten_spread" if rows else "flatten", out.numel())
     key = (
         device,
         _stream_key(device),
-        cfg,
+        cfgs,
         want_stats,
         rows,
         out.data_ptr(),
@@ -1137,17 +1376,17 @@ def launch_flatten(
         tuple(sizes),
         tuple((g.data_ptr(), g.dtype) if g is not None else None for g in grads),
     )
-    dst_kind = _KIND[out.dtype][0]
     plan: _FlattenPlan | None = _flatten_plans.get(key)
     if plan is None:
-        plan = _flatten_plan(cfg, grads, sizes, out, want_stats, rows)
+        plan = _flatten_plan(cfgs, grads, sizes, out, want_stats, rows)
         _flatten_plans.put(key, plan)
     if not plan.groups:
         return
     out_s = _as_storage(out)
     out_base = _storage_start(out_s)
     part_base = 0
-    for work, base_idx, skind in plan.groups:
+    one_pass = plan.groups[0][0].cfg.one_pass  # without spreading every group runs the same (rows) config
+    for work, base_idx in plan.groups:
         base = out_s if base_idx < 0 else _as_storage(grads[base_idx])  # type: ignore[arg-type]
         parts = None
         if stats is not None and plan.spread:
@@ -1155,35 +1394,32 @@ def launch_flatten(
                      _dummy(device, torch.int32), stats)  # fmt: skip
         elif stats is not None:
             assert plan.part_sq is not None and plan.part_bad is not None and plan.counter is not None
-            parts = (plan.part_sq, plan.part_bad, 0 if cfg.one_pass else part_base, plan.counter, stats)
-        _launch_rows(
-            cfg, work, base, out_base, parts, (0, 0, 0),
-            _meta(cfg, skind, dst_kind, want_stats, False, plan.spread),
-        )  # fmt: skip
-        part_base += work[2]
-    if stats is not None and not cfg.one_pass and not plan.spread:
+            parts = (plan.part_sq, plan.part_bad, 0 if one_pass else part_base, plan.counter, stats)
+        _launch_rows(work, base, out_base, parts, (0, 0, 0))
+        part_base += work.grid
+    if stats is not None and not one_pass and not plan.spread:
         _stats_finalize_kernel[(1,)](
             plan.part_sq, plan.part_bad, part_base, stats, BLOCK=_FINALIZE_BLOCK, num_warps=4
         )
 
 
 def _flatten_plan(
-    cfg: RowsConfig, grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, want_stats: bool,
-    rows: int,
+    cfgs: tuple[RowsConfig, RowsConfig], grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor,
+    want_stats: bool, rows: int,
 ) -> _FlattenPlan:
     """Group by source dtype, build each group's device work, and the statistics scratch. Spread statistics
     when ``stats`` has ``rows`` >= the programs of all groups (the grid depends on the compiled variant's
     occupancy, so the groups are built for the spread variant first)."""
     spread = want_stats and rows > 0  # rows: 0 or more than one
-    groups = _flatten_groups(cfg, grads, sizes, out, want_stats, spread)
-    if spread and sum(w[2] for w, _, _ in groups) > rows:
+    groups = _flatten_groups(cfgs, grads, sizes, out, want_stats, spread)
+    if spread and sum(w.grid for w, _ in groups) > rows:
         spread = False
-        groups = _flatten_groups(cfg, grads, sizes, out, want_stats, spread)
+        groups = _flatten_groups(cfgs, grads, sizes, out, want_stats, spread)
     device = out.device
     part_sq = part_bad = counter = None
     if want_stats and groups and not spread:
-        grids = [w[2] for w, _, _ in groups]
-        n_parts = max(grids) if cfg.one_pass else sum(grids)
+        grids = [w.grid for w, _ in groups]
+        n_parts = max(grids) if groups[0][0].cfg.one_pass else sum(grids)
         part_sq = torch.empty(n_parts, dtype=torch.float32, device=device)
         part_bad = torch.empty(n_parts, dtype=torch.int32, device=device)
         counter = torch.zeros(1, dtype=torch.int32, device=device)
@@ -1191,10 +1427,10 @@ def _flatten_plan(
 
 
 def _flatten_groups(
-    cfg: RowsConfig, grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor, want_stats: bool,
-    spread: bool,
-) -> list[tuple[_Work, int, int]]:
-    """One ``(work, base index or -1, source kind)`` per source dtype."""
+    cfgs: tuple[RowsConfig, RowsConfig], grads: list[torch.Tensor | None], sizes: list[int], out: torch.Tensor,
+    want_stats: bool, spread: bool,
+) -> list[tuple[_Work, int]]:
+    """One ``(work, base index or -1)`` per source dtype."""
     device = out.device
     dst_kind, dst_es = _KIND[out.dtype]
     sizes_np = np.asarray(sizes, dtype=np.int64)
@@ -1230,10 +1466,10 @@ def _flatten_groups(
             src_al[has] = aligned16(addrs) & (addrs[b] % 16 == 0)
         dst_al = aligned16(out_addr + flat_off[idx_np] * dst_es) & out_base_al
         flags = has * _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
-        meta = _meta(cfg, skind, dst_kind, want_stats, False, spread)
-        work = _work(cfg, src_off, dst_off[idx_np], sizes_np[idx_np], flags, device, meta)
+        work = _work(cfgs, src_off, dst_off[idx_np], sizes_np[idx_np], flags, device, (skind, dst_kind),
+                     stats=want_stats, spread=spread)  # fmt: skip
         if work is not None:
-            groups.append((work, base_idx, skind))
+            groups.append((work, base_idx))
     return groups
 
 
@@ -1261,32 +1497,32 @@ def launch_scatter(
     stochastic = (
         bool(stochastic_rounding) and src_kind == 0 and any(p.dtype == torch.bfloat16 for p in params)
     )
-    cfg = _config("scatter_sr" if stochastic else "scatter", flat.numel())
+    cfgs = _configs_for("scatter_sr" if stochastic else "scatter", flat.numel())
     key = (
         device,
         _stream_key(device),
-        cfg,
+        cfgs,
         stochastic,
         flat.data_ptr(),
         flat.storage_offset(),
         flat.dtype,
         tuple((p.data_ptr(), p.dtype, p.numel()) for p in params),
     )
-    plan: list[tuple[_Work, int, dict[str, Any]]] | None = _scatter_plans.get(key)
+    plan: list[tuple[_Work, int]] | None = _scatter_plans.get(key)
     if plan is None:
-        plan = _scatter_plan(cfg, flat, params, stochastic)
+        plan = _scatter_plan(cfgs, flat, params, stochastic)
         _scatter_plans.put(key, plan)
     flat_base = _storage_start(_as_storage(flat))
     k0, k1 = sr_keys(seed) if stochastic else (0, 0)
     rng_offset = int(offset) - flat.storage_offset()  # table offsets count from the storage start
-    for work, base_idx, meta in plan:
-        _launch_rows(cfg, work, flat_base, _as_storage(params[base_idx]), None, (k0, k1, rng_offset), meta)
+    for work, base_idx in plan:
+        _launch_rows(work, flat_base, _as_storage(params[base_idx]), None, (k0, k1, rng_offset))
 
 
 def _scatter_plan(
-    cfg: RowsConfig, flat: torch.Tensor, params: list[torch.Tensor], stochastic: bool
-) -> list[tuple[_Work, int, dict[str, Any]]]:
-    """Group by parameter dtype; ``[(work, base index in params, kernel constexprs)]``."""
+    cfgs: tuple[RowsConfig, RowsConfig], flat: torch.Tensor, params: list[torch.Tensor], stochastic: bool
+) -> list[tuple[_Work, int]]:
+    """Group by parameter dtype; ``[(work, base index in params)]``."""
     src_kind, src_es = _KIND[flat.dtype]
     sizes_np = np.asarray([p.numel() for p in params], dtype=np.int64)
     flat_off = np.cumsum(sizes_np) - sizes_np
@@ -1307,11 +1543,21 @@ def _scatter_plan(
         src_al = aligned16(flat_addr + flat_off[idx_np] * src_es) & flat_base_al
         dst_al = aligned16(addrs) & (addrs[b] % 16 == 0)
         flags = _HAS_SRC + src_al * _SRC_AL + dst_al * _DST_AL
-        meta = _meta(cfg, src_kind, dkind, False, stochastic and dkind == 1)
-        work = _work(cfg, src_off[idx_np], dst_off, sizes_np[idx_np], flags, flat.device, meta)
+        work = _work(cfgs, src_off[idx_np], dst_off, sizes_np[idx_np], flags, flat.device, (src_kind, dkind),
+                     stats=False, stochastic=stochastic and dkind == 1)  # fmt: skip
         if work is not None:
-            plan.append((work, int(idx_np[b]), meta))
+            plan.append((work, int(idx_np[b])))
     return plan
+
+
+def last_tags(op: str) -> tuple[str, ...]:
+    """The config tags of the last ``"flatten"`` or ``"scatter"`` launch plan used, one per dtype group (for
+    benchmarks: a kernel-3 config that the rows did not qualify for shows as the config that ran instead)."""
+    if op == "flatten":
+        plan = _flatten_plans.last()
+        return tuple(w.cfg.tag for w, _ in plan.groups) if plan is not None else ()
+    plan = _scatter_plans.last()
+    return tuple(w.cfg.tag for w, _ in plan) if plan is not None else ()
 
 
 # ------------------------------------------------------------------------------------------- upcast

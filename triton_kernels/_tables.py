@@ -114,6 +114,11 @@ class PlanCache:
             while len(self._d) > self.capacity:
                 self._d.popitem(last=False)
 
+    def last(self) -> Any:
+        """The most recently stored or fetched plan (``None`` if empty): what the last launch ran."""
+        with self._lock:
+            return next(reversed(self._d.values()), None)
+
     def clear(self) -> None:
         """Drop every cached plan."""
         with self._lock:

@@ -19,7 +19,10 @@ from hf_superoffload.triton_kernels._configs import HEURISTIC, LEGACY, RowsConfi
         (dict(chunk=4096, block=1024, warps=4, programs_per_sm=8), "chunk"),
         (dict(chunk=0, block=1024, warps=3, programs_per_sm=8), "warps"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=-1), "programs_per_sm"),
-        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, kernel=3), "kernel"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, kernel=4), "kernel"),
+        (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, kernel=3), "programs_per_sm"),
+        (dict(chunk=16384, block=1024, warps=4, programs_per_sm=0, kernel=3), "chunk"),
+        (dict(chunk=4096, block=1024, warps=4, programs_per_sm=0, kernel=3, realign=True), "realign"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, packed=True), "packed"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, epilogue="fast"), "epilogue"),
         (dict(chunk=0, block=1024, warps=4, programs_per_sm=8, epilogue="tree"), "epilogue"),  # removed
@@ -106,6 +109,28 @@ def test_sweep_candidates() -> None:
     assert all(c in flatten for _, c in HEURISTIC["flatten"])
 
 
+def test_kernel3_is_chosen_only_where_usable() -> None:
+    """Kernel 3 runs only launches of few aligned rows, without statistics or with spread ones; a table row or a
+    forced config of kernel 3 is passed over for any other launch (the next matching row of the table)."""
+    k3 = RowsConfig(4096, 4096, 8, 0, kernel=3, packed=True)
+    assert k3.tag == "c4096/b4096/w8/1p/k3w"
+    assert _configs.usable(k3, few_aligned=True, stats=False, spread=False)
+    assert _configs.usable(k3, few_aligned=True, stats=True, spread=True)
+    assert not _configs.usable(k3, few_aligned=True, stats=True, spread=False)
+    assert not _configs.usable(k3, few_aligned=False, stats=False, spread=False)
+    rows = RowsConfig(0, 2048, 4, 8)
+    assert _configs.usable(rows, few_aligned=False, stats=True, spread=False)
+    for fam in _configs.FAMILIES:
+        for n in (1, 2**24, 2**30):
+            table = _configs.choose(fam, n, kernel3=False)
+            assert table.kernel != 3
+            with _configs.forced(**{fam: k3}):
+                assert _configs.choose(fam, n) == k3
+                assert _configs.choose(fam, n, kernel3=False) == table  # the table's own row, not the forced one
+            with _configs.forced(**{fam: rows}):
+                assert _configs.choose(fam, n, kernel3=False) == rows
+
+
 def test_tags_name_kernel_2() -> None:
     assert RowsConfig(0, 2048, 4, 8).tag == "p8/b2048/w4/1p"
     assert RowsConfig(0, 4096, 4, 8, kernel=2).tag == "p8/b4096/w4/1p/k2"
@@ -116,6 +141,7 @@ def test_tags_name_kernel_2() -> None:
     assert RowsConfig(4096, 1024, 4, 0, stream=True).tag == "c4096/b1024/w4/1p/s"
     assert RowsConfig(0, 1024, 4, 8, interleave=1000).tag == "p8/b1024/w4/1p/i1000"
     assert RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, realign=True, lookahead=True).tag == "p8/b2048/w4/1p/k2w/ra/la"
+    assert RowsConfig(2048, 2048, 4, 0, kernel=3, packed=True, stream=True, pdl=True).tag == "c2048/b2048/w4/1p/k3w/s/pdl"
 
 
 # ------------------------------------------------------------------------------- the hash twin
@@ -220,3 +246,4 @@ def test_interleaved_rows_deal_pieces_round_robin(trial: int) -> None:
     a = interleaved_rows(np.zeros(3), np.cumsum(numel) - numel, numel, np.zeros(3), 7, 1)
     b = balanced_rows(np.zeros(3), np.cumsum(numel) - numel, numel, np.zeros(3), 7)
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+

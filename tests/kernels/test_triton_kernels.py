@@ -12,6 +12,7 @@ Every check asserts that the Triton path was actually taken (:func:`last_backend
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -74,6 +75,10 @@ SMALL_VARIANTS = [
     _configs.RowsConfig(0, 256, 2, 4, epilogue="wide", stream=True, interleave=256, min_per_program=1024),
     _configs.RowsConfig(512, 256, 2, 0, kernel=2, packed=True, epilogue="wide", stream=True),
     _configs.RowsConfig(0, 256, 2, 8, kernel=2, stream=True, min_per_program=2048),
+    # the dependent launch (a plain launch off sm_90+): a persistent kernel 1, and kernel 2 with a second
+    # (plain) reduction launch after it
+    _configs.RowsConfig(0, 256, 2, 8, stream=True, pdl=True),
+    _configs.RowsConfig(512, 256, 2, 0, one_pass=False, kernel=2, packed=True, stream=True, pdl=True),
 ]
 K2_CONFIGS += [c for c in SMALL_VARIANTS if c.kernel == 2]
 # realign (rows not aligned on both sides as whole vectors) on small tiles: many vector rows, a masked last
@@ -86,6 +91,14 @@ REALIGN_CONFIGS = [
     _configs.RowsConfig(512, 256, 2, 0, one_pass=False, kernel=2, packed=True, realign=True, lookahead=True),
 ]
 K2_CONFIGS += [*REALIGN_CONFIGS, _configs.RowsConfig(0, 256, 1, 8, kernel=2, packed=True, lookahead=True)]
+# Kernel 3 (the rows as arguments): the tables' and sweep's, plus small tiles on one or two warps, several tiles
+# per program (the unrolled tile loop) and the streaming hints.
+K3_CONFIGS = [c for c in ALL_CONFIGS if c.kernel == 3] + [
+    _configs.RowsConfig(256, 256, 1, 0, kernel=3, packed=True),
+    _configs.RowsConfig(1024, 256, 2, 0, kernel=3),
+    _configs.RowsConfig(1024, 256, 2, 0, kernel=3, packed=True, stream=True),
+    _configs.RowsConfig(1024, 256, 2, 0, kernel=3, packed=True, stream=True, pdl=True),  # a plain launch off sm_90+
+]
 # The fixed-cost variants on large tiles, for the 2**20 + 3 flatten, with a source dtype: kernel 1 with
 # several pieces per program (16 programs under the interpreter), kernel 2 on a grid of 4 capped by
 # min_per_program, each program with several pieces.
@@ -673,7 +686,172 @@ class _KernelChecks:
             torch.testing.assert_close(st[0].double().cpu(), (f * f).sum(), rtol=1e-5, atol=0.0)
             assert st[1].item() == 0.0
 
+    @pytest.mark.parametrize("cfg", REALIGN_CONFIGS[:2], ids=lambda c: c.tag)
+    @pytest.mark.parametrize("bucket_start", [0, 3])
+    def test_realign_fp32_side(self, cfg: _configs.RowsConfig, bucket_start: int) -> None:
+        """Realigned rows with an fp32 side (destination-aligned tiles, the source element by element): fp32
+        gradients into a bf16 bucket and bf16 gradients into an fp32 bucket at odd offsets (every destination
+        phase over the rows), reduced and spread statistics with NaN / Inf in the tiles; the scatter from an
+        fp32 bucket at an odd offset, RNE and stochastic rounding. Bits and exact counts against the twin;
+        rows of many whole tiles, so persistent programs get whole tiles too."""
+        gen = self.gen(61 + bucket_start)
+        sizes = [700, 1, 613, 1000, 37, 2 * cfg.block + 11, 16, 23, 24, cfg.block + 9, 40 * cfg.block + 5]
+        for src_dtype, out_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+            grads = [torch.randn(n, generator=gen).to(src_dtype) for n in sizes]
+            for e, i, v in [(5, 300, float("inf")), (10, 7 * cfg.block + 3, float("nan")), (3, 999, float("-inf"))]:
+                grads[e][i] = v
+            grads = [self.t(g) for g in grads]
+            bucket = self.t(torch.full((sum(sizes) + bucket_start,), 7.0, dtype=out_dtype))
+            out = bucket[bucket_start:]
+            exp, exp_stats = torch.empty_like(out), self.t(torch.tensor([0.25, 1.0]))
+            ref.flatten_grads_with_stats_(grads, sizes, exp, exp_stats)
+            for spread in (False, True):
+                rows = tk.spread_stats_rows(out.device, sizes) if spread else 0
+                stats = self.t(torch.zeros(rows, 2) if spread else torch.tensor([0.25, 1.0]))
+                with _configs.forced(flatten=cfg, flatten_spread=cfg):
+                    out.fill_(7.0)
+                    tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+                assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+                if out_dtype == torch.bfloat16:
+                    assert_bf16_bitwise(out, torch.cat(grads), exp)
+                else:  # the upcast is exact: every value, NaN where the source has NaN
+                    nan = torch.isnan(exp)
+                    assert torch.equal(torch.isnan(out), nan) and torch.equal(out[~nan], exp[~nan]), spread
+                total = stats.sum(0) + self.t(torch.tensor([0.25, 1.0])) if spread else stats
+                assert total[1].item() == exp_stats[1].item() == 4.0 and torch.isnan(total[0])
+        flat = self.t(torch.randn(sum(sizes) + bucket_start, generator=gen))[bucket_start:]
+        # parameters that are views at odd offsets of one buffer: destination heads too
+        pbuf, params, at = self.t(torch.empty(sum(sizes) + 8 * len(sizes), dtype=torch.bfloat16)), [], 0
+        for i, n in enumerate(sizes):
+            at += (3 * i + 1) % 8
+            params.append(pbuf[at : at + n])
+            at += n
+        exp_p = [torch.empty_like(p) for p in params]
+        with _configs.forced(scatter=cfg, scatter_sr=cfg):
+            for sr in (False, True):
+                tk.scatter_flat_(flat, params, stochastic_rounding=sr, seed=5, offset=11)
+                ref.scatter_flat_(flat, exp_p, stochastic_rounding=sr, seed=5, offset=11)
+                for p, e in zip(params, exp_p):
+                    assert torch.equal(p.view(torch.int16), e.view(torch.int16)), sr
+
     # ---- scatter
+
+    # ---- kernel 3: few aligned rows as arguments
+
+    @staticmethod
+    def _k3_sizes(cfg: _configs.RowsConfig) -> list[int]:
+        """Rows kernel 3 takes: every bucket offset a multiple of 8 elements (16 bytes of bf16); one short row,
+        one of two chunks and a part (a program with a masked tile after whole ones), one whole chunk, and an
+        odd-length last row."""
+        c = cfg.chunk
+        return [8, 2 * c + 24, c, 83]
+
+    @pytest.mark.parametrize("cfg", K3_CONFIGS, ids=lambda c: c.tag)
+    @pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float32, torch.float16])
+    def test_flatten_kernel3(self, cfg: _configs.RowsConfig, src_dtype: torch.dtype) -> None:
+        """Kernel 3 runs (the launch plan says so): the twin's bits, spread statistics that count NaN and Inf
+        and match float64 on finite values, the same bits every call, added to what the rows hold."""
+        from hf_superoffload.triton_kernels import _kernels
+
+        sizes = self._k3_sizes(cfg)
+        gen = self.gen(41)
+        grads = [self.t(torch.randn(n, generator=gen).to(src_dtype)) for n in sizes]
+        grads[1][cfg.chunk + 5] = float("nan")
+        grads[3][82] = float("-inf")
+        out = self.t(torch.empty(sum(sizes), dtype=torch.bfloat16))
+        exp_out = torch.empty_like(out)
+        exp_stats = self.t(torch.zeros(2))
+        ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+        n_rows = tk.spread_stats_rows(out.device, sizes)
+        with _configs.forced(flatten_spread=cfg):
+            rows = self.t(torch.zeros(n_rows, 2))
+            tk.flatten_grads_with_stats_(grads, sizes, out, rows)
+            assert _kernels.last_tags("flatten") == (cfg.tag,)
+            nan = exp_out.isnan()
+            assert torch.equal(out.isnan(), nan)
+            assert torch.equal(out[~nan].view(torch.int16), exp_out[~nan].view(torch.int16))
+            assert rows[:, 1].sum().item() == 2.0 and int((rows[:, 1] > 0).sum()) == 2  # two programs' rows
+            finite = [torch.nan_to_num(g, nan=0.0, neginf=0.0) for g in grads]
+            f = torch.cat([g.to(torch.bfloat16) for g in finite]).double()
+            first = self.t(torch.zeros(n_rows, 2))
+            tk.flatten_grads_with_stats_(finite, sizes, out, first)
+            torch.testing.assert_close(first[:, 0].double().sum().cpu(), (f * f).sum().cpu(), rtol=1e-5, atol=0.0)
+            assert first[:, 1].sum().item() == 0.0 and int((first[:, 0] != 0).sum()) > 1  # spread, not reduced
+            again = self.t(torch.zeros(n_rows, 2))
+            tk.flatten_grads_with_stats_(finite, sizes, out, again)
+            assert torch.equal(again, first)
+            tk.flatten_grads_with_stats_(finite, sizes, out, again)  # adds to every row it writes
+            assert torch.equal(again, 2 * first)
+
+    @pytest.mark.parametrize("cfg", [c for c in K3_CONFIGS if c.chunk == 256 or c.warps == 8][:2], ids=lambda c: c.tag)
+    def test_kernel3_falls_back(self, cfg: _configs.RowsConfig) -> None:
+        """Launches kernel 3 cannot take run the table's next config, with the same results: more rows than
+        ``ENTRY_SLOTS``, a row at an odd bucket offset, a missing gradient, statistics reduced in the launch."""
+        from hf_superoffload.triton_kernels import _kernels
+
+        base = self._k3_sizes(cfg)
+        gen = self.gen(42)
+        layouts: list[tuple[list[int], bool, bool]] = [  # (sizes, a None gradient, spread statistics)
+            ([8] * _configs.ENTRY_SLOTS + [16], False, True),
+            ([5, *base], False, True),
+            (base, True, True),
+            (base, False, False),
+        ]
+        for sizes, none, spread in layouts:
+            grads: list[torch.Tensor | None] = [self.t(torch.randn(n, generator=gen).to(torch.bfloat16)) for n in sizes]
+            if none:
+                grads[1] = None
+            out = self.t(torch.empty(sum(sizes), dtype=torch.bfloat16))
+            exp_out = torch.empty_like(out)
+            exp_stats = self.t(torch.zeros(2))
+            ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+            stats = self.t(torch.zeros(tk.spread_stats_rows(out.device, sizes), 2) if spread else torch.zeros(2))
+            with _configs.forced(flatten=cfg, flatten_spread=cfg):
+                tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+                ran = _kernels.last_tags("flatten")
+            assert ran and cfg.tag not in ran, (sizes, none, spread, ran)
+            assert torch.equal(out.view(torch.int16), exp_out.view(torch.int16))
+            assert_stats(stats.view(-1, 2).sum(dim=0), exp_stats)
+        # the ninth row is what sends the first layout away: eight run kernel 3
+        sizes = [8] * _configs.ENTRY_SLOTS
+        grads = [self.t(torch.randn(n, generator=gen).to(torch.bfloat16)) for n in sizes]
+        out = self.t(torch.empty(sum(sizes), dtype=torch.bfloat16))
+        with _configs.forced(flatten_spread=cfg):
+            tk.flatten_grads_with_stats_(grads, sizes, out, self.t(torch.zeros(64, 2)))
+            assert _kernels.last_tags("flatten") == (cfg.tag,)
+        assert torch.equal(out, torch.cat(grads))
+
+    @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy fp16 casts (interpreter)
+    @pytest.mark.parametrize("cfg", K3_CONFIGS, ids=lambda c: c.tag)
+    def test_scatter_kernel3(self, cfg: _configs.RowsConfig) -> None:
+        """The cast through kernel 3: fp32 -> bf16 bit for bit as the twin (RNE, ties, NaN, Inf, denormals) and
+        with stochastic rounding (the twin's counters); bf16 -> bf16 and fp32 -> fp32 as bit copies."""
+        from hf_superoffload.triton_kernels import _kernels
+
+        sizes = self._k3_sizes(cfg)
+        gen = self.gen(43)
+        flat = self.t(special_f32(sum(sizes), gen))
+        params = [self.t(torch.empty(n, dtype=torch.bfloat16)) for n in sizes]
+        exp = [torch.empty_like(p) for p in params]
+        with _configs.forced(scatter=cfg, scatter_sr=cfg):
+            tk.scatter_flat_(flat, params)
+            assert _kernels.last_tags("scatter") == (cfg.tag,)
+            ref.scatter_flat_(flat, exp)
+            for p, e in zip(params, exp):
+                assert_bf16_bitwise(p, _slice_of(flat, params, p), e)
+            tk.scatter_flat_(flat, params, stochastic_rounding=True, seed=77, offset=1000)
+            assert _kernels.last_tags("scatter") == (cfg.tag,)
+            ref.scatter_flat_(flat, exp, stochastic_rounding=True, seed=77, offset=1000)
+            for p, e in zip(params, exp):
+                assert_bf16_bitwise(p, _slice_of(flat, params, p), e)
+            flat16 = flat.to(torch.bfloat16)
+            tk.scatter_flat_(flat16, params)
+            assert _kernels.last_tags("scatter") == (cfg.tag,)
+            assert torch.equal(torch.cat(params).view(torch.int16), flat16.view(torch.int16))
+            params32 = [self.t(torch.empty(n)) for n in sizes]
+            tk.scatter_flat_(flat, params32)
+            assert _kernels.last_tags("scatter") == (cfg.tag,)
+            assert torch.equal(torch.cat(params32).view(torch.int32), flat.view(torch.int32))
 
     def test_scatter_bf16_bitwise_vs_torch(self) -> None:
         x = self.t(special_f32(100_000, self.gen(3)))
@@ -1038,3 +1216,22 @@ def test_flatten_strided_spread_stats_take_the_twin() -> None:
     f = g.double()
     torch.testing.assert_close(stats[:, 0].double().sum(), (f * f).sum() + 1.5, rtol=1e-5, atol=0.0)
     assert stats[:, 1].sum().item() == 0.0
+
+
+@pytest.mark.parametrize("kernel", [1, 2, 3])
+def test_pdl_only_where_a_dependent_launch_exists(kernel: int) -> None:
+    """The PDL constexpr (and with it the launch option) holds only compiled on an sm_90+ CUDA device: never
+    under the interpreter or on the CPU, whatever the config asks; and never where the config does not ask."""
+    from hf_superoffload.triton_kernels import _kernels
+
+    RowsConfig = _configs.RowsConfig
+    chunk, ppsm = (2048, 0) if kernel == 3 else (0, 8)
+    cfg = RowsConfig(chunk, 2048, 4, ppsm, kernel=kernel, packed=kernel > 1, pdl=True)
+    plain = dataclasses.replace(cfg, pdl=False)
+    assert _kernels._meta(cfg, 1, 1, True, False, True)["PDL"] is False  # no device: the offline compile
+    assert _kernels._meta(cfg, 1, 1, True, False, True, torch.device("cpu"))["PDL"] is False
+    if torch.cuda.is_available():
+        dev = torch.device("cuda")
+        expect = _kernels.mode() == "native" and torch.cuda.get_device_capability(dev) >= (9, 0)
+        assert _kernels._meta(cfg, 1, 1, True, False, True, dev)["PDL"] is expect
+        assert _kernels._meta(plain, 1, 1, True, False, True, dev)["PDL"] is False
