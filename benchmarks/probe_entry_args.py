@@ -23,10 +23,8 @@ variant is checked (copy exact, statistics against a float64 reference) before i
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +36,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_triton as bt
-from probe_stats_kernels import _wsums  # the packed-word statistics of the session 11 probe
+from probe_stats_kernels import _wsums, probe_args  # the session 11 probe: statistics, command line
 
 MB = 1 << 20
 K = 3  # entries passed as arguments
@@ -256,16 +254,10 @@ class Layout:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes-mb", type=int, nargs="+", default=[16])
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--cpu-check", action="store_true", help="interpreter correctness check on small sizes")
-    a = ap.parse_args(argv)
+    a = probe_args(__doc__, [16], argv)
+    if a is None:
+        return 2
     if a.cpu_check:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print("--cpu-check needs TRITON_INTERPRET=1", file=sys.stderr)
-            return 2
         dev = torch.device("cpu")
         lay = Layout([4096 + 8, 16, 8192 + 24], dev, 1)
         lay.srcs[0][2].view(torch.bfloat16)[5] = float("inf")

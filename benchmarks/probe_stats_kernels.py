@@ -256,17 +256,25 @@ def check(r: Runner, v: dict[str, Any], src: torch.Tensor, dst: torch.Tensor) ->
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes-mb", type=int, nargs="+", default=[16, 64, 256])
+def probe_args(doc: str, sizes_mb: list[int], argv: list[str] | None) -> argparse.Namespace | None:
+    """The probes' shared command line; ``None`` (after saying why) for ``--cpu-check`` outside the interpreter."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--sizes-mb", type=int, nargs="+", default=sizes_mb)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--cpu-check", action="store_true", help="interpreter correctness check on small sizes")
     a = ap.parse_args(argv)
+    if a.cpu_check and os.environ.get("TRITON_INTERPRET") != "1":
+        print("--cpu-check needs TRITON_INTERPRET=1", file=sys.stderr)
+        return None
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = probe_args(__doc__, [16, 64, 256], argv)
+    if a is None:
+        return 2
     if a.cpu_check:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print("--cpu-check needs TRITON_INTERPRET=1", file=sys.stderr)
-            return 2
         dev = torch.device("cpu")
         bad = 0
         for nw, nonfinite in ((4096 * 3, True), (4096 * 3 + 5, True), (4096 * 3, False)):
