@@ -359,11 +359,6 @@ def max_resident_programs(
     return max(1, min(by_threads, by_regs, by_shared, max_blocks_per_sm))
 
 
-def _kernel3(*, packed: bool, chunks: tuple[int, ...], warps: tuple[int, ...]) -> list[RowsConfig]:
-    """Kernel-3 candidates: one tile of each chunk size per program, on each warp count."""
-    return [RowsConfig(c, c, w, 0, kernel=3, packed=packed) for c in chunks for w in warps]
-
-
 def sweep_candidates(family: str) -> list[RowsConfig]:
     """The configurations ``bench_triton.py --sweep`` times for ``family`` (LEGACY first), bounded so that
     a sweep over three sizes and two layouts stays within a few minutes of one H200."""
