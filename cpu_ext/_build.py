@@ -7,6 +7,13 @@ of every source file, the flags and the torch version, so an edited header or a 
 fresh directory instead of reusing a stale binary; torch's file lock serialises concurrent builds of the
 same name across processes (e.g. several ranks starting at once), and ``_LOCK`` serialises threads.
 
+torch's lock is a plain file that a killed build (Ctrl-C, the OOM killer) leaves behind, and the next
+process waits for it forever. So every build first takes an ``flock`` on ``build.flock`` in the same
+directory: the kernel drops it when its holder dies, so whoever holds it knows that a torch ``lock`` file
+there is stale and removes it before loading. Concurrent ranks queue on the ``flock`` (blocking, no
+polling); the first builds, the others then find the library built. Where ``fcntl`` is missing (Windows)
+only a lock older than ``_STALE_LOCK_S`` is taken for stale.
+
 No ``-march`` flag: each SIMD path carries its own target attribute and the library dispatches on the CPU
 it runs on, so a cached build is safe on any machine of the same architecture.
 
@@ -16,12 +23,14 @@ warning says what is lost and how to fix it. ``HF_SUPEROFFLOAD_DISABLE_CPU_EXT=1
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,13 +84,13 @@ def _extension_name() -> str:
     return f"hf_superoffload_cpu_adam_{h.hexdigest()[:16]}"
 
 
-# A build takes ~15-60 s; a lock file much older than that was left by a build that was killed (Ctrl-C, OOM
-# killer). torch's file baton would wait for it forever, so it is removed (measured: a killed first build
-# left such a lock on the dev box and the next import hung).
+# Without fcntl: a build takes ~15-60 s, so a lock file much older than that was left by a build that was
+# killed. torch's file baton would wait for it forever.
 _STALE_LOCK_S = 600.0
 
 
 def _clear_stale_lock(name: str) -> None:
+    """No-``fcntl`` fallback: remove torch's build lock of ``name`` if it is older than ``_STALE_LOCK_S``."""
     from torch.utils.cpp_extension import _get_build_directory
 
     lock = Path(_get_build_directory(name, verbose=False)) / "lock"
@@ -94,6 +103,36 @@ def _clear_stale_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
+@contextlib.contextmanager
+def _exclusive_build(name: str) -> Iterator[None]:
+    """Hold ``build.flock`` in ``name``'s build directory for the build and load; a torch ``lock`` file found
+    there while holding it was left by a killed build and is removed ([Note: CPU Adam build])."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        _clear_stale_lock(name)
+        yield
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "build.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process to finish building the CPU Adam extension in %s", build_dir)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            lock = build_dir / "lock"
+            if lock.exists():
+                logger.warning("removing the build lock %s left by an interrupted build", lock)
+                lock.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build() -> LoadState:
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         logger.info("%s is set: CPU Adam uses the torch fallback", DISABLE_ENV)
@@ -102,17 +141,17 @@ def _build() -> LoadState:
         from torch.utils import cpp_extension
 
         name = _extension_name()
-        _clear_stale_lock(name)
         logger.info("loading the CPU Adam extension %s (the first use compiles it, ~1 min)", name)
-        cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in _SOURCES],
-            extra_include_paths=[str(CSRC)],
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _exclusive_build(name):
+            cpp_extension.load(
+                name=name,
+                sources=[str(CSRC / s) for s in _SOURCES],
+                extra_include_paths=[str(CSRC)],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:
         detail = str(exc).strip()
         if len(detail) > 2000:
