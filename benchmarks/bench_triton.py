@@ -28,7 +28,8 @@ LEGACY is the old kernel shape) on every size and layout, graph time only, each 
 output first; prints the best per op and size and a filled-in ``HEURISTIC`` table for ``_configs.py``;
 then (unless ``--no-table``) produces the normal table with that suggested table applied in-process. The
 sweep stops early, keeping what it has, when ``--budget-s`` is spent; ``--families`` limits it to some op
-families (e.g. ``flatten``). Writes everything as JSON to ``--out``.
+families (e.g. ``flatten``), ``--one-per-path`` to one candidate of each code path (for the CPU
+rehearsal: it checks each path's bookkeeping, not their speed). Writes everything as JSON to ``--out``.
 
 Needs a CUDA GPU: without one it exits with status 2 and says so. ``--cpu-rehearsal`` runs every code
 path on the CPU instead (Triton's interpreter, ``--sizes-mb`` read as KiB, wall-clock timing, no graphs):
@@ -412,11 +413,13 @@ def sweep(
     layouts: list[str],
     budget_s: float,
     families: frozenset[str] | None = None,
+    paths_only: bool = False,
 ) -> tuple[list[dict[str, Any]], bool]:
     """Graph-time every candidate config of each flatten / scatter op, on each size and layout (sizes in
     the given order, so the small buckets that matter most come first). Each config's output is checked
     before it is timed; a wrong one is recorded with its error and never chosen. Returns the records and
-    whether the sweep was complete (False: ``budget_s`` ran out)."""
+    whether the sweep was complete (False: ``budget_s`` ran out). ``paths_only``: LEGACY and
+    ``_configs.one_per_path`` of each family's candidates."""
     from hf_superoffload.triton_kernels import _configs, _kernels
 
     t0 = time.perf_counter()
@@ -428,7 +431,10 @@ def sweep(
                 fam = FAMILY.get(op.name)
                 if fam is None or (families is not None and fam not in families):
                     continue
-                for cfg in _configs.sweep_candidates(fam):
+                cands = _configs.sweep_candidates(fam)
+                if paths_only:  # LEGACY (the baseline the summary compares with) first
+                    cands = [cands[0], *[c for c in _configs.one_per_path(cands) if c != cands[0]]]
+                for cfg in cands:
                     if time.perf_counter() - t0 > budget_s:
                         print(f"sweep budget of {budget_s:.0f} s spent: stopping at {op.name} {mb} MB {layout}",
                               flush=True)  # fmt: skip
@@ -464,7 +470,9 @@ def _plan_kind(family: str) -> str:
 def summarize(records: list[dict[str, Any]], ceiling: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Best config per (op, size) by mean graph GB/s over the layouts (configs that failed anywhere are out),
     and a suggested size table per family: per swept size, the config with the best mean fraction of the
-    copy ceiling over the family's ops and layouts; bounds halfway (geometrically) between swept sizes."""
+    copy ceiling over the family's ops and layouts; bounds halfway (geometrically) between swept sizes. A
+    kernel-3 winner runs only launches of a few aligned rows (``_configs.usable``), so its size also gets the
+    best other config, right after it, as the table's rows do."""
     from hf_superoffload.triton_kernels._configs import LEGACY, RowsConfig
 
     failed = {(r["op"], r["bucket_mb"], r["config"]) for r in records if r["error"]}
@@ -494,11 +502,19 @@ def summarize(records: list[dict[str, Any]], ceiling: float) -> tuple[list[dict[
             n_ops = max(len(s) for s in score.values())
             full = {c: statistics.mean(s) for c, s in score.items() if len(s) == n_ops}
             top = max(full, key=full.__getitem__)
-            rows.append((mb, top, full[top]))
+            tops = [top]
+            if cfg_of[top].kernel == 3:
+                other = {c: f for c, f in full.items() if cfg_of[c].kernel != 3}
+                if not other:
+                    raise ValueError(f"{fam} at {mb} MB: only kernel-3 configs were measured; sweep a kernel 1 or 2 "
+                                     "config as well (kernel 3 cannot run every launch)")  # fmt: skip
+                tops.append(max(other, key=other.__getitem__))
+            rows.append((mb, tops, full))
         entries = []
-        for i, (mb, tag, frac) in enumerate(rows):
+        for i, (mb, tops, full) in enumerate(rows):
             bound = None if i == len(rows) - 1 else int(math.sqrt(mb * rows[i + 1][0]) * MB // 2)
-            entries.append({"max_elements": bound, "config": tag, **asdict(cfg_of[tag]), "mean_frac": frac})
+            for tag in tops:
+                entries.append({"max_elements": bound, "config": tag, **asdict(cfg_of[tag]), "mean_frac": full[tag]})
         table[fam] = entries
     return best, table
 
@@ -580,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=110.0, help="wall-clock budget of the sweep part")
     ap.add_argument("--families", nargs="+", choices=list(dict.fromkeys(FAMILY.values())), default=None,
                     help="with --sweep: sweep only these op families (default: all)")  # fmt: skip
+    ap.add_argument("--one-per-path", action="store_true",
+                    help="with --sweep: LEGACY and one candidate per code path (_configs.one_per_path)")  # fmt: skip
     ap.add_argument("--no-table", action="store_true", help="with --sweep: skip the normal table")
     ap.add_argument("--cpu-rehearsal", action="store_true",
                     help="run every code path on the CPU (interpreter, sizes in KiB): a script check only")  # fmt: skip
@@ -641,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         fams = frozenset(args.families) if args.families else None
         records, complete = sweep(
-            device, ceiling, args.sweep_reps, l2, args.sizes_mb, args.layouts, args.budget_s, fams
+            device, ceiling, args.sweep_reps, l2, args.sizes_mb, args.layouts, args.budget_s, fams, args.one_per_path
         )
         best, table = summarize(records, ceiling)
         result.update(sweep=records, sweep_complete=complete, best=best, suggested_heuristic=table)

@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 __all__ = [
@@ -77,6 +77,7 @@ __all__ = [
     "forced",
     "is_forced",
     "max_resident_programs",
+    "one_per_path",
     "sweep_candidates",
     "usable",
 ]
@@ -357,6 +358,20 @@ def max_resident_programs(
     by_regs = (regs_per_sm // per_warp) // warps
     by_shared = shared_per_sm // shared_bytes if shared_bytes > 0 else max_blocks_per_sm
     return max(1, min(by_threads, by_regs, by_shared, max_blocks_per_sm))
+
+
+def one_per_path(cands: Iterable[RowsConfig]) -> list[RowsConfig]:
+    """One config per code path of the row kernels (kernel, packed, grid kind, passes, realign, lookahead,
+    dependent launch, streaming hints, epilogue, interleave, min_per_program: every constexpr branch), the one
+    with the smallest tiles (the cheapest under the interpreter), paths in order of first appearance. For the
+    CPU interpreter's tests and rehearsal: they check each path, not each tile size (the GPU runs them all)."""
+    best: dict[tuple[object, ...], RowsConfig] = {}
+    for c in cands:
+        key = (c.kernel, c.packed, c.programs_per_sm > 0, c.one_pass, c.realign, c.lookahead, c.pdl, c.stream,
+               c.epilogue, c.interleave > 0, c.min_per_program > 0)  # fmt: skip
+        if key not in best or (c.block, c.chunk, c.warps) < (best[key].block, best[key].chunk, best[key].warps):
+            best[key] = c
+    return list(best.values())
 
 
 def sweep_candidates(family: str) -> list[RowsConfig]:

@@ -306,6 +306,30 @@ def _add_pair(a_sq, a_bad, b_sq, b_bad):
     return a_sq + b_sq, a_bad + b_bad
 
 
+def _interpreted(fn: Any) -> bool:
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - a Triton without the interpreter
+        return False
+    return isinstance(fn, InterpretedFunction)
+
+
+# Compiled, both statistics go through one reduction (one shared-memory exchange instead of two:
+# docs/triton_kernels.md, "Rows as arguments"). The interpreter runs a reduction with a Python combine
+# element by element, ~30x two ``tl.sum`` (0.6 s per 2048-element tile; it made CI's interpreter tests
+# minutes longer): there the two sums go separately. Same contract either way (deterministic per config).
+_JOINT = tl.constexpr(not _interpreted(_add_pair))
+
+
+@triton.jit
+def _sum_pair(a, b):
+    """``(sum(a), sum(b))`` over axis 0, jointly where compiled (see ``_JOINT``)."""
+    if _JOINT:
+        return tl.reduce((a, b), 0, _add_pair)
+    else:
+        return tl.sum(a, axis=0), tl.sum(b, axis=0)
+
+
 @triton.jit
 def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counter_ptr, stats_ptr, pid, n_prog,
                    old_sq, old_bad, ONE_PASS: tl.constexpr, W: tl.constexpr, EPI_W: tl.constexpr,
@@ -323,7 +347,7 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
     With EPI_W > 0 the counts are summed in int64 only when ``EPI_CNT64`` (a launch of 2**31 elements or
     more; below that an int32 sum cannot overflow). Every order is fixed: deterministic."""
     if SPREAD:  # both sums in one reduction: one shared-memory exchange instead of two
-        s, c = tl.reduce((acc_sq, acc_bad), 0, _add_pair)
+        s, c = _sum_pair(acc_sq, acc_bad)
     else:
         s = tl.sum(acc_sq, axis=0)
         c = tl.sum(acc_bad, axis=0)
@@ -894,7 +918,7 @@ def _entry_tile(
             lo = (w << 16).to(tl.float32, bitcast=True)
             hi = (w & -65536).to(tl.float32, bitcast=True)  # 0xFFFF0000 as an int32
             pair = (((w & 0x7F807F80) + 0x00800080) >> 15) & 0x00010001  # see _word_sums
-            return tl.reduce((lo * lo + hi * hi, (pair & 0xFFFF) + (pair >> 16)), 0, _add_pair)
+            return _sum_pair(lo * lo + hi * hi, (pair & 0xFFFF) + (pair >> 16))
         else:
             return 0.0, 0
     else:
@@ -903,7 +927,7 @@ def _entry_tile(
         _sstore(dst + lane, y, mask, MASKED, STREAM)
         if STATS:  # masked-out lanes loaded 0: they add nothing
             v = _to_f32(y, DST_KIND)
-            return tl.reduce((v * v, _nonfinite(v)), 0, _add_pair)
+            return _sum_pair(v * v, _nonfinite(v))
         else:
             return 0.0, 0
 

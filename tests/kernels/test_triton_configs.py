@@ -109,6 +109,25 @@ def test_sweep_candidates() -> None:
     assert all(c in flatten for _, c in HEURISTIC["flatten"])
 
 
+def test_one_per_path_keeps_every_branch_and_the_smallest_tiles() -> None:
+    """The interpreter's tests and rehearsal run one config per code path: every constexpr branch of every
+    family's candidates stays represented, by its smallest tiles, and nothing is invented."""
+    RowsConfig = _configs.RowsConfig
+    small, big = RowsConfig(2048, 2048, 4, 0, kernel=3, packed=True), RowsConfig(4096, 4096, 8, 0, kernel=3, packed=True)
+    assert _configs.one_per_path([big, small]) == [small]
+    assert _configs.one_per_path([big, RowsConfig(4096, 4096, 8, 0, kernel=3, packed=True, pdl=True)]) == [
+        big, RowsConfig(4096, 4096, 8, 0, kernel=3, packed=True, pdl=True)]  # fmt: skip
+    branches = ("kernel", "packed", "one_pass", "realign", "lookahead", "pdl", "stream", "epilogue")
+    for fam in _configs.FAMILIES:
+        cands = _configs.sweep_candidates(fam)
+        kept = _configs.one_per_path(cands)
+        assert set(kept) <= set(cands) and len(kept) == len(set(kept)) < len(cands) + 1
+        for f in branches:
+            assert {getattr(c, f) for c in kept} == {getattr(c, f) for c in cands}, (fam, f)
+        for f in ("programs_per_sm", "interleave", "min_per_program"):
+            assert {bool(getattr(c, f)) for c in kept} == {bool(getattr(c, f)) for c in cands}, (fam, f)
+
+
 def test_kernel3_is_chosen_only_where_usable() -> None:
     """Kernel 3 runs only launches of few aligned rows, without statistics or with spread ones; a table row or a
     forced config of kernel 3 is passed over for any other launch (the next matching row of the table)."""

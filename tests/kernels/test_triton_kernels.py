@@ -41,9 +41,12 @@ BIG = 2**20 + 3  # the large odd size; keep the interpreter time sane (~1 s per 
 
 
 def _family_configs(*families: str) -> list[_configs.RowsConfig]:
-    """Every launch config the size tables or the benchmark sweep can pick for these op families."""
+    """Every launch config the size tables or the benchmark sweep can pick for these op families; under the
+    interpreter (CI: each big-tile config costs 20-85 s there) every table config and one sweep candidate per
+    code path (``_configs.one_per_path``), natively all of them."""
+    sweep = [c for fam in families for c in _configs.sweep_candidates(fam)]
     return sorted(
-        {c for fam in families for c in _configs.sweep_candidates(fam)}
+        set(_configs.one_per_path(sweep) if _INTERPRETER else sweep)
         | {c for fam in families for _, c in _configs.HEURISTIC[fam]},
         key=lambda c: c.tag,
     )
