@@ -66,10 +66,8 @@ def mode() -> str:
     """``"interpreter"``, ``"native"`` or ``"inconsistent"`` (Triton imported before TRITON_INTERPRET was set)."""
     global _MODE
     if _MODE is None:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        ours = isinstance(_upcast_kernel, InterpretedFunction)
-        stdlib = isinstance(tl.randint, InterpretedFunction)
+        ours = _interpreted(_upcast_kernel)
+        stdlib = _interpreted(tl.randint)
         _MODE = "inconsistent" if ours != stdlib else ("interpreter" if ours else "native")
     return _MODE
 
