@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _configs
+from . import _configs, _interpreter
 from ._configs import RowsConfig
 from ._tables import PlanCache, aligned16, chunk_rows, interleaved_rows
 from .reference import sr_keys
@@ -317,6 +317,8 @@ def _interpreted(fn: Any) -> bool:
 # element by element, ~30x two ``tl.sum`` (0.6 s per 2048-element tile; it made CI's interpreter tests
 # minutes longer): there the two sums go separately. Same contract either way (deterministic per config).
 _JOINT = tl.constexpr(not _interpreted(_add_pair))
+if not _JOINT:  # interpreted: skip the interpreter's walk of triton.language on every helper call
+    _interpreter.skip_repeated_lang_patches()
 
 
 @triton.jit

@@ -13,6 +13,7 @@ Every check asserts that the Triton path was actually taken (:func:`last_backend
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 import torch
@@ -1131,6 +1132,48 @@ def test_cpu_without_interpret_env_uses_twins(monkeypatch: pytest.MonkeyPatch) -
     tk.flatten_grads_with_stats_([torch.ones(4)], [4], out, stats)
     assert tk.last_backend("flatten_grads_with_stats_") == "reference"
     assert stats.tolist() == [4.0, 0.0]
+
+
+def test_interpreter_walks_triton_language_once_per_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter walks ``triton.language`` (``inspect.getmembers``) on every ``@triton.jit`` helper
+    call; ``_interpreter`` leaves one walk per launch (and per module not yet patched in it): the same bits,
+    a fraction of the walks (without it, half of CI's interpreter time)."""
+    if not _INTERPRETER:
+        pytest.skip("interpreter mode only")
+    from hf_superoffload.triton_kernels import _interpreter
+    from triton.runtime import interpreter as ip
+
+    assert _interpreter.skip_repeated_lang_patches() and _interpreter.skip_repeated_lang_patches()  # idempotent
+    wrapped = ip._patch_lang
+    assert not hasattr(wrapped.__wrapped__, "__wrapped__")  # wrapped once, around Triton's own
+    walks = 0
+    real_getmembers = inspect.getmembers
+
+    def counting(obj: object, *args: object) -> list:
+        nonlocal walks
+        walks += 1
+        return real_getmembers(obj, *args)
+
+    monkeypatch.setattr(inspect, "getmembers", counting)
+    cfg = _configs.RowsConfig(0, 256, 2, 8, kernel=2, packed=True)  # many tiles and rows: many helper calls
+    gen = torch.Generator().manual_seed(5)
+    sizes = [int(x) for x in torch.randint(1, 600, (24,), generator=gen)]
+    grads = [torch.randn(n, generator=gen).to(torch.bfloat16 if i % 2 else torch.float32) for i, n in enumerate(sizes)]
+    exp_out, exp_stats = torch.empty(sum(sizes), dtype=torch.bfloat16), torch.zeros(2)
+    ref.flatten_grads_with_stats_(grads, sizes, exp_out, exp_stats)
+    counts = {}
+    for name, patch in (("skipping", wrapped), ("triton's own", wrapped.__wrapped__)):
+        monkeypatch.setattr(ip, "_patch_lang", patch)
+        out, stats = torch.empty_like(exp_out), torch.zeros(2)
+        walks = 0
+        with _configs.forced(flatten=cfg):
+            tk.flatten_grads_with_stats_(grads, sizes, out, stats)
+        assert tk.last_backend("flatten_grads_with_stats_") == "triton"
+        assert torch.equal(out.view(torch.int16), exp_out.view(torch.int16)), name
+        assert_stats(stats, exp_stats)
+        counts[name] = walks
+    # a few launches (one per dtype group, the statistics' reduction), ~7 walks each; thousands without
+    assert counts["skipping"] < 100 and counts["triton's own"] > 20 * counts["skipping"], counts
 
 
 @pytest.mark.skipif(not _INTERPRETER, reason="CPU tensors use the twins when Triton compiles natively")
