@@ -40,16 +40,20 @@ fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 flags=(-O2 -std=c++17 -static -ffp-contract=off -fno-math-errno -fopenmp-simd -Wall -Wextra)
-aarch64-linux-gnu-g++ "${flags[@]}" -march=armv8-a "$src" -o "$out/test_base"
+# The two builds and the five emulated runs are independent: run them side by side (CI has 2 cores), print
+# each run's output in order.
+aarch64-linux-gnu-g++ "${flags[@]}" -march=armv8-a "$src" -o "$out/test_base" &
+base_pid=$!
 aarch64-linux-gnu-g++ "${flags[@]}" -march=armv8.2-a+sve "$src" -o "$out/test_sve"
+wait "$base_pid"
 
-status=0
-run() {  # run <binary> <qemu -cpu> <expected path>
-  echo "== $(basename "$1") -cpu $2 (expect $3)"
-  if ! qemu-aarch64 -cpu "$2" "$1" --quick --expect-best="$3"; then
-    echo "FAILED: $(basename "$1") under -cpu $2"
-    status=1
-  fi
+runs=()
+run() {  # run <binary> <qemu -cpu> <expected path>: started in the background, output in $out/run<k>.log
+  local k=${#runs[@]}
+  { echo "== $(basename "$1") -cpu $2 (expect $3)"
+    qemu-aarch64 -cpu "$2" "$1" --quick --expect-best="$3" || echo "FAILED: $(basename "$1") under -cpu $2"
+  } > "$out/run$k.log" 2>&1 &
+  runs+=($!)
 }
 for vl in 128 256 512; do
   run "$out/test_base" "max,sve${vl}=on" sve
@@ -57,4 +61,10 @@ done
 run "$out/test_base" "max,sve=off" neon
 # One vector length suffices for the SVE-baseline build (qemu emulates it slowly: ~14 s at 512 bits).
 run "$out/test_sve" "max,sve128=on" sve
+for pid in "${runs[@]}"; do wait "$pid" || true; done
+status=0
+for k in "${!runs[@]}"; do
+  cat "$out/run$k.log"
+  ! grep -q "^FAILED: " "$out/run$k.log" || status=1
+done
 exit "$status"
