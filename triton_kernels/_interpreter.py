@@ -17,7 +17,8 @@ undone by Triton either. The kernel tests compare every interpreted launch bit f
 twins, so a Triton whose patching works differently fails them rather than passing silently.
 
 Applied by :mod:`._kernels` at import when interpreted; never in a compiled process. A Triton without
-this internal API (``_patch_lang`` returning a scope with ``restore``) is left untouched.
+this internal API (``_patch_lang`` returning a scope with ``restore``) is left untouched (slower, same
+results; ``test_interpreter_walks_triton_language_once_per_launch`` then fails and says why).
 """
 
 from __future__ import annotations
