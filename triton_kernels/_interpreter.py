@@ -72,9 +72,7 @@ def skip_repeated_lang_patches() -> bool:
             patched |= mods
             return original(fn)
         scope = original(fn)  # a launch: Triton patches, and restores in its `finally`
-        restore = getattr(scope, "restore", None)
-        if restore is None:  # pragma: no cover - a different API: track nothing
-            return scope
+        restore = scope.restore
         state.patched = set(mods)
 
         def restore_and_forget() -> None:

@@ -317,7 +317,7 @@ def _interpreted(fn: Any) -> bool:
 # element by element, ~30x two ``tl.sum`` (0.6 s per 2048-element tile; it made CI's interpreter tests
 # minutes longer): there the two sums go separately. Same contract either way (deterministic per config).
 _JOINT = tl.constexpr(not _interpreted(_add_pair))
-if not _JOINT:  # interpreted: skip the interpreter's walk of triton.language on every helper call
+if _interpreted(_add_pair):  # skip the interpreter's walk of triton.language on every helper call
     _interpreter.skip_repeated_lang_patches()
 
 
