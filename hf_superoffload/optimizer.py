@@ -201,10 +201,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 )
 
     def _hyper(self) -> Hyper:
-        return tuple(
-            (float(g["lr"]), float(g["betas"][0]), float(g["betas"][1]), float(g["eps"]), float(g["weight_decay"]))
-            for g in self.param_groups
-        )
+        return _checked_hyper(self.param_groups)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -384,3 +381,27 @@ def _broadcast_params(params: list[torch.nn.Parameter], comm: ShardGroup) -> Non
             dist.broadcast(t, src=src, group=comm.group)
             if t is not p.data:
                 p.data.copy_(t)
+
+def _checked_hyper(param_groups: list[dict[str, Any]]) -> Hyper:
+    """Every group's ``(lr, beta1, beta2, eps, weight_decay)``, validated. The engine reads them when a step starts
+    (before any bucket is stepped) and again when it validates the step, so a bad value set into ``param_groups``
+    between steps is refused before any optimizer state changes, and the optimizer steps normally once it is fixed
+    (the CPU worker would otherwise fail on it mid-step and leave the optimizer unusable)."""
+    inf = float("inf")
+    hyper = []
+    for i, g in enumerate(param_groups):
+        try:
+            beta1, beta2 = (float(b) for b in g["betas"])
+            lr, eps, wd = float(g["lr"]), float(g["eps"]), float(g["weight_decay"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"param_groups[{i}] holds an unreadable hyper-parameter ({e!r}): set lr, eps and "
+                             "weight_decay to numbers and betas to a pair of numbers") from None
+        bad = ("" if 0 <= lr < inf else f"lr={g['lr']!r} is invalid: use a finite learning rate >= 0")
+        bad = bad or ("" if 0 <= beta1 < 1 and 0 <= beta2 < 1 else
+                      f"betas={tuple(g['betas'])!r} are invalid: both must lie in [0, 1)")
+        bad = bad or ("" if 0 < eps < inf else f"eps={g['eps']!r} is invalid: use a small positive number such as 1e-8")
+        bad = bad or ("" if 0 <= wd < inf else f"weight_decay={g['weight_decay']!r} is invalid: use a finite value >= 0")
+        if bad:
+            raise ValueError(f"param_groups[{i}] {bad} (nothing was stepped: fix the value and step again)")
+        hyper.append((lr, beta1, beta2, eps, wd))
+    return tuple(hyper)
