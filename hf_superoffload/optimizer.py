@@ -65,7 +65,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             i.e. averaged). Sequence parallelism sets it to the number of data-parallel replicas.
         workload: the training step's shape (model config, batch, sequence length, checkpointing, sequence
             parallelism), when known: the planner then keeps the GPU-resident tail small enough for the
-            activations (long sequences) and weighs weight flow with the memory model.
+            activations (long sequences) and weighs weight flow with the memory model. ``None`` (default) on a
+            GPU, one process, with a transformers model: read from the first training batch, and the engine is
+            planned and built then ([Note: workload from the first batch] in docs/design.md); ``plan`` is
+            provisional until then (``planned``).
     """
 
     def __init__(
@@ -122,46 +125,145 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float = float("nan")
         self.skipped_steps = 0
         self.clipped_steps = 0
-        element_size = 2
         comm = ShardGroup.from_environment(process_group, gradient_divisor)
         ranks = _local_ranks(comm) if comm is not None else {}
+        profile_read = profile is None
         if profile is None:
             profile = HardwareProfile.read(ordered[0].device)
             if workload is not None:
                 profile = _count_own_weights_as_free(profile, model, ordered[0].device)
         self.workload: Workload | None = workload
-        self.plan: OffloadPlan = make_plan([p.numel() for p in ordered], element_size=element_size,
-                                           config=self.config, profile=profile, workload=workload, **ranks)
+        self._ordered, self._groups, self._model, self._comm = ordered, groups, model, comm
+        self._profile, self._ranks, self._log_plan = profile, ranks, log_plan
+        self._built: OffloadEngine | None = None
+        self._provisional: OffloadPlan | None = None
+        self._pending_no_sync = 0
+        self._pending_predicate: Callable[[], bool] | None = None
+        self.plan_listeners: list[Callable[[OffloadPlan], None]] = []
+        """Called once with the plan when the engine is built (integrations log it on the main process)."""
+        self._batch_hook: Any = None
         if comm is not None:
             _broadcast_params(ordered, comm)
-        fp32_values = None
+        self._fp32_values: list[torch.Tensor | None] | None = None
         if converted:
             # fp32 model: the exact fp32 values seed the masters, then the model keeps bf16 copies.
-            fp32_values = [p.detach().clone() if p.dtype == torch.float32 else None for p in ordered]
+            self._fp32_values = [p.detach().clone() if p.dtype == torch.float32 else None for p in ordered]
             with torch.no_grad():
                 for p in ordered:
                     if p.dtype == torch.float32:
                         p.data = p.data.to(torch.bfloat16)
             logger.warning("hf_superoffload: converted %d fp32 parameters to bf16; the fp32 values are the "
                            "master weights on the host", converted)
-        self._engine = OffloadEngine(
-            params=ordered,
-            param_group=groups,
+        if profile_read and self._infers_workload():
+            # [Note: workload from the first batch]: plan once the first training batch shows the step's shape
+            self._batch_hook = model.register_forward_pre_hook(self._plan_from_batch, with_kwargs=True, prepend=True)
+        else:
+            self._build(workload)
+        self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
+
+    def _infers_workload(self) -> bool:
+        """Whether the plan waits for the first training batch (the profile read from the device, not given): the
+        step's shape is not given, the device's memory is known, the tail and the weight placement are the planner's to choose, one process (every rank must
+        make the same plan), and the model has a transformers config the memory model reads."""
+        if self.workload is not None or self._comm is not None or self._profile.device_free_bytes is None:
+            return False
+        if self.config.gpu_resident_buckets != "auto" or self.config.weight_placement != "auto":
+            return False
+        if self._fp32_values is not None or getattr(self._model, "config", None) is None:
+            return False
+        try:
+            from .planning.memory_model import ModelShape
+
+            ModelShape.from_config(self._model.config)
+        except Exception:  # not a decoder the memory model knows: plan without a workload, as configured
+            return False
+        return True
+
+    def _plan_from_batch(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook until the engine exists: the first forward that trains fixes the workload."""
+        if self._built is not None or not (torch.is_grad_enabled() and module.training):
+            return  # evaluation before training (or already planned) says nothing about the training step
+        shape = _batch_shape(args, kwargs)
+        workload = None
+        if shape is not None:
+            workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=_checkpointing(module))
+        self._build(workload)
+
+    def _build(self, workload: Workload | None) -> OffloadEngine:
+        """Plan and build the engine (once). ``workload``: the step's shape (given, or read from the first batch)."""
+        if self._built is not None:
+            return self._built
+        if self._batch_hook is not None:
+            self._batch_hook.remove()
+            self._batch_hook = None
+        profile = self._profile
+        if workload is not None and workload is not self.workload:  # read from the first batch
+            self.workload = workload
+            device = self._ordered[0].device
+            if device.type == "cuda":  # the memory free now, not at construction
+                profile = dataclasses.replace(profile, device_free_bytes=torch.cuda.mem_get_info(device)[0])
+            profile = _count_own_weights_as_free(profile, self._model, device)
+        plan = make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config, profile=profile,
+                         workload=workload, **self._ranks)
+        engine = OffloadEngine(
+            params=self._ordered,
+            param_group=self._groups,
             hyper_fn=self._hyper,
-            plan=self.plan,
-            modules=list(model.modules()),
+            plan=plan,
+            modules=list(self._model.modules()),
             check_finite=self.config.check_finite,
             timeout_s=self.config.worker_timeout_s,
-            governor=SpeculationGovernor(enabled=self.plan.speculation, max_redo_rate=self.config.max_redo_rate,
+            governor=SpeculationGovernor(enabled=plan.speculation, max_redo_rate=self.config.max_redo_rate,
                                          window=self.config.redo_window),
-            comm=comm,
+            comm=self._comm,
         )
-        self._engine.max_grad_norm_fn = lambda: self.max_grad_norm
-        if fp32_values is not None:
-            self._engine.seed_masters(fp32_values)
-        self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
-        if log_plan:
-            logger.info("%s", self.plan.summary())
+        engine.max_grad_norm_fn = lambda: self.max_grad_norm
+        engine.sync_predicate = self._pending_predicate
+        engine.enter_no_sync(self._pending_no_sync)
+        if self._fp32_values is not None:
+            engine.seed_masters(self._fp32_values)
+            self._fp32_values = None
+        self._built = engine
+        self._provisional = None
+        if self._log_plan:
+            logger.info("%s", plan.summary())
+        for listener in self.plan_listeners:
+            listener(plan)
+        return engine
+
+    @property
+    def _engine(self) -> OffloadEngine:
+        """The engine; built now, without a workload, when something needs it before the first training batch."""
+        if self._built is None:
+            logger.info("hf_superoffload: the optimizer is used before the first training batch; planning without "
+                        "the step's shape")
+            return self._build(None)
+        return self._built
+
+    @property
+    def planned(self) -> bool:
+        """Whether the plan is final (the engine exists). Before the first training batch of an optimizer that
+        reads its workload from it, ``plan`` is provisional: the plan it would make without one."""
+        return self._built is not None
+
+    @property
+    def plan(self) -> OffloadPlan:
+        if self._built is not None:
+            return self._built.plan
+        if self._provisional is None:
+            self._provisional = make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config,
+                                          profile=self._profile, **self._ranks)
+        return self._provisional
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the trainable parameters."""
+        return self._ordered[0].device
+
+    @property
+    def comm(self) -> ShardGroup | None:
+        """The data-parallel group the optimizer state is sharded over (``None``: one process)."""
+        return self._comm
 
     # ------------------------------------------------------------------------------------------------
     def _arrival_order(self, model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[int]]:
@@ -240,14 +342,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Drop the step in progress after an exception between backward and ``step()`` (KeyboardInterrupt, an
         out-of-memory error): speculative updates are undone and the state is as before that backward.
         ``zero_grad()`` and ``close()`` do this too."""
-        self._engine.abort_step()
+        if self._built is not None:
+            self._built.abort_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._engine.step_in_progress:
+        if self._built is not None and self._built.step_in_progress:
             logger.warning("hf_superoffload: zero_grad() while a step is in progress (an interrupted backward?): "
                            "the step is dropped and the optimizer state is as before it")
             self._engine.abort_step()
-        for p in self._engine.params:
+        for p in self._ordered:
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
@@ -258,26 +361,42 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Non-final micro-batches: gradients accumulate without a step (on the device, or summed on the host with
         ``SuperOffloadConfig.accumulate_on_host``)."""
-        with self._engine.no_sync():
+        # the engine may be built inside the block (its first forward): the depth goes to whichever engine exists
+        if self._built is None:
+            self._pending_no_sync += 1
+        else:
+            self._built.enter_no_sync()
+        try:
             yield
+        finally:
+            if self._built is None:
+                self._pending_no_sync -= 1
+            else:
+                self._built.exit_no_sync()
 
     def set_sync_predicate(self, predicate: Callable[[], bool] | None) -> None:
         """Tell the engine whether the current backward is an accumulation boundary (used by integrations)."""
-        self._engine.sync_predicate = predicate
+        self._pending_predicate = predicate
+        if self._built is not None:
+            self._built.sync_predicate = predicate
 
     def synchronize(self) -> None:
         """Block until every parameter on the device holds its final value for the last step."""
-        self._engine.synchronize()
+        if self._built is not None:  # before the first step every weight is final
+            self._built.synchronize()
 
     @contextmanager
     def materialized(self) -> Iterator[None]:
         """Inside the block every parameter holds its final weights on the device. Needed to read the weights
         in weight-flow mode (docs/weight_flow.md), where they otherwise live on the host between uses."""
-        with self._engine.materialized():
+        if self._built is None:  # not planned yet: the weights are where the model put them
+            yield
+            return
+        with self._built.materialized():
             yield
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_engine", None) is not None:
+        if "_ordered" in vars(self):  # constructed: the plan covers the groups it was built with
             raise ValueError("SuperOffloadOptimizer cannot add param groups after construction; build a new optimizer "
                              "with every group")
         super().add_param_group(param_group)
@@ -313,10 +432,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Stop the worker and remove hooks. The optimizer cannot step afterwards."""
         self._state_hook.remove()
-        self._engine.close()
+        if self._batch_hook is not None:
+            self._batch_hook.remove()
+            self._batch_hook = None
+        if self._built is not None:
+            self._built.close()
 
     def __del__(self) -> None:
-        engine = getattr(self, "_engine", None)
+        engine = getattr(self, "_built", None)
         if engine is not None:
             engine.close()
 
@@ -335,6 +458,27 @@ def _count_own_weights_as_free(profile: HardwareProfile, model: torch.nn.Module,
             own += p.numel() * p.element_size()
     cache = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return dataclasses.replace(profile, device_free_bytes=profile.device_free_bytes + own + max(0, cache))
+
+
+def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
+    """(batch, tokens per sequence) of a causal LM's forward call: from ``input_ids`` (or ``inputs_embeds``),
+    passed by keyword as Trainer and most loops do, or as the first positional argument."""
+    for key in ("input_ids", "inputs_embeds"):
+        t = kwargs.get(key)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return int(t.shape[0]), int(t.shape[1])
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2:
+        return int(args[0].shape[0]), int(args[0].shape[1])
+    return None
+
+
+def _checkpointing(model: torch.nn.Module) -> bool:
+    """Whether transformers' activation (gradient) checkpointing is on for ``model``."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(model, name, None)
+        if isinstance(value, bool):
+            return value
+    return False
 
 
 def _wrapped_for_data_parallel(model: torch.nn.Module) -> bool:
@@ -381,6 +525,7 @@ def _broadcast_params(params: list[torch.nn.Parameter], comm: ShardGroup) -> Non
             dist.broadcast(t, src=src, group=comm.group)
             if t is not p.data:
                 p.data.copy_(t)
+
 
 def _checked_hyper(param_groups: list[dict[str, Any]]) -> Hyper:
     """Every group's ``(lr, beta1, beta2, eps, weight_decay)``, validated. The engine reads them when a step starts

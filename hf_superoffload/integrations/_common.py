@@ -91,7 +91,7 @@ class SuperOffloadAcceleratedOptimizer(AcceleratedOptimizer):
 
     # data parallel: the state lives in per-rank shard files written by the save hook, never in optimizer.bin
     def state_dict(self) -> dict[str, Any]:
-        if self.optimizer.engine.comm is None:
+        if self.optimizer.comm is None:
             return super().state_dict()
         return {"superoffload_shard_files": SHARD_PATTERN, "param_groups": self.optimizer.state_dict()["param_groups"]}
 

@@ -72,6 +72,7 @@ from accelerate.utils import DistributedType
 
 from ..config import BOOL_WORDS, TRI_STATE_FIELDS, SuperOffloadConfig, tri_state_from_text
 from ..optimizer import SuperOffloadOptimizer
+from ..planning.plan import OffloadPlan
 from ._common import (
     SuperOffloadAcceleratedOptimizer,
     find_superoffload_optimizer,
@@ -262,7 +263,8 @@ def prepare_superoffload(
         # several processes: the optimizer reduces gradients itself (sharded offload), so no DDP wrapper;
         # evaluation_mode is accelerate's switch for "device placement and autocast only". A built optimizer in
         # weight-flow mode holds the weights on the host: the model must not be moved again.
-        flow = isinstance(optimizer_or_kwargs, SuperOffloadOptimizer) and optimizer_or_kwargs.plan.weight_mode.value == "flow"
+        flow = (isinstance(optimizer_or_kwargs, SuperOffloadOptimizer) and optimizer_or_kwargs.planned
+                and optimizer_or_kwargs.plan.weight_mode.value == "flow")
         model = accelerator.prepare_model(model, device_placement=False if flow else None, evaluation_mode=True)
     base = accelerator.unwrap_model(model)
     if tiled_mlp_tokens:
@@ -271,9 +273,9 @@ def prepare_superoffload(
         enable_tiled_mlp(base, tile_tokens=tiled_mlp_tokens)
     if isinstance(optimizer_or_kwargs, SuperOffloadOptimizer):
         opt = optimizer_or_kwargs
-        if opt.engine.device != _param_device(base):
+        if opt.device != _param_device(base):
             raise ValueError(
-                f"the SuperOffloadOptimizer was built on {opt.engine.device} but the model is on "
+                f"the SuperOffloadOptimizer was built on {opt.device} but the model is on "
                 f"{_param_device(base)}: pass keyword arguments instead (prepare_superoffload builds it after "
                 "placing the model), or move the model to accelerator.device before building it."
             )
@@ -281,7 +283,7 @@ def prepare_superoffload(
             from ._sequence_parallel import setup_sequence_parallel
 
             groups = setup_sequence_parallel(base, sequence_parallel_size)
-            comm = opt.engine.comm
+            comm = opt.comm
             if comm is None or comm.grad_divisor != groups.dp_size:
                 raise ValueError(f"with sequence_parallel_size={sequence_parallel_size} the optimizer must average over "
                                  f"the {groups.dp_size} data-parallel replica(s) only: build it with "
@@ -300,11 +302,17 @@ def prepare_superoffload(
     wrapped = SuperOffloadAcceleratedOptimizer(opt)
     accelerator.prepare_optimizer(wrapped)  # pre-marked: registered for save_state/load_state, not moved
     _route_clipping(accelerator, wrapped)
-    if opt.engine.comm is not None:
+    if opt.comm is not None:
         _checkpoint_shards(accelerator, opt)
     from .. import ops
 
-    logger.info("%s\n  CPU Adam backend: %s", opt.plan.summary(), ops.backend(), main_process_only=True)
+    def log_plan(plan: OffloadPlan) -> None:
+        logger.info("%s\n  CPU Adam backend: %s", plan.summary(), ops.backend(), main_process_only=True)
+
+    if opt.planned:
+        log_plan(opt.plan)
+    else:  # [Note: workload from the first batch]: planned at the first training forward
+        opt.plan_listeners.append(log_plan)
     return model, wrapped
 
 
@@ -372,7 +380,7 @@ def _checkpoint_shards(accelerator: Any, opt: SuperOffloadOptimizer) -> None:
 def _route_clipping(accelerator: Any, wrapped: SuperOffloadAcceleratedOptimizer) -> None:
     """Make ``accelerator.clip_grad_norm_`` report (not apply) clipping for our parameters (instance only)."""
     original = accelerator.clip_grad_norm_
-    ours = {id(p) for p in wrapped.superoffload.engine.params}
+    ours = {id(p) for g in wrapped.superoffload.param_groups for p in g["params"]}
     warned = [False]
 
     def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:

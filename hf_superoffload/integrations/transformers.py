@@ -66,6 +66,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..optimizer import SuperOffloadOptimizer
+from ..planning.plan import OffloadPlan
 from ._common import (
     SuperOffloadAcceleratedOptimizer,
     TelemetryWindow,
@@ -271,7 +272,7 @@ def _route_prepare_model(trainer: SuperOffloadTrainer) -> None:
 
     def prepare_model(model: Any, device_placement: bool | None = None, evaluation_mode: bool = False) -> Any:
         opt = trainer.superoffload_optimizer
-        if opt is not None and opt.plan.weight_mode.value == "flow":
+        if opt is not None and opt.planned and opt.plan.weight_mode.value == "flow":
             device_placement = False
         return original(model, device_placement=device_placement, evaluation_mode=True)
 
@@ -315,7 +316,13 @@ class _SuperOffloadCallback(TrainerCallback):
         if opt is not None and state.is_world_process_zero:
             from .. import ops
 
-            logger.info("%s\n  CPU Adam backend: %s", opt.plan.summary(), ops.backend())
+            def log_plan(plan: OffloadPlan) -> None:
+                logger.info("%s\n  CPU Adam backend: %s", plan.summary(), ops.backend())
+
+            if opt.planned:
+                log_plan(opt.plan)
+            else:  # [Note: workload from the first batch]: planned at the first training forward
+                opt.plan_listeners.append(log_plan)
         self._trainer._telemetry.reset()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

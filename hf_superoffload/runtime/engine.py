@@ -515,11 +515,19 @@ class OffloadEngine(HostStepMixin, DataParallelMixin):
     def no_sync(self) -> Iterator[None]:
         """Backward inside is not an accumulation boundary: gradients accumulate on the device (host buckets: on
         the host, with host accumulation) and nothing is stepped."""
-        self._no_sync_depth += 1
+        self.enter_no_sync()
         try:
             yield
         finally:
-            self._no_sync_depth -= 1
+            self.exit_no_sync()
+
+    def enter_no_sync(self, depth: int = 1) -> None:
+        """Open ``depth`` accumulation blocks (the facade's ``no_sync`` may have opened one before the engine
+        existed)."""
+        self._no_sync_depth += depth
+
+    def exit_no_sync(self) -> None:
+        self._no_sync_depth -= 1
 
     def _is_sync(self) -> bool:
         if self._no_sync_depth:

@@ -1,0 +1,181 @@
+"""[Note: workload from the first batch]: the bare optimizer plans at its first training forward, from that batch's
+shape, exactly as if the shape had been given; everything before it (evaluation, ``no_sync``, ``zero_grad``) leaves
+the plan open."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_superoffload import SuperOffloadOptimizer
+from hf_superoffload.planning import hardware
+from hf_superoffload.planning.hardware import HardwareProfile
+from hf_superoffload.planning.planner import Workload
+from hf_superoffload.testing import tiny_llama
+
+GiB = 1024**3
+LAYERS = 4
+
+
+def _profile(device_free_bytes: int) -> HardwareProfile:
+    return HardwareProfile(device_type="cpu", device_free_bytes=device_free_bytes, host_available_bytes=64 * GiB,
+                           cpu_threads=2)
+
+
+@pytest.fixture
+def device_budget(monkeypatch: pytest.MonkeyPatch):
+    """Pretend the device has ``budget`` bytes free (what ``HardwareProfile.read`` reports on a GPU)."""
+
+    def set_budget(budget: int) -> None:
+        monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: _profile(budget)))
+
+    return set_budget
+
+
+def _model(ckpt: bool = False) -> torch.nn.Module:
+    model = tiny_llama(seed=3, num_hidden_layers=LAYERS)
+    if ckpt:
+        model.activation_checkpointing_enable()
+    model.train()
+    return model
+
+
+def _batches(n: int, batch: int, seq: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 128, (batch, seq), generator=g) for _ in range(n)]
+
+
+def _train(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor], accum: int = 1) -> None:
+    for k in range(0, len(batches), accum):
+        for j, ids in enumerate(batches[k : k + accum]):
+            if j < accum - 1:
+                with opt.no_sync():
+                    model(input_ids=ids, labels=ids).loss.backward()
+            else:
+                model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
+    opt.synchronize()
+    state = opt.state_dict()["superoffload"]
+    out = [p.detach().clone() for p in model.parameters()]
+    out += [t.clone() for t in _tensors(state)]
+    return out
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _budget_for_half_tail(model: torch.nn.Module, batch: int, seq: int) -> int:
+    """A device budget whose workload-aware plan keeps part of the optimizer on the device: between the plan with
+    no tail and the plan with everything there."""
+    from hf_superoffload.planning.memory_model import PlanLike, estimate
+
+    n = sum(p.numel() for p in model.parameters())
+    need = [estimate(model.config, batch_size=batch, seq_len=seq, grad_ckpt=False,
+                     plan_like=PlanLike(device_numel=d, host_numel=n - d, bucket_bytes=2 * n // 8)).gpu_required_bytes
+            for d in (0, n)]
+    return int((need[0] + need[1]) / 2 / (1 - 0.04))
+
+
+def test_plans_at_the_first_training_forward_like_a_given_workload(device_budget) -> None:
+    batch, seq = 2, 24
+    model = _model()
+    budget = _budget_for_half_tail(model, batch, seq)
+    device_budget(budget)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    assert not opt.planned
+    data = _batches(6, batch, seq)
+    _train(opt, model, data[:1])
+    assert opt.planned
+    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=False)
+    tail = opt.plan.device_numel
+    assert 0 < tail < sum(p.numel() for p in model.parameters()), "the budget should leave a partial tail"
+
+    ref_model = _model()
+    ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                workload=Workload(ref_model.config, batch, seq, grad_ckpt=False))
+    assert ref.planned
+    assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
+    _train(ref, ref_model, data[:1])
+    _train(opt, model, data[1:])
+    _train(ref, ref_model, data[1:])
+    for a, b in zip(_snapshot(opt, model), _snapshot(ref, ref_model), strict=True):
+        assert torch.equal(a, b)
+    opt.close()
+    ref.close()
+
+
+def test_the_batch_shape_moves_the_tail(device_budget) -> None:
+    """The inferred shape reaches the planner: a longer sequence on the same budget leaves less room for the
+    optimizer on the device."""
+    model = _model()
+    budget = _budget_for_half_tail(model, 2, 24)
+    tails = []
+    for seq in (8, 24, 96):
+        device_budget(budget)
+        m = _model()
+        opt = SuperOffloadOptimizer(m, lr=1e-2, log_plan=False)
+        _train(opt, m, _batches(1, 2, seq))
+        tails.append(opt.plan.device_numel)
+        opt.close()
+    assert tails[0] > tails[1] > tails[2], tails
+
+
+def test_checkpointing_and_accumulation_from_the_first_micro_batch(device_budget) -> None:
+    batch, seq = 2, 24
+    model = _model(ckpt=True)
+    device_budget(_budget_for_half_tail(model, batch, seq))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    with torch.no_grad():  # evaluation first: not the training step's shape
+        model.eval()
+        model(input_ids=_batches(1, 7, 5)[0])
+        model.train()
+    assert not opt.planned
+    data = _batches(4, batch, seq)
+    _train(opt, model, data, accum=2)  # the first forward runs inside no_sync
+    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=True)
+
+    ref_model = _model(ckpt=True)
+    ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                workload=Workload(ref_model.config, batch, seq, grad_ckpt=True))
+    _train(ref, ref_model, data, accum=2)
+    for a, b in zip(_snapshot(opt, model), _snapshot(ref, ref_model), strict=True):
+        assert torch.equal(a, b)
+    opt.close()
+    ref.close()
+
+
+def test_use_before_any_batch_plans_without_a_workload(device_budget, caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    device_budget(64 * GiB)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, log_plan=False)
+    provisional = opt.plan
+    assert not opt.planned
+    with caplog.at_level("INFO", logger="hf_superoffload"):
+        opt.state_dict()
+    assert opt.planned and opt.workload is None
+    assert opt.plan == provisional
+    assert "before the first training batch" in caplog.text
+    opt.close()
+
+
+def test_a_given_profile_or_setting_plans_at_construction(device_budget) -> None:
+    device_budget(64 * GiB)
+    model = _model()
+    assert SuperOffloadOptimizer(model, lr=1e-2, log_plan=False, profile=_profile(64 * GiB)).planned
+    from hf_superoffload import SuperOffloadConfig
+
+    assert SuperOffloadOptimizer(_model(), lr=1e-2, log_plan=False,
+                                 config=SuperOffloadConfig(gpu_resident_buckets=0)).planned
