@@ -1,0 +1,164 @@
+"""Named semantic mutations of the engine, each with the few CPU tests that must catch it.
+
+A mutation is one exact snippet of one file and its replacement. ``run_mutations.py`` applies each to a copy of
+the package and runs its guarding tests against that copy: every mutation must make them fail. A snippet that
+no longer occurs exactly once is an error (the mutation went stale with an edit of the engine), never a pass:
+update the snippet together with the code it guards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MUTATIONS", "Mutation"]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    """File to mutate, relative to the repository root."""
+    old: str
+    """Must occur exactly once in that file."""
+    new: str
+    tests: tuple[str, ...]
+    """pytest node ids (relative to the repository root) that must fail under the mutation."""
+
+
+BIND = "tests/runtime/test_binding_parity.py"
+SKIP = "tests/runtime/test_skip_after_speculation.py"
+
+_STEP_CALL = ("            param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), "
+              "float(eps),\n            float(weight_decay), float(grad_scale), param_bf16_out, src_p,")
+_SKIP_UNDO = ("        if verdict.kind is StepVerdict.SKIP:\n            if speculated:\n"
+              "                self._undo(b, ctx)\n")
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        "lr_x1.15_from_step_4", "hf_superoffload/ops.py", _STEP_CALL,
+        _STEP_CALL.replace("float(lr),", "float(lr) * (1.15 if step >= 4 else 1.0),"),
+        (f"{BIND}::test_commit_parity[inverse]",),
+    ),
+    Mutation(
+        "bias_correction_step_minus_1_host", "hf_superoffload/ops.py", _STEP_CALL,
+        _STEP_CALL.replace("int(step), float(lr),", "max(int(step) - 1, 1), float(lr),"),
+        (f"{BIND}::test_commit_parity[inverse]",),
+    ),
+    Mutation(
+        "bias_correction_step_minus_1_tail", "cpu_ext/reference.py",
+        "    bc1 = 1.0 - beta1**step\n    bc2_sqrt = math.sqrt(1.0 - beta2**step)\n    p.mul_(1.0 - lr * weight_decay)",
+        "    bc1 = 1.0 - beta1 ** max(step - 1, 1)\n    bc2_sqrt = math.sqrt(1.0 - beta2 ** max(step - 1, 1))\n"
+        "    p.mul_(1.0 - lr * weight_decay)",
+        (f"{BIND}::test_commit_parity[inverse]",),
+    ),
+    Mutation(
+        "weight_decay_on_the_no_decay_group", "hf_superoffload/runtime/host_step.py",
+        "                lr, beta1, beta2, eps, wd = hyper[r.group]\n                sl = slice(r.start, r.end)\n",
+        "                lr, beta1, beta2, eps, wd = hyper[r.group]\n                wd = max(h[4] for h in hyper)\n"
+        "                sl = slice(r.start, r.end)\n",
+        (f"{BIND}::test_commit_parity[inverse]",),
+    ),
+    Mutation(
+        "clip_coefficient_ignored_on_redo", "hf_superoffload/runtime/host_step.py",
+        "self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments",
+        "self._cpu_step(b, ctx, verdict.hyper, 1.0 / self._div if speculated else verdict.grad_scale, store_moments",
+        (f"{BIND}::test_redo_parity[double_buffer]",),
+    ),
+    Mutation(
+        "no_undo_on_skip_double_buffer", "hf_superoffload/runtime/host_step.py", _SKIP_UNDO,
+        _SKIP_UNDO.replace("self._undo(b, ctx)", "pass"),
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[flow-double_buffer]",),
+    ),
+    Mutation(
+        "no_undo_on_skip_inverse", "hf_superoffload/runtime/host_step.py", _SKIP_UNDO,
+        _SKIP_UNDO.replace("self._undo(b, ctx)", "pass"),
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
+    ),
+    Mutation(
+        "inverse_undo_with_group_0_betas", "hf_superoffload/runtime/host_step.py",
+        "                    lr, beta1, beta2, eps, wd = hyper[r.group]\n                    ops.cpu_adamw_undo_(",
+        "                    lr, beta1, beta2, eps, wd = hyper[r.group]\n                    beta1, beta2 = hyper[0][1:3]\n"
+        "                    ops.cpu_adamw_undo_(",
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
+    ),
+    Mutation(
+        "data_parallel_gradient_divisor_dropped", "hf_superoffload/runtime/engine.py",
+        "        self._div = comm.grad_divisor if comm else 1.0\n",
+        "        self._div = 1.0\n",
+        ("tests/distributed/test_data_parallel.py::test_two_ranks_match_the_reference_on_the_global_batch[0-inverse]",),
+    ),
+    Mutation(
+        "no_sync_micro_batch_dropped", "hf_superoffload/runtime/engine.py",
+        "        if not sync and (self._accum is None or isinstance(b, DeviceBucket)):\n            return",
+        "        if not sync and (self._accum is None or isinstance(b, DeviceBucket)):\n"
+        "            self.params[i].grad = None\n            return",
+        (f"{BIND}::test_accumulation_parity[device]",),
+    ),
+    Mutation(
+        "gpu_tail_uses_the_default_eps", "hf_superoffload/runtime/engine.py",
+        "beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=verdict.grad_scale,",
+        "beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=wd, grad_scale=verdict.grad_scale,",
+        (f"{BIND}::test_commit_parity[inverse]",),
+    ),
+    Mutation(
+        "speculative_weights_uploaded_after_skip", "hf_superoffload/runtime/host_step.py", _SKIP_UNDO,
+        _SKIP_UNDO.replace("                self._undo(b, ctx)\n",
+                           "                if b.staging is not None:\n"
+                           "                    scatter_flat_(b.staging, b.params)\n"
+                           "                self._undo(b, ctx)\n"),
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-double_buffer]",),
+    ),
+    Mutation(
+        "step_count_advanced_on_a_skipped_step", "hf_superoffload/runtime/engine.py",
+        "        if verdict.kind is not StepVerdict.SKIP:\n            self._cur = ctx.dst",
+        "        if True:\n            self._cur = ctx.dst if verdict.kind is not StepVerdict.SKIP else self._cur",
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-double_buffer]",),
+    ),
+    Mutation(
+        "step_counter_off_by_one_after_load_state_dict", "hf_superoffload/state.py",
+        '        engine.param_steps = [int(s) for s in sd["param_steps"].tolist()]',
+        '        engine.param_steps = [int(s) + 1 for s in sd["param_steps"].tolist()]',
+        ("tests/runtime/test_skip_and_state.py::test_state_dict_round_trip_resumes_bit_identically[True]",),
+    ),
+    Mutation(
+        "bf16_rounding_by_truncation", "triton_kernels/reference.py",
+        "        p.copy_(src[offset_el : offset_el + n].view(p.shape))",
+        "        piece = src[offset_el : offset_el + n]\n"
+        "        if p.dtype == torch.bfloat16 and piece.dtype == torch.float32:\n"
+        "            piece = (piece.contiguous().view(torch.int32) & -65536).view(torch.float32)\n"
+        "        p.copy_(piece.view(p.shape))",
+        (f"{BIND}::test_commit_parity[inverse]",),
+    ),
+    Mutation(
+        "host_accumulation_in_bf16_where_fp32_was_planned", "hf_superoffload/runtime/accumulation.py",
+        'HostBuffer(host_numel, torch.float32, pin=False, name="fp32 gradient accumulator")',
+        'HostBuffer(host_numel, torch.bfloat16, pin=False, name="fp32 gradient accumulator")',
+        (f"{BIND}::test_accumulation_parity[host_fp32]",),
+    ),
+    Mutation(
+        "lr_scheduler_advances_on_a_skipped_step", "hf_superoffload/integrations/_common.py",
+        "        return bool(self.optimizer.step_was_skipped) or self._is_overflow",
+        "        return self._is_overflow",
+        ("tests/integration/test_trainer_errors.py::"
+         "test_non_finite_step_is_skipped_and_the_lr_schedule_does_not_advance",),
+    ),
+    # beyond the issue's list: the other ways a speculative step can be kept or a state copy go stale
+    Mutation(
+        "speculation_committed_despite_changed_hyper_parameters", "hf_superoffload/runtime/validation.py",
+        "    if scale != 1.0 or (spec_hyper is not None and hyper != spec_hyper):",
+        "    if scale != 1.0:",
+        (f"{BIND}::test_lr_change_after_backward_redoes",),
+    ),
+    Mutation(
+        "double_buffer_drops_the_state_of_parameters_without_gradient", "hf_superoffload/runtime/host_step.py",
+        "        if ctx.dst != ctx.src:  # parameters without a gradient keep their state in the new copy too",
+        "        if False:  # parameters without a gradient keep their state in the new copy too",
+        (f"{BIND}::test_parameters_without_gradient_parity",),
+    ),
+    Mutation(
+        "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/host_step.py",
+        "source = b.staging if b.staging is not None else b.pmv[copy][0]",
+        "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self._copies][0]",
+        (f"{BIND}::test_gpu_cast_parity",),
+    ),
+)
