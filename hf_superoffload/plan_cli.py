@@ -51,6 +51,7 @@ from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile, shipped_profile_names
 from .planning.memory_model import (
     GiB,
+    MemoryEstimate,
     ModelShape,
     PlanLike,
     bisect_largest,
@@ -111,6 +112,58 @@ def arrival_numels(config: Any) -> list[int]:
     seen: set[int] = set()
     numels = [p.numel() for p in model.parameters() if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
     return numels[::-1]
+
+
+def _numels_by_layers(config: Any, numels: list[int]) -> Any:
+    """``layers -> arrival numels`` of the same model with that many decoder layers, or ``None`` when the model is
+    not one block of parameters repeated per layer between a fixed head and tail."""
+    import copy
+
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        return None
+    small = []
+    for n in (1, 2):
+        c = copy.deepcopy(config)
+        c.num_hidden_layers = n
+        for key in ("layer_types", "mlp_layer_types"):  # per-layer lists follow the layer count
+            if isinstance(getattr(c, key, None), list):
+                setattr(c, key, getattr(config, key)[:n])
+        try:
+            small.append(arrival_numels(c))
+        except Exception:
+            return None
+    one, two = small
+    c = len(two) - len(one)
+    for p in range(len(one) - c + 1):
+        head, block, rest = one[:p], one[p : p + c], one[p + c :]
+        if two == head + block * 2 + rest and numels == head + block * layers + rest:
+            return lambda n: head + block * n + rest
+    return None
+
+
+def _largest_by_plan(shape: ModelShape, layered: Any, cfg: SuperOffloadConfig, profile: HardwareProfile,
+                     workload: Workload) -> tuple[int, MemoryEstimate] | None:
+    """The most layers of this width for which the planner's own search finds a plan that fits: the same search,
+    and the same check, as the verdict (so a model below the frontier always fits)."""
+    run = workload.estimate_kwargs()
+
+    def est_for(layers: int) -> MemoryEstimate | None:
+        s = shape.with_layers(layers)
+        try:
+            plan = make_plan(layered(layers), element_size=2, config=cfg, profile=profile,
+                             workload=dataclasses.replace(workload, model=s))
+        except PlanError:
+            return None
+        est = estimate(s, plan_like=PlanLike.from_plan(plan), **run)
+        return est if fits(est, profile) else None
+
+    best = bisect_largest(1, MAX_LAYERS, lambda layers: est_for(layers) is not None)
+    if best is None:
+        return None
+    est = est_for(best)
+    assert est is not None
+    return best, est
 
 
 def resolve_profile(spec: str, *, gpu_mem_gb: float | None, host_mem_gb: float | None) -> HardwareProfile:
@@ -296,8 +349,13 @@ def main_plan(args: argparse.Namespace) -> int:
     largest = None
     # the device memory bounds it (state that does not fit the host goes to the device tail): unknown without it
     if profile.device_free_bytes is not None:
-        largest = largest_model_that_fits(shape, profile=profile, host_bytes_per_param=plan_like.host_bytes_per_param,
-                                          max_layers=MAX_LAYERS, weight_mode=plan_like.weight_mode, **run)
+        layered = _numels_by_layers(config, numels)
+        if layered is not None and sp == 1:
+            largest = _largest_by_plan(shape, layered, cfg, profile, workload)
+        else:  # not a plain stack of identical layers (or several ranks): the memory model's own search
+            largest = largest_model_that_fits(shape, profile=profile, host_bytes_per_param=plan_like.host_bytes_per_param,
+                                              max_layers=MAX_LAYERS, weight_mode=plan_like.weight_mode,
+                                              bucket_bytes=plan_like.bucket_bytes, **run)
     longest = None
     if profile.device_free_bytes is not None:
         free = profile.device_free_bytes

@@ -227,7 +227,11 @@ class PlanLike:
     @classmethod
     def from_plan(cls, plan: OffloadPlan, *, bucket_bytes: int | None = None) -> PlanLike:
         gpu_cast = plan.cast_side is CastSide.GPU
-        largest = max((b.numel for b in plan.buckets), default=0) * (4 if gpu_cast else 2)
+        # the buckets in flight at once are at most the few largest (a bucket per embedding matrix is far larger
+        # than the rest, and the two are never in flight together: one arrives first, the other last)
+        inflight = INFLIGHT_BUCKETS + max(0, plan.d2h_lead_buckets - 1)
+        top = sorted((b.numel for b in plan.host_buckets), reverse=True)[:inflight]
+        largest = (sum(top) // len(top) if top else 0) * (4 if gpu_cast else 2)
         return cls(device_numel=plan.device_numel, host_numel=plan.host_numel,
                    host_bytes_per_param=28 if plan.rollback is Rollback.DOUBLE_BUFFER else 16,
                    accumulation_bytes=plan.accumulation_bytes(),
@@ -380,7 +384,10 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             if name != "backward_start":  # the tail holds the first layers: its gradients come last
                 d["tail_gradients"] = 2 * p.device_numel
             inflight = INFLIGHT_BUCKETS + max(0, p.d2h_lead_buckets - 1)  # [Note: D2H lead]: k waiting for the D2H
-            d["bucket_buffers"] = inflight * p.bucket_bytes if p.host_numel else 0
+            per = p.bucket_bytes
+            if p.cast_side == "gpu" and name != "step":
+                per //= 2  # in backward only bf16 gradients are in flight; the fp32 uploads run in the next forward
+            d["bucket_buffers"] = inflight * per if p.host_numel else 0
 
     host: dict[str, int] = {"runtime_baseline": RUNTIME_HOST_BYTES}
     untouched = 0

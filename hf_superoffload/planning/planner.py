@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,10 @@ def _weight_mode(numels: Sequence[int], bucket_bytes: int, config: SuperOffloadC
                              f"{'' if flow <= free else ', which does not fit either'})")
 
 
+class _HostRoomError(PlanError):
+    """The host RAM cannot hold the optimizer state of the host buckets (an auto tail can grow to fix it)."""
+
+
 def make_plan(
     numels: Sequence[int],
     *,
@@ -254,13 +259,128 @@ def make_plan(
         cores: the cores this process may use (default: its affinity mask), split between the local ranks.
         workload: the model shape, batch and sequence length, when known (``weight_placement="auto"`` then
             uses the memory model; without it, the weights' share of free device memory).
+
+    With ``gpu_resident_buckets="auto"``, the device tail is first sized for the device (the memory the activations
+    leave, or ``device_memory_fraction``); when the host RAM cannot hold the rest, the tail grows, bucket by
+    bucket, until it can, as long as the device holds it ([Note: tail from both memories] in docs/design.md).
     """
+    kw = dict(element_size=element_size, profile=profile, world_size=world_size, rank=rank,
+              local_world_size=local_world_size, local_rank=local_rank, cores=cores, workload=workload)
+
+    def plan_at(n: int | str) -> OffloadPlan | None:
+        try:
+            return _make_plan(numels, config=config.replace(gpu_resident_buckets=n), **kw)  # type: ignore[arg-type]
+        except _HostRoomError:
+            return None
+
+    if config.gpu_resident_buckets != "auto":
+        try:
+            return _make_plan(numels, config=config, **kw)  # type: ignore[arg-type]
+        except _HostRoomError as e:
+            raise PlanError(str(e)) from None
+    try:
+        auto: OffloadPlan | None = _make_plan(numels, config=config, **kw)  # type: ignore[arg-type]
+        host_error: PlanError | None = None
+    except _HostRoomError as e:
+        auto, host_error = None, e
+    if auto is not None and (auto.weight_mode is WeightMode.FLOW or workload is None
+                             or profile.device_free_bytes is None):
+        return auto  # flow leaves the device to activations; without a workload the activations are unknown
+    n_buckets = len(partition_buckets(numels, _bucket_numel(numels, config, element_size)))
+    # [Note: tail from both memories]: the host RAM sets the smallest tail, the device the largest
+    lo = _smallest(0, n_buckets, lambda n: plan_at(n) is not None)
+    if lo is None:
+        raise PlanError(str(host_error)) from None
+    first = plan_at(lo)
+    assert first is not None
+    gib = 1024**3
+    ok, why = _device_holds(first, workload, profile, world_size)
+    if not ok:
+        if lo == 0:
+            return first  # nothing fits beside the activations even with no tail: the verdict says so
+        raise PlanError(f"{host_error or ''} A device tail large enough for the host ({lo} of {n_buckets} buckets, "
+                        f"{first.device_numel * _DEVICE_BYTES_PER_PARAM / gib:.1f} GiB of optimizer state and gradients) "
+                        f"does not fit the device either: {why}. Add host RAM, use weight_placement='flow', a "
+                        "shorter sequence or a smaller batch, or more GPUs.") from None
+    best = bisect_largest_int(lo, n_buckets, lambda n: _device_holds(plan_at(n), workload, profile, world_size)[0])
+    plan = plan_at(best)
+    assert plan is not None
+    _, why = _device_holds(plan, workload, profile, world_size)
+    grown = " grown until the host RAM holds the rest, then" if host_error is not None else ""
+    note = (f"device tail: {best} bucket(s) = {plan.device_numel / max(sum(numels), 1):.0%} of parameters (auto:{grown} "
+            f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
+            f"{_workload_note(workload)}, {why})")
+    return dataclasses.replace(plan, notes=(note, *plan.notes[1:]))
+
+
+def _workload_note(workload: Workload) -> str:
+    note = f", {workload.sequence_parallel} ranks per sequence" if workload.sequence_parallel > 1 else ""
+    return note + (f", MLP tiles of {workload.mlp_tile_tokens} tokens" if workload.mlp_tile_tokens else "")
+
+
+def _smallest(lo: int, hi: int, ok: Any) -> int | None:
+    """Smallest x in [lo, hi] with ok(x), for a monotone ok (false, then true); None if none."""
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
+
+
+def bisect_largest_int(lo: int, hi: int, ok: Any) -> int:
+    """Largest x in [lo, hi] with ok(x), for a monotone ok (true, then false) with ok(lo)."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def _bucket_numel(numels: Sequence[int], config: SuperOffloadConfig, element_size: int) -> int:
+    bucket_numel = max(1, int(config.bucket_size_mb * 1024 * 1024 / element_size))
+    return min(bucket_numel, max(1, -(-sum(numels) // _MIN_BUCKETS)))
+
+
+def _device_holds(plan: OffloadPlan | None, workload: Workload, profile: HardwareProfile,
+                  world_size: int) -> tuple[bool, str]:
+    """Whether the memory model says ``plan`` fits the device (less ``_DEVICE_MARGIN``) and the host, with the
+    plan's own cast side, rollback and buffers (the figures ``hf-superoffload plan`` prints), and why in words."""
+    from .memory_model import PlanLike, estimate
+
+    if plan is None:
+        return False, "the host RAM does not hold the rest"
+    gib = 1024**3
+    est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
+    free = profile.device_free_bytes
+    assert free is not None
+    budget = free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
+    host = profile.host_available_bytes  # several ranks: the planner's own room check splits the host
+    host_ok = host is None or world_size > 1 or est.host_peak_bytes <= host
+    why = (f"{est.gpu_required_bytes / gib:.1f} of {budget / gib:.1f} GiB usable device memory predicted "
+           f"({_DEVICE_MARGIN:.0%} of the free memory kept spare)")
+    return est.gpu_required_bytes <= budget and host_ok, why
+
+
+def _make_plan(
+    numels: Sequence[int],
+    *,
+    element_size: int,
+    config: SuperOffloadConfig,
+    profile: HardwareProfile,
+    world_size: int = 1,
+    rank: int = 0,
+    local_world_size: int = 1,
+    local_rank: int = 0,
+    cores: Sequence[int] | None = None,
+    workload: Workload | None = None,
+) -> OffloadPlan:
+    """One plan for ``config`` as given (see :func:`make_plan`); raises :class:`_HostRoomError` when the host RAM
+    cannot hold the host buckets' state."""
     if not (world_size >= 1 and 0 <= rank < world_size and 1 <= local_world_size <= world_size
             and 0 <= local_rank < local_world_size):
         raise PlanError(f"inconsistent ranks: rank {rank} of {world_size}, local rank {local_rank} of "
                         f"{local_world_size}; check the launcher's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE")
-    bucket_numel = max(1, int(config.bucket_size_mb * 1024 * 1024 / element_size))
-    bucket_numel = min(bucket_numel, max(1, -(-sum(numels) // _MIN_BUCKETS)))
+    bucket_numel = _bucket_numel(numels, config, element_size)
     groups = partition_buckets(numels, bucket_numel)
     largest = max((sum(numels[i] for i in g) for g in groups), default=0) * element_size
     weight_mode, weight_note = _weight_mode(numels, largest, config, profile, workload)
@@ -279,8 +399,7 @@ def make_plan(
             n_tail = _fit_tail_to_activations(groups, numels, len(groups), workload, profile, world_size,
                                               weight_mode, largest, config)
             covered = sum(sum(numels[i] for i in g) for g in groups[len(groups) - n_tail :]) if n_tail else 0
-            sp_note = (f", {workload.sequence_parallel} ranks per sequence" if workload.sequence_parallel > 1 else "")
-            sp_note += f", MLP tiles of {workload.mlp_tile_tokens} tokens" if workload.mlp_tile_tokens else ""
+            sp_note = _workload_note(workload)
             tail_note = (f"device tail: {n_tail} bucket(s) = {covered / max(sum(numels), 1):.0%} of parameters (auto: "
                          f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
                          f"{sp_note}, {_DEVICE_MARGIN:.0%} of free device memory kept spare)")
@@ -340,7 +459,7 @@ def make_plan(
         base += LANDING_RING_SLOTS * largest_host * 2
     if room is not None and base > room:
         gib = 1024**3
-        raise PlanError(
+        raise _HostRoomError(
             f"the host optimizer state needs {base / gib:.1f} GiB ({base / max(host_numel, 1):.0f} B/param for "
             f"{host_numel / 1e9:.2f}B parameters) plus {reserve / gib:.0f} GiB kept free (headroom, the engine's own RSS), "
             f"but only {avail / gib:.1f} GiB of "

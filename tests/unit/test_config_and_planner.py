@@ -135,7 +135,7 @@ def test_a_known_workload_sizes_the_auto_tail_to_what_the_activations_leave():
     activations (less the margin); longer sequences leave less; an explicit tail stays the user's call."""
     from hf_superoffload.plan_cli import arrival_numels, load_model_config
     from hf_superoffload.planning.memory_model import PlanLike, estimate
-    from hf_superoffload.planning.planner import _COLLECTIVES_BYTES, _DEVICE_MARGIN, Workload, d2h_lead
+    from hf_superoffload.planning.planner import _COLLECTIVES_BYTES, _DEVICE_MARGIN, Workload
 
     cfg = load_model_config("8b")
     numels = arrival_numels(cfg)
@@ -146,14 +146,11 @@ def test_a_known_workload_sizes_the_auto_tail_to_what_the_activations_leave():
     assert 0 < len(plan.device_buckets) < len(plan.buckets)
     assert "the most the workload leaves room for" in plan.notes[0]
 
-    def required(n_tail: int) -> int:
-        shards = [b.shard for b in plan.buckets]
-        tail = sum(shards[len(shards) - n_tail :])
+    def required(n_tail: int) -> int:  # the plan with that tail, as the memory model reads it (its own buffers)
+        fixed = make_plan(numels, element_size=2, config=SuperOffloadConfig(gpu_resident_buckets=n_tail), profile=prof,
+                          workload=long, **ranks)
         return estimate(cfg, batch_size=1, seq_len=262_144, grad_ckpt=True, sequence_parallel=2, loss_chunk_tokens=4096,
-                        plan_like=PlanLike(device_numel=tail, host_numel=sum(shards) - tail,
-                                           bucket_bytes=2 * max(b.numel for b in plan.buckets),
-                                           d2h_lead_buckets=d2h_lead(SuperOffloadConfig(), sum(shards) - tail, tail))
-                        ).gpu_required_bytes
+                        plan_like=PlanLike.from_plan(fixed)).gpu_required_bytes
 
     budget = 124 * GiB * (1 - _DEVICE_MARGIN) - _COLLECTIVES_BYTES  # two ranks: NCCL's buffers kept free too
     assert required(len(plan.device_buckets)) <= budget < required(len(plan.device_buckets) + 1)  # fits, and maximal
