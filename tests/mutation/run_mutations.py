@@ -1,7 +1,8 @@
 """Apply each mutation of ``mutations.py`` to a copy of the package and run its guarding tests there.
 
 Usage: ``python tests/mutation/run_mutations.py [name ...]`` (default: every mutation). Prints one line per
-mutation (KILLED, SURVIVED, STALE or ERROR, with seconds) and exits non-zero unless every one was KILLED.
+mutation (KILLED, SURVIVED, STALE or ERROR, with seconds; for KILLED the first failed assertion) and exits
+non-zero unless every one was KILLED. ``MUTATION_JOBS`` sets how many run at once (default 2).
 
 The copy is laid out as the installed package (``triton_kernels/`` and ``cpu_ext/`` *inside*
 ``hf_superoffload/``, as pyproject's package-dir maps them) and put first on ``PYTHONPATH``, so it shadows the
@@ -94,8 +95,9 @@ def run_one(m: Mutation) -> tuple[str, float, str]:
             return "ERROR", time.perf_counter() - t0, f"timed out after {TIMEOUT_S:.0f} s"
     seconds = time.perf_counter() - t0
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-    if proc.returncode == 1:
-        return "KILLED", seconds, ""
+    if proc.returncode == 1:  # the first assertion line says what caught it
+        caught = next((ln for ln in proc.stdout.splitlines() if ln.startswith("E ")), "")
+        return "KILLED", seconds, caught[:160]
     if proc.returncode == 0:
         return "SURVIVED", seconds, tail
     return "ERROR", seconds, f"pytest exit code {proc.returncode}\n{tail}"
