@@ -8,10 +8,20 @@ GPU-resident tail) is converted parameter by parameter; a different model is ref
 Data parallel: each rank saves its own shard of every bucket, with the bucket layout (``sharding``). A shard
 loads into the same rank of the same layout. :func:`consolidate_state_dicts` merges every rank's shard into
 one single-process state, which loads into any world size (each rank takes its slices).
+
+Integrity: each arena carries order-sensitive checksums (:func:`_checksum`, CRC32 per 16 MiB: a flipped bit or two
+swapped blocks are detected, naming the arena and the parameters in the damaged range) and is refused on load if it
+holds a NaN/inf (naming the parameter). Checkpoints
+written before the checksum existed are verified with the older plain sum (``digest``), and new ones still carry
+that sum, so older versions of this package read them.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,9 +33,12 @@ __all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engin
 
 FORMAT = "hf_superoffload.optimizer.v1"
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
+_CRC_BYTES = 16 << 20  # one CRC32 per 16 MiB of an arena: the damaged range is located to that resolution
+_CHUNK = 1 << 22  # elements per pass of the finiteness check: bounds its temporary to 4 MiB
 
 
 def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
+    refuse_stock_accelerate_wrapper("__init__")
     if engine.step_in_progress:
         raise RuntimeError("optimizer.state_dict() was called between backward() and step(): the optimizer state is "
                            "mid-update. Call it after step().")
@@ -38,6 +51,7 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
     sharded = engine.comm is not None
     return {
         "format": FORMAT,
+        "names": param_names(engine),
         "numels": [p.numel() for p in engine.params],
         "shapes": [list(p.shape) for p in engine.params],
         "locations": None if sharded else [(pl.value, off) for pl, off in
@@ -45,11 +59,47 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
         "sharding": _layout(engine) if sharded else None,
         "param_steps": torch.tensor(engine.param_steps, dtype=torch.int64),
         **arenas,
-        "manifest": {f"{side}/{k}": {"numel": t.numel(), "dtype": str(t.dtype), "digest": _digest(t)}
-                     for side, d in arenas.items() for k, t in d.items()},
+        "manifest": _manifest(arenas),
         "counters": dict(counters),
         "governor": engine.governor.state_dict(),
     }
+
+
+def refuse_stock_accelerate_wrapper(method: str, depth: int = 8) -> None:
+    """Raise if one of the ``depth`` callers is accelerate's stock ``AcceleratedOptimizer.<method>`` driving a
+    SuperOffloadOptimizer. That wrapper is what ``accelerator.prepare(model, optimizer)`` and a plain
+    ``transformers.Trainer(optimizers=(optimizer, ...))`` put around it; its constructor reads the state dict to
+    move the host state to the GPU (so ``engine_state_dict`` checks ``__init__``: refused at prepare, before
+    training) and its ``step`` forwards to ours (the optimizer checks ``step`` when a step reads its
+    hyper-parameters: the case ``device_placement=False``). Under it, Trainer clips already-offloaded gradients,
+    the LR advances on skipped steps and accumulation fails mid-step. Our own wrapper (a subclass defined in this
+    package) is allowed."""
+    stock = sys.modules.get("accelerate.optimizer")
+    cls = getattr(stock, "AcceleratedOptimizer", None)
+    code = getattr(getattr(cls, method, None), "__code__", None)
+    if code is None:  # accelerate not imported: nothing can wrap us
+        return
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return
+        if frame.f_code is code:
+            wrapper = frame.f_locals.get("self")
+            if wrapper is None or type(wrapper).__module__.startswith("hf_superoffload."):
+                return
+            break
+        frame = frame.f_back
+    else:
+        return
+    while frame is not None and frame.f_globals.get("__name__") != "transformers.trainer":
+        frame = frame.f_back
+    if frame is not None:
+        raise TypeError("SuperOffloadOptimizer cannot be used by a plain transformers.Trainer (optimizers=(...)): use "
+                        "hf_superoffload.SuperOffloadTrainer with SuperOffloadArguments instead, which builds the "
+                        "optimizer from the args (learning_rate, weight_decay, max_grad_norm, superoffload_*)")
+    raise TypeError("accelerator.prepare(...) cannot wrap a SuperOffloadOptimizer (it would move the host state to the "
+                    "GPU and advance the LR on skipped steps): use model, optimizer = "
+                    "hf_superoffload.prepare_superoffload(accelerator, model, optimizer) instead")
 
 
 def _layout(engine: OffloadEngine) -> dict[str, Any]:
@@ -57,6 +107,93 @@ def _layout(engine: OffloadEngine) -> dict[str, Any]:
     return {"world_size": plan.world_size, "rank": plan.rank,
             "buckets": [{"params": list(b.param_indices), "numel": b.numel, "shard": b.shard,
                          "placement": b.placement.value, "offset": b.offset} for b in plan.buckets]}
+
+
+def param_names(engine: OffloadEngine) -> list[str]:
+    """The model's name of each of the engine's parameters, in the engine's order. The engine keeps them in
+    gradient-arrival order (the reverse of registration), so an index means nothing to a user: errors name them."""
+    roots = getattr(engine, "_roots", None)  # the model itself comes first
+    by_id = {id(p): n for n, p in roots[0].named_parameters()} if roots else {}
+    return [by_id.get(id(p), f"parameter {i}") for i, p in enumerate(engine.params)]
+
+
+def _manifest(arenas: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+    """Per arena: size, dtype, the order-sensitive ``checksum`` (verified on load) and the plain ``digest`` that
+    versions before the checksum verify (kept so they can still read these checkpoints)."""
+    return {f"{side}/{k}": {"numel": t.numel(), "dtype": str(t.dtype), "digest": _digest(t), "checksum": _checksum(t)}
+            for side, d in arenas.items() for k, t in d.items()}
+
+
+def _checksum(t: torch.Tensor) -> dict[str, Any]:
+    """Order-sensitive checksums of an arena's bytes: the CRC32 of each 16 MiB piece, in order. A flipped bit
+    changes one; two blocks that swap places change those of the pieces they sit in (a plain sum of the words
+    cannot see a swap). zlib's CRC32 runs at several GB/s per core and releases the GIL, so the pieces are
+    checksummed on a few threads."""
+    data = memoryview(t.detach().reshape(-1).cpu().view(torch.uint8).numpy())
+    pieces = [data[at : at + _CRC_BYTES] for at in range(0, len(data), _CRC_BYTES)]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(pieces)))) as pool:
+        crcs = list(pool.map(zlib.crc32, pieces))
+    return {"algorithm": "crc32", "piece_bytes": _CRC_BYTES, "crcs": crcs}
+
+
+def _check_integrity(side: str, kind: str, t: torch.Tensor, entry: dict[str, Any] | None, sd: dict[str, Any],
+                     names: list[str]) -> None:
+    """The arena's checksum (the order-sensitive one, or the plain sum of checkpoints written before it), then its
+    values: a NaN/inf master or moment would make every later step non-finite, skipped forever."""
+    if entry is not None:
+        if "checksum" in entry:
+            _verify_checksum(side, kind, t, entry["checksum"], sd, names)
+        elif entry.get("digest") != _digest(t):
+            raise ValueError(f"optimizer checkpoint {side}/{kind} fails its checksum (saved {entry.get('digest')}, "
+                             f"read {_digest(t)}); the file is damaged")
+    at = _first_non_finite(t)
+    if at is not None:
+        raise ValueError(f"optimizer checkpoint {side}/{kind} holds a non-finite value ({float(t[at])}) at element {at} "
+                         f"({_owner(sd, side, at, names)}): the run that saved it had already diverged (or the file "
+                         "is damaged); resume from an earlier checkpoint")
+
+
+def _verify_checksum(side: str, kind: str, t: torch.Tensor, saved: Any, sd: dict[str, Any], names: list[str]) -> None:
+    if not isinstance(saved, dict) or saved.get("algorithm") != "crc32" or saved.get("piece_bytes") != _CRC_BYTES:
+        raise ValueError(f"optimizer checkpoint {side}/{kind} has a checksum this version cannot verify ({saved!r:.80}); "
+                         "load it with the hf_superoffload version that wrote it")
+    read = _checksum(t)["crcs"]
+    bad = [k for k, (a, b) in enumerate(zip(saved["crcs"], read)) if a != b]
+    if bad or len(saved["crcs"]) != len(read):
+        k = bad[0] if bad else min(len(read), len(saved["crcs"]))
+        per = _CRC_BYTES // t.element_size()
+        first, last = k * per, min((k + 1) * per, t.numel()) - 1
+        owners = list(dict.fromkeys(_owner(sd, side, at, names) for at in (first, last)))
+        raise ValueError(f"optimizer checkpoint {side}/{kind} fails its checksum in elements {first}..{last} "
+                         f"({' to '.join(owners)}; {len(bad)} of {len(read)} pieces differ): its bytes were changed "
+                         "or reordered; the file is damaged")
+
+
+def _first_non_finite(t: torch.Tensor) -> int | None:
+    for start in range(0, t.numel(), _CHUNK):
+        bad = ~torch.isfinite(t[start : start + _CHUNK])
+        if bool(bad.any()):
+            return start + int(bad.nonzero()[0, 0])
+    return None
+
+
+def _owner(sd: dict[str, Any], side: str, at: int, names: list[str]) -> str:
+    """The parameter whose slice of a ``side`` arena holds element ``at``."""
+    numels = list(sd["numels"])
+    if sd.get("sharding"):  # this rank's shard of each bucket, in bucket order
+        lay = sd["sharding"]
+        for b in lay["buckets"]:
+            if b["placement"] == side and b["offset"] <= at < b["offset"] + b["shard"]:
+                pos = lay["rank"] * b["shard"] + at - b["offset"]  # position within the whole bucket
+                for i in b["params"]:
+                    if pos < numels[i]:
+                        return f"parameter {names[i]}"
+                    pos -= numels[i]
+        return "bucket padding"
+    for i, (pl_value, off) in enumerate(sd["locations"]):
+        if ("host" if Placement(pl_value) is Placement.HOST else "device") == side and off <= at < off + numels[i]:
+            return f"parameter {names[i]}"
+    return "no parameter"
 
 
 def _digest(t: torch.Tensor) -> int:
@@ -76,20 +213,25 @@ def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
         if key not in sd:
             raise ValueError(f"optimizer checkpoint has no {key!r} entry; the file is damaged")
     numels = [p.numel() for p in engine.params]
+    names = param_names(engine)
+    saved_names = sd.get("names")  # absent in checkpoints written before names were saved
     if list(sd["numels"]) != numels:
         saved, ours = list(sd["numels"]), numels
         first = next((i for i, (a, b) in enumerate(zip(saved, ours)) if a != b), min(len(saved), len(ours)))
+        where = (names[first] if first < len(names) else
+                 f"{saved_names[first]} (saved only)" if saved_names and first < len(saved_names) else "the end")
         raise ValueError(
             f"the checkpoint was saved for a different set of trainable parameters ({len(saved)} saved, {len(ours)} "
-            f"now; first difference at parameter {first}). Resume with the same model, the same frozen/trainable "
+            f"now; first difference at {where}). Resume with the same model, the same frozen/trainable "
             "parameters and the same param groups."
         )
     for i, (saved_shape, p) in enumerate(zip(sd["shapes"], engine.params)):
         if list(saved_shape) != list(p.shape):
-            raise ValueError(f"the checkpoint was saved for a different model: parameter {i} has shape "
+            was = f" (saved as {saved_names[i]})" if saved_names and saved_names[i] != names[i] else ""
+            raise ValueError(f"the checkpoint was saved for a different model: parameter {names[i]}{was} has shape "
                              f"{list(saved_shape)} in the checkpoint and {list(p.shape)} now. Resume with the same model.")
     if sd.get("sharding"):
-        _validate_shard(engine, sd)
+        _validate_shard(engine, sd, names)
         return
     for key in ("locations", "param_steps"):
         if len(sd[key]) != len(numels):
@@ -112,18 +254,14 @@ def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
                               if ("host" if Placement(pl) is Placement.HOST else "device") == side
                               and off + numels[i] > t.numel())
                 raise ValueError(f"optimizer checkpoint {side}/{kind} is truncated ({t.numel()} elements, parameter "
-                                 f"{i} needs {off + numels[i]})")
+                                 f"{names[i]} needs {off + numels[i]})")
             if t.numel() != need[side]:
                 raise ValueError(f"optimizer checkpoint {side}/{kind} has {t.numel()} elements but its layout needs "
                                  f"{need[side]}; the file is damaged")
-            if manifest is not None:
-                entry = manifest.get(f"{side}/{kind}", {})
-                if entry.get("digest") != _digest(t):
-                    raise ValueError(f"optimizer checkpoint {side}/{kind} fails its checksum (saved "
-                                     f"{entry.get('digest')}, read {_digest(t)}); the file is damaged")
+            _check_integrity(side, kind, t, None if manifest is None else manifest.get(f"{side}/{kind}", {}), sd, names)
 
 
-def _validate_shard(engine: OffloadEngine, sd: dict[str, Any]) -> None:
+def _validate_shard(engine: OffloadEngine, sd: dict[str, Any], names: list[str]) -> None:
     saved = sd["sharding"]
     w, r = saved.get("world_size"), saved.get("rank")
     if engine.comm is None or saved != _layout(engine):
@@ -149,10 +287,7 @@ def _validate_shard(engine: OffloadEngine, sd: dict[str, Any]) -> None:
                 got = "missing" if t is None else f"{t.dtype} of shape {list(t.shape)}"
                 raise ValueError(f"optimizer checkpoint {side}/{kind} is {got}, expected {need[side]} float32 "
                                  "elements; the file is damaged")
-            entry = manifest.get(f"{side}/{kind}")
-            if entry is not None and entry.get("digest") != _digest(t):
-                raise ValueError(f"optimizer checkpoint {side}/{kind} fails its checksum (saved {entry.get('digest')}, "
-                                 f"read {_digest(t)}); the file is damaged")
+            _check_integrity(side, kind, t, manifest.get(f"{side}/{kind}"), sd, names)
 
 
 def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -185,10 +320,10 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     base = shards[0]
     arenas = {side: {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in d.items()} for side, d in merged.items()}
     return {
-        "format": FORMAT, "numels": numels, "shapes": base["shapes"], "locations": locations, "sharding": None,
+        "format": FORMAT, "names": base.get("names"), "numels": numels, "shapes": base["shapes"],
+        "locations": locations, "sharding": None,
         "param_steps": base["param_steps"], **arenas,
-        "manifest": {f"{side}/{k}": {"numel": t.numel(), "dtype": str(t.dtype), "digest": _digest(t)}
-                     for side, d in arenas.items() for k, t in d.items()},
+        "manifest": _manifest(arenas),
         "counters": base.get("counters", {}), "governor": base.get("governor"),
     }
 
