@@ -303,6 +303,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 )
 
     def _hyper(self) -> Hyper:
+        from .state import refuse_stock_accelerate_wrapper
+
+        refuse_stock_accelerate_wrapper("step", depth=10)  # its constructor did not read our state: refused here
         return _checked_hyper(self.param_groups)
 
     # ------------------------------------------------------------------------------------------------

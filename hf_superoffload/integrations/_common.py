@@ -36,6 +36,7 @@ __all__ = [
     "TelemetryWindow",
     "atomic_torch_save",
     "find_superoffload_optimizer",
+    "refuse_other_model",
     "warn_if_threads_throttled",
 ]
 
@@ -151,6 +152,17 @@ def find_superoffload_optimizer(optimizer: Any) -> SuperOffloadOptimizer | None:
         optimizer = getattr(optimizer, "optimizer", None)
         seen += 1
     return None
+
+
+def refuse_other_model(optimizer: SuperOffloadOptimizer, model: torch.nn.Module, where: str) -> None:
+    """``ValueError`` when ``optimizer`` steps parameters that are not ``model``'s (it was built for another model):
+    that model would never change, and this one would never train."""
+    ours = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    foreign = len(ours - {id(p) for p in model.parameters()})
+    if foreign:
+        raise ValueError(f"{where}: the SuperOffloadOptimizer was built for another model ({foreign} of its {len(ours)} "
+                         "parameters are not parameters of the model given here): build it on this model, "
+                         "SuperOffloadOptimizer(model, ...)")
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:

@@ -77,6 +77,7 @@ from ._common import (
     SuperOffloadAcceleratedOptimizer,
     find_superoffload_optimizer,
     read_optimizer_state,
+    refuse_other_model,
     save_optimizer_state,
     warn_if_threads_throttled,
 )
@@ -259,6 +260,8 @@ def prepare_superoffload(
     if isinstance(tiled_mlp_tokens, bool) or not isinstance(tiled_mlp_tokens, int) or tiled_mlp_tokens < 0:
         raise ValueError(f"tiled_mlp_tokens={tiled_mlp_tokens!r} is invalid: use the tokens per MLP tile (e.g. 8192), "
                          "or 0 to leave the MLP untiled")
+    if isinstance(optimizer_or_kwargs, SuperOffloadOptimizer):  # before the model is placed: nothing changed yet
+        refuse_other_model(optimizer_or_kwargs, model, "prepare_superoffload")
     if not getattr(model, "_is_accelerate_prepared", False):
         # several processes: the optimizer reduces gradients itself (sharded offload), so no DDP wrapper;
         # evaluation_mode is accelerate's switch for "device placement and autocast only". A built optimizer in

@@ -72,6 +72,7 @@ from ._common import (
     TelemetryWindow,
     atomic_torch_save,
     read_optimizer_state,
+    refuse_other_model,
     save_optimizer_state,
     warn_if_threads_throttled,
 )
@@ -118,6 +119,9 @@ class SuperOffloadTrainer(Trainer):
                 "same keywords: SuperOffloadArguments(output_dir=..., learning_rate=..., ...)."
             )
         given = inspect.signature(Trainer.__init__).bind_partial(self, model, args, *rest, **kwargs).arguments
+        passed = (given.get("optimizers") or (None,))[0]
+        if isinstance(passed, SuperOffloadOptimizer) and isinstance(model, torch.nn.Module):
+            refuse_other_model(passed, model, "SuperOffloadTrainer(optimizers=(...))")
         if any(o is not None for o in (given.get("optimizers") or ())):
             raise ValueError("SuperOffloadTrainer builds its optimizer and scheduler from the args: drop "
                              "optimizers=(...) and set learning_rate / lr_scheduler_type / warmup_steps instead.")
