@@ -186,7 +186,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         shape = _batch_shape(args, kwargs)
         workload = None
         if shape is not None:
-            workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=_checkpointing(module))
+            # a first forward that is not an accumulation boundary shows that micro-batches accumulate
+            accumulates = self._pending_no_sync > 0 or (self._pending_predicate is not None
+                                                        and not self._pending_predicate())
+            workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=_checkpointing(module),
+                                accumulation=accumulates)
         self._build(workload)
 
     def _build(self, workload: Workload | None) -> OffloadEngine:

@@ -66,6 +66,9 @@ class Workload:
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
     keep_attention: bool = False
+    accumulation: bool = False
+    """Micro-batches accumulate gradients between optimizer steps (``no_sync`` or a sync predicate): host buckets'
+    gradients are then summed on the host, so the device never holds a second copy of them."""
 
     def estimate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``memory_model.estimate`` this workload fixes."""
@@ -451,7 +454,9 @@ def _make_plan(
                      "cast's 2 B/param staging arena, not with it)")
     base = host_numel * (16 if cast_side is CastSide.CPU else 14)  # p/m/v + bf16 landing (+ bf16 staging: CPU cast)
     largest_host = max((b.shard for b in buckets if b.placement is Placement.HOST), default=0)
-    accumulation, accum_note = _host_accumulation(config, weight_mode, world_size, host_numel, base, room)
+    accumulates = workload is not None and workload.accumulation
+    accumulation, accum_note = _host_accumulation(config, weight_mode, world_size, host_numel, base, room,
+                                                  accumulates)
     notes.append(accum_note)
     if accumulation is HostAccumulation.FP32:
         base += 4 * host_numel
@@ -595,11 +600,12 @@ def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, accumula
 
 
 def _host_accumulation(config: SuperOffloadConfig, weight_mode: WeightMode, world_size: int, host_numel: int,
-                       base: int, room: int | None) -> tuple[HostAccumulation, str]:
+                       base: int, room: int | None, accumulates: bool = False) -> tuple[HostAccumulation, str]:
     """Where micro-batch gradients are summed ([Note: host accumulation] in docs/weight_flow.md).
 
-    ``"auto"`` is on in weight-flow mode: there the device cannot hold a second copy of the weights' size in
-    accumulated gradients. Its buffer is fp32 when the host RAM allows 4 B/param more, else the landing buffer.
+    ``"auto"`` is on in weight-flow mode, and with stationary weights when the workload is known to accumulate:
+    then the device need not hold a second copy of the host buckets' size in accumulated gradients (the memory the
+    tail is sized against). Its buffer is fp32 when the host RAM allows 4 B/param more, else the landing buffer.
     """
     if config.accumulate_on_host is True and world_size > 1:
         raise PlanError("accumulate_on_host=True is not supported with data parallelism (each micro-batch would "
@@ -609,9 +615,10 @@ def _host_accumulation(config: SuperOffloadConfig, weight_mode: WeightMode, worl
     if config.accumulate_on_host == "auto":
         if world_size > 1:
             return HostAccumulation.OFF, "gradient accumulation: on the device (auto: data parallel)"
-        if weight_mode is not WeightMode.FLOW:
+        if weight_mode is not WeightMode.FLOW and not accumulates:
             return HostAccumulation.OFF, "gradient accumulation: on the device (auto: stationary weights)"
-    why = "configured" if config.accumulate_on_host is True else "auto: weight flow"
+    why = ("configured" if config.accumulate_on_host is True
+           else "auto: weight flow" if weight_mode is WeightMode.FLOW else "auto: the workload accumulates")
     if not host_numel:
         return HostAccumulation.OFF, "gradient accumulation: on the device (no host buckets)"
     if config.host_accumulation_dtype == "fp32":

@@ -145,11 +145,12 @@ def test_checkpointing_and_accumulation_from_the_first_micro_batch(device_budget
     assert not opt.planned
     data = _batches(4, batch, seq)
     _train(opt, model, data, accum=2)  # the first forward runs inside no_sync
-    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=True)
+    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=True, accumulation=True)
+    assert opt.plan.host_accumulation.value != "off"  # the accumulated gradients of host buckets live on the host
 
     ref_model = _model(ckpt=True)
     ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
-                                workload=Workload(ref_model.config, batch, seq, grad_ckpt=True))
+                                workload=Workload(ref_model.config, batch, seq, grad_ckpt=True, accumulation=True))
     _train(ref, ref_model, data, accum=2)
     for a, b in zip(_snapshot(opt, model), _snapshot(ref, ref_model), strict=True):
         assert torch.equal(a, b)

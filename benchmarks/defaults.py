@@ -1,0 +1,229 @@
+"""What the defaults do: the README snippet against the fastest GPU-only baseline, side by side in one call.
+
+    python benchmarks/defaults.py --rows 3.6b:8 8b:4 --out $OUT/defaults.jsonl [--warmup 2] [--steps 5]
+
+Every row runs in its own process (a fresh CUDA context and host RSS) on a random-init Llama-style model of the
+preset's shape, batch x 2048 tokens, activation checkpointing, clipping at 1.0 (it fires on random data: the
+worst case for speculation). Systems per row:
+
+  gpu_fp32   fp32 weights, bf16 autocast, torch AdamW(fused=True), clip_grad_norm_ (baseline 1)
+  gpu_bf16   bf16 weights, fp32 masters, torch AdamW(fused=True) on the masters, clip_grad_norm_ (baseline 2)
+  snippet    ``SuperOffloadOptimizer(model, lr=..., betas=..., weight_decay=..., max_grad_norm=1.0)``: nothing
+             else, the README's own snippet (its plan is made at the first batch); accumulation through ``no_sync``
+  host0      the snippet with ``SuperOffloadConfig(gpu_resident_buckets=0)``: every optimizer state on the host
+
+A row spec is ``PRESET:BATCH[:ACCUM[:LAYERS]]`` (LAYERS overrides the preset's depth, e.g. ``14b:4:8:49`` is 15.0B).
+Each record: median/min/max seconds per optimizer step over the timed steps, tokens/s, MFU (6N + 6 L d s per token
+over 989 TFLOP/s), peak GPU memory (``max_memory_allocated``), peak host RSS, what lives on the host (parameters
+and GB of optimizer state), and the planner's own predictions for the plan it made (step time, peak GPU, host) so
+predicted and measured sit side by side. A baseline that runs out of memory is recorded as ``oom``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PEAK_TFLOPS = 989.0
+LR, CLIP = 1e-5, 1.0
+SYSTEMS = ("gpu_fp32", "gpu_bf16", "snippet", "host0")
+
+
+def _model(preset: str, layers: int | None, device: Any, dtype: Any) -> Any:
+    from hf_superoffload.plan_cli import load_model_config
+    from hf_superoffload.presets import build_on
+
+    cfg = load_model_config(preset)
+    if layers:
+        cfg.num_hidden_layers = layers
+    cfg.max_position_embeddings = 4096
+    cfg._attn_implementation = "sdpa" if device.type == "cuda" else "eager"
+    model = build_on(cfg, device=device, dtype=dtype, seed=0)
+    model.config.use_cache = False
+    model.activation_checkpointing_enable() if hasattr(model, "activation_checkpointing_enable") \
+        else model.gradient_checkpointing_enable()
+    model.train()
+    return model
+
+
+def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None, seq: int, warmup: int,
+            steps: int, device_name: str) -> dict[str, Any]:
+    import torch
+
+    device = torch.device(device_name)
+    cuda = device.type == "cuda"
+    dtype = torch.float32 if system == "gpu_fp32" else torch.bfloat16
+    rec: dict[str, Any] = {"system": system, "preset": preset, "batch": batch, "accum": accum, "seq": seq}
+    model = _model(preset, layers, device, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    cfg = model.config
+    rec.update(params=n, layers=cfg.num_hidden_layers)
+    gen = torch.Generator().manual_seed(1234)
+    batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device) for _ in range(accum)]
+
+    opt: Any
+    if system == "gpu_fp32":
+        opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+
+        def update() -> None:
+            torch.nn.utils.clip_grad_norm_(params, CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    elif system == "gpu_bf16":
+        masters = [p.detach().float().requires_grad_(True) for p in params]
+        opt = torch.optim.AdamW(masters, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
+
+        def update() -> None:
+            for p, m in zip(params, masters, strict=True):
+                m.grad = p.grad.float()
+                p.grad = None
+            torch.nn.utils.clip_grad_norm_(masters, CLIP)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
+    else:
+        from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+
+        config = SuperOffloadConfig(gpu_resident_buckets=0) if system == "host0" else None
+        # the README snippet, as written: no workload, no settings
+        opt = SuperOffloadOptimizer(model, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=CLIP,
+                                    config=config)
+
+        def update() -> None:
+            opt.step()
+            opt.zero_grad()
+
+    def loss_of(ids: Any) -> Any:
+        if system == "gpu_fp32":  # fp32 weights compute in bf16 under autocast, as mixed-precision training does
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                return model(input_ids=ids, labels=ids).loss / accum
+        return model(input_ids=ids, labels=ids).loss / accum
+
+    def step() -> None:
+        for k, ids in enumerate(batches):
+            if system in ("snippet", "host0") and k < accum - 1:
+                with opt.no_sync():
+                    loss_of(ids).backward()
+            else:
+                loss_of(ids).backward()
+        update()
+
+    def sync() -> None:
+        if system in ("snippet", "host0"):
+            opt.synchronize()
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    times = []
+    try:
+        for k in range(warmup + steps):
+            t = time.perf_counter()
+            step()
+            sync()
+            if k >= warmup:
+                times.append(time.perf_counter() - t)
+    except torch.OutOfMemoryError as e:
+        rec.update(status="oom", error=str(e).splitlines()[0][:300])
+        return rec
+    tokens = batch * seq * accum
+    med = statistics.median(times)
+    flops = 6 * n + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq
+    rec.update(status="ok", step_s={"median": med, "min": min(times), "max": max(times), "n": len(times)},
+               tokens_per_s=tokens / med, mfu=flops * tokens / med / (PEAK_TFLOPS * 1e12),
+               peak_gpu_gb=(torch.cuda.max_memory_allocated(device) / 1e9) if cuda else None,
+               host_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
+    if system in ("snippet", "host0"):
+        plan = opt.plan
+        rec["plan"] = {"host_params": plan.host_numel, "device_params": plan.device_numel,
+                       "host_state_gb": plan.host_bytes() / 1e9, "weight_mode": plan.weight_mode.value,
+                       "cast_side": plan.cast_side.value, "rollback": plan.rollback.value,
+                       "host_accumulation": plan.host_accumulation.value, "defer_moments": plan.defer_moments,
+                       "d2h_lead": plan.d2h_lead_buckets, "workload_inferred": opt.workload is not None,
+                       "summary": plan.summary()}
+        st = opt.last_step_stats
+        rec["last_step"] = {k: getattr(st, k) for k in ("cpu_adam_s", "gpu_wait_s", "speculated_buckets",
+                                                        "wasted_buckets", "verdict") if hasattr(st, k)}
+        rec["predicted"] = _predicted(opt, model, batch, seq)
+    return rec
+
+
+def _predicted(opt: Any, model: Any, batch: int, seq: int) -> dict[str, Any]:
+    """The planner's predictions for the plan it made, on the shipped profile of this box when it is an H200."""
+    from hf_superoffload.plan_cli import predict_step_time
+    from hf_superoffload.planning.hardware import HardwareProfile
+    from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
+
+    shape = ModelShape.from_config(model.config)
+    plan_like = PlanLike.from_plan(opt.plan)
+    est = estimate(shape, plan_like=plan_like, batch_size=batch, seq_len=seq, grad_ckpt=True)
+    step = predict_step_time(shape, plan_like, HardwareProfile.h200_pcie(), batch_size=batch, seq_len=seq,
+                             grad_ckpt=True)
+    return {"gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": est.host_expected_bytes / 1e9,
+            # one micro-batch's step; with accumulation the GPU part repeats per micro-batch
+            "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s}
+
+
+def parse_row(spec: str) -> tuple[str, int, int, int | None]:
+    parts = spec.split(":")
+    if not 2 <= len(parts) <= 4:
+        raise SystemExit(f"--rows {spec!r}: use PRESET:BATCH[:ACCUM[:LAYERS]]")
+    return parts[0], int(parts[1]), int(parts[2]) if len(parts) > 2 else 1, int(parts[3]) if len(parts) > 3 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", default=["3.6b:8", "8b:4"])
+    ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per system")
+    ap.add_argument("--out", required=True, help="a .jsonl file; one record per system and row")
+    ap.add_argument("--worker", nargs=5, metavar=("SYSTEM", "PRESET", "BATCH", "ACCUM", "LAYERS"),
+                    help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        system, preset, batch, accum, layers = args.worker
+        rec = run_one(system, preset, int(batch), int(accum), int(layers) or None, args.seq, args.warmup,
+                      args.steps, args.device)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return 0
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for spec in args.rows:
+        preset, batch, accum, layers = parse_row(spec)
+        for system in args.systems:
+            t = time.perf_counter()
+            cmd = [sys.executable, __file__, "--worker", system, preset, str(batch), str(accum), str(layers or 0),
+                   "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--device", args.device, "--out", str(out)]
+            try:
+                proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, env=os.environ)
+                status = f"rc={proc.returncode}"
+                if proc.returncode:
+                    with open(out, "a") as f:
+                        f.write(json.dumps({"system": system, "preset": preset, "batch": batch, "accum": accum,
+                                            "status": "failed", "tail": (proc.stderr or proc.stdout)[-2000:]}) + "\n")
+            except subprocess.TimeoutExpired:
+                status = "timeout"
+                with open(out, "a") as f:
+                    f.write(json.dumps({"system": system, "preset": preset, "batch": batch, "accum": accum,
+                                        "status": "timeout"}) + "\n")
+            print(f"{spec} {system}: {status} in {time.perf_counter() - t:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
