@@ -11,6 +11,7 @@ worst case for speculation). Systems per row:
   snippet    ``SuperOffloadOptimizer(model, lr=..., betas=..., weight_decay=..., max_grad_norm=1.0)``: nothing
              else, the README's own snippet (its plan is made at the first batch); accumulation through ``no_sync``
   host0      the snippet with ``SuperOffloadConfig(gpu_resident_buckets=0)``: every optimizer state on the host
+  host0_inverse  host0 with ``rollback="inverse"`` (one state copy: 12 B/param less host RAM than the double buffer)
 
 A row spec is ``PRESET:BATCH[:ACCUM[:LAYERS]]`` (LAYERS overrides the preset's depth, e.g. ``14b:4:8:49`` is 15.0B).
 Each record: median/min/max seconds per optimizer step over the timed steps, tokens/s, MFU (6N + 6 L d s per token
@@ -34,7 +35,7 @@ from typing import Any
 
 PEAK_TFLOPS = 989.0
 LR, CLIP = 1e-5, 1.0
-SYSTEMS = ("gpu_fp32", "gpu_bf16", "snippet", "host0")
+SYSTEMS = ("gpu_fp32", "gpu_bf16", "snippet", "host0", "host0_inverse")
 
 
 def _model(preset: str, layers: int | None, device: Any, dtype: Any) -> Any:
@@ -94,7 +95,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     else:
         from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 
-        config = SuperOffloadConfig(gpu_resident_buckets=0) if system == "host0" else None
+        config = {"host0": SuperOffloadConfig(gpu_resident_buckets=0),
+                  "host0_inverse": SuperOffloadConfig(gpu_resident_buckets=0, rollback="inverse")}.get(system)
         # the README snippet, as written: no workload, no settings
         opt = SuperOffloadOptimizer(model, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=CLIP,
                                     config=config)
@@ -111,7 +113,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
 
     def step() -> None:
         for k, ids in enumerate(batches):
-            if system in ("snippet", "host0") and k < accum - 1:
+            if system not in ("gpu_fp32", "gpu_bf16") and k < accum - 1:
                 with opt.no_sync():
                     loss_of(ids).backward()
             else:
@@ -119,7 +121,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
         update()
 
     def sync() -> None:
-        if system in ("snippet", "host0"):
+        if system not in ("gpu_fp32", "gpu_bf16"):
             opt.synchronize()
         if cuda:
             torch.cuda.synchronize(device)
@@ -142,7 +144,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                tokens_per_s=tokens / med, mfu=flops * tokens / med / (PEAK_TFLOPS * 1e12),
                peak_gpu_gb=(torch.cuda.max_memory_allocated(device) / 1e9) if cuda else None,
                host_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
-    if system in ("snippet", "host0"):
+    if system not in ("gpu_fp32", "gpu_bf16"):
         plan = opt.plan
         rec["plan"] = {"host_params": plan.host_numel, "device_params": plan.device_numel,
                        "host_state_gb": plan.host_bytes() / 1e9, "weight_mode": plan.weight_mode.value,
@@ -151,8 +153,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                        "d2h_lead": plan.d2h_lead_buckets, "workload_inferred": opt.workload is not None,
                        "summary": plan.summary()}
         st = opt.last_step_stats
-        rec["last_step"] = {k: getattr(st, k) for k in ("cpu_adam_s", "gpu_wait_s", "speculated_buckets",
-                                                        "wasted_buckets", "verdict") if hasattr(st, k)}
+        rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
+                                                        "speculated_buckets", "wasted_buckets", "verdict")}
         rec["predicted"] = _predicted(opt, model, batch, seq)
     return rec
 
