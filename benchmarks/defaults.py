@@ -156,6 +156,22 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
         rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
                                                         "speculated_buckets", "wasted_buckets", "verdict")}
         rec["predicted"] = _predicted(opt, model, batch, seq)
+        rec["pinned_gb"] = opt.engine.pinned_bytes() / 1e9
+        if cuda:  # one more step, phase by phase (each phase waits for the GPU): where the time goes
+            phases: dict[str, float] = {}
+            t = time.perf_counter()
+            loss = loss_of(batches[-1])
+            torch.cuda.synchronize(device)
+            phases["forward_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            loss.backward()
+            torch.cuda.synchronize(device)
+            phases["backward_s"] = time.perf_counter() - t
+            t = time.perf_counter()
+            update()
+            sync()
+            phases["step_s"] = time.perf_counter() - t
+            rec["phases"] = phases
     return rec
 
 
