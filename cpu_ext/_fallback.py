@@ -14,7 +14,9 @@ from . import reference
 
 __all__ = ["adamw_moments_", "adamw_step_", "grad_sumsq_nonfinite"]
 
-_SUMSQ_CHUNK = 1 << 24  # elements per fp64 temporary (128 MiB)
+_SUMSQ_BLOCK = 1 << 16  # the compiled op's fixed blocks (kSumsqBlockElems) ...
+_SUMSQ_LANES = 32  # ... and lanes (kSumsqLanes)
+_SUMSQ_CHUNK = 1 << 22  # elements per fp64 temporary (32 MiB, three of them), a whole number of blocks
 
 
 def adamw_step_(
@@ -121,7 +123,13 @@ def adamw_moments_(
 
 
 def grad_sumsq_nonfinite(grad: torch.Tensor) -> tuple[float, int]:
-    """Sum of squares (fp64 accumulation) and count of inf/NaN elements, in bounded fp64 chunks."""
+    """Sum of squares (fp64 accumulation) and count of inf/NaN elements, in bounded fp64 chunks.
+
+    The compiled op's order, bit for bit ([Note: fixed-order sums] in cpu_ext/csrc/kernels_common.h): blocks of
+    ``_SUMSQ_BLOCK`` elements, in each block 32 lanes (lane k adds the squares of elements k, k + 32, ... in index
+    order: a per-column ``cumsum``, which torch runs sequentially), the lanes summed by a fixed halving tree, the
+    blocks' sums added in block order. ``torch.sum`` instead splits by torch's thread count.
+    """
     if grad.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"grad must be float32 or bfloat16, got {grad.dtype}")
     flat = grad.reshape(-1)
@@ -129,6 +137,15 @@ def grad_sumsq_nonfinite(grad: torch.Tensor) -> tuple[float, int]:
     nonfinite = 0
     for start in range(0, flat.numel(), _SUMSQ_CHUNK):
         chunk = flat[start : start + _SUMSQ_CHUNK]
-        sumsq += float(chunk.to(torch.float64).square().sum())
         nonfinite += int((~torch.isfinite(chunk)).sum())
+        squares = chunk.to(torch.float64).square()
+        pad = -squares.numel() % _SUMSQ_BLOCK  # +0 leaves a lane as it was
+        squares = torch.nn.functional.pad(squares, (0, pad)).view(-1, _SUMSQ_BLOCK // _SUMSQ_LANES, _SUMSQ_LANES)
+        lanes = squares.cumsum(dim=1)[:, -1, :].clone()
+        w = _SUMSQ_LANES // 2
+        while w >= 1:
+            lanes[:, :w] += lanes[:, w : 2 * w]
+            w //= 2
+        for block_sum in lanes[:, 0].tolist():
+            sumsq += block_sum
     return sumsq, nonfinite

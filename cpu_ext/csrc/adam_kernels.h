@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <vector>
 
 #include "kernels_common.h"
 
@@ -292,6 +293,34 @@ int parallel_chunks(int64_t n, int threads, Schedule schedule, F&& f) {
   for (int64_t c = 0; c < chunks; ++c) f(c * chunk, (c + 1) * chunk < n ? (c + 1) * chunk : n);
   return t;
 #endif
+}
+
+// NOTE: [Note: fixed-order sums] (kernels_common.h): a sum of squares is cut into blocks of this many elements
+// at fixed offsets from the tensor's start, whatever the thread count; threads take whole blocks and the blocks'
+// sums are added in block order. A multiple of kSumsqLanes, and at least kGrainElems (a block is worth a thread).
+constexpr int64_t kSumsqBlockElems = 64 * 1024;
+
+// Sum of squares and non-finite count of the n elements of g, the same bits on every thread count and on every
+// ISA (a static per-thread partition gave a different sum for each thread count).
+inline SumsqResult sumsq_blocks(Isa isa, const void* g, bool bf16, int64_t n, int threads) {
+  const int64_t blocks = (n + kSumsqBlockElems - 1) / kSumsqBlockElems;
+  std::vector<SumsqResult> parts(static_cast<size_t>(blocks));
+  if (threads <= 0) threads = default_num_threads();
+  const int t = static_cast<int>(threads < blocks ? threads : (blocks > 0 ? blocks : 1));
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+#endif
+  for (int64_t k = 0; k < blocks; ++k) {
+    const int64_t lo = k * kSumsqBlockElems;
+    const int64_t hi = lo + kSumsqBlockElems < n ? lo + kSumsqBlockElems : n;
+    parts[static_cast<size_t>(k)] = sumsq_range(isa, g, bf16, lo, hi);
+  }
+  SumsqResult total;
+  for (const auto& r : parts) {  // block order
+    total.sumsq += r.sumsq;
+    total.nonfinite += r.nonfinite;
+  }
+  return total;
 }
 
 }  // namespace hfso

@@ -224,18 +224,9 @@ std::tuple<Tensor, Tensor> grad_sumsq_nonfinite(const Tensor& grad, int64_t num_
   const hfso::Isa isa = current_isa();
   const bool bf16 = grad.scalar_type() == at::kBFloat16;
   const void* g = grad.data_ptr();
-  const int threads = num_threads > 0 ? static_cast<int>(num_threads) : hfso::default_num_threads();
-  std::vector<hfso::SumsqResult> parts(static_cast<size_t>(threads));
-  hfso::parallel_ranges(grad.numel(), threads, [&](int64_t begin, int64_t end, int tid) {
-    parts[static_cast<size_t>(tid)] = hfso::sumsq_range(isa, g, bf16, begin, end);
-  });
-  double sumsq = 0.0;
-  int64_t nonfinite = 0;
-  for (const auto& r : parts) {  // fixed order: deterministic for a given thread count
-    sumsq += r.sumsq;
-    nonfinite += r.nonfinite;
-  }
-  return {at::scalar_tensor(sumsq, at::kDouble), at::scalar_tensor(nonfinite, at::kLong)};
+  // fixed blocks, added in block order: the same bits for every thread count ([Note: fixed-order sums])
+  const hfso::SumsqResult r = hfso::sumsq_blocks(isa, g, bf16, grad.numel(), static_cast<int>(num_threads));
+  return {at::scalar_tensor(r.sumsq, at::kDouble), at::scalar_tensor(r.nonfinite, at::kLong)};
 }
 
 // In-place read+write of three fp32 arrays (the p/m/v traffic pattern), for the benchmark's roofline.

@@ -268,20 +268,45 @@ struct SumsqResult {
   int64_t nonfinite = 0;
 };
 
+// [Note: fixed-order sums]
+// The gradient norm decides the clip coefficient, so its sum of squares must not depend on how the work is
+// split: every path adds in one order, defined on the element index relative to the start of the range. Lane
+// k of kSumsqLanes fp64 accumulators adds x_j^2 for every j = k (mod kSumsqLanes), in increasing j (a square is
+// exact in fp64, so fma(x, x, acc) and acc + x * x are the same operation); the lanes are then summed by the
+// fixed tree of sumsq_lanes_total. The scalar loop below (which the compiler may vectorise: the lanes are
+// independent, nothing is reassociated) and the AVX-512 loop (four vectors of 8 lanes) give the same bits. A
+// whole tensor is cut into kSumsqBlockElems blocks at fixed offsets, whatever the thread count, and the blocks'
+// sums are added in block order (sumsq_blocks in adam_kernels.h). A `#pragma omp simd reduction` instead lets
+// the compiler pick the order, and it peels for alignment: the bits then depended on the ISA and the address.
+constexpr int kSumsqLanes = 32;
+
+// The fixed reduction tree: halving, lane k += lane k + w for w = 16, 8, 4, 2, 1.
+HFSO_INLINE double sumsq_lanes_total(double* lane) {
+  for (int w = kSumsqLanes / 2; w >= 1; w /= 2) {
+    for (int k = 0; k < w; ++k) lane[k] += lane[k + w];
+  }
+  return lane[0];
+}
+
+template <bool kBf16>
+HFSO_INLINE void sumsq_add_one(const void* grad, int64_t j, double& lane, int64_t& bad) {
+  const float f = load_grad<kBf16>(grad, j);
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const double d = static_cast<double>(f);
+  lane += d * d;
+  bad += ((u & 0x7f800000u) == 0x7f800000u) ? 1 : 0;
+}
+
 template <bool kBf16>
 HFSO_INLINE SumsqResult sumsq_loop(const void* grad, int64_t i, int64_t end) {
-  double acc = 0.0;
+  double lane[kSumsqLanes] = {};
   int64_t bad = 0;
-#pragma omp simd reduction(+ : acc, bad)
-  for (int64_t j = i; j < end; ++j) {
-    uint32_t u;
-    float f = load_grad<kBf16>(grad, j);
-    std::memcpy(&u, &f, sizeof u);
-    const double d = static_cast<double>(f);
-    acc += d * d;
-    bad += ((u & 0x7f800000u) == 0x7f800000u) ? 1 : 0;
+  for (; i + kSumsqLanes <= end; i += kSumsqLanes) {
+    for (int k = 0; k < kSumsqLanes; ++k) sumsq_add_one<kBf16>(grad, i + k, lane[k], bad);
   }
-  return {acc, bad};
+  for (int k = 0; i + k < end; ++k) sumsq_add_one<kBf16>(grad, i + k, lane[k], bad);
+  return {sumsq_lanes_total(lane), bad};
 }
 
 // Dispatches a runtime flag triple to a template instantiation.

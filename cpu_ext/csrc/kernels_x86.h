@@ -258,12 +258,17 @@ HFSO_TARGET_AVX512 SumsqResult sumsq_avx512_impl(const void* g, int64_t i, int64
     sumsq_add16(avx512::load_grad16<kBf16, false>(g, i, 0), a0, a1, bad);
     sumsq_add16(avx512::load_grad16<kBf16, false>(g, i + 16, 0), a2, a3, bad);
   }
-  for (; i < end; i += 16) {
-    const int64_t n = end - i < 16 ? end - i : 16;
-    const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);
-    sumsq_add16(avx512::load_grad16<kBf16, true>(g, i, k), a0, a1, bad);
-  }
-  return {_mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(a0, a1), _mm512_add_pd(a2, a3))), bad};
+  // the tail (< 32 elements) keeps lane = index mod 32 ([Note: fixed-order sums]): its first 16 go to a0/a1, the
+  // rest to a2/a3 (a masked-off element loads 0 and adds +0, which leaves its lane as it was)
+  const auto mask = [](int64_t n) { return static_cast<__mmask16>((1u << (n < 16 ? n : 16)) - 1u); };
+  if (i < end) sumsq_add16(avx512::load_grad16<kBf16, true>(g, i, mask(end - i)), a0, a1, bad);
+  if (i + 16 < end) sumsq_add16(avx512::load_grad16<kBf16, true>(g, i + 16, mask(end - i - 16)), a2, a3, bad);
+  alignas(64) double lane[kSumsqLanes];
+  _mm512_store_pd(lane, a0);
+  _mm512_store_pd(lane + 8, a1);
+  _mm512_store_pd(lane + 16, a2);
+  _mm512_store_pd(lane + 24, a3);
+  return {sumsq_lanes_total(lane), bad};
 }
 
 HFSO_TARGET_AVX512 inline SumsqResult sumsq_avx512(const void* g, bool bf16, int64_t begin, int64_t end) {

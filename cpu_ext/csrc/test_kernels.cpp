@@ -367,6 +367,17 @@ void check_sumsq(Isa isa, int64_t n, bool bf16, int n_bad) {
   if (want_bad == 0) {
     CHECK(std::fabs(r.sumsq - want) <= 1e-12 * want + 1e-300, "%s sumsq %.17g want %.17g", hfso::isa_name(isa),
           r.sumsq, want);
+    // [Note: fixed-order sums]: every path adds in the scalar path's order, and the blocked sum is the same for
+    // every thread count (a build without OpenMP runs the blocks on one thread: the order is checked all the same)
+    const double scalar = hfso::sumsq_range(Isa::kScalar, g, bf16, 0, n).sumsq;
+    CHECK(r.sumsq == scalar, "%s sumsq %.17g differs from the scalar path's %.17g", hfso::isa_name(isa), r.sumsq,
+          scalar);
+    const double blocked = hfso::sumsq_blocks(Isa::kScalar, g, bf16, n, 1).sumsq;
+    for (int threads : {2, 3}) {
+      const double b = hfso::sumsq_blocks(isa, g, bf16, n, threads).sumsq;
+      CHECK(b == blocked, "%s blocked sumsq %.17g on %d threads, %.17g on one (scalar)", hfso::isa_name(isa), b,
+            threads, blocked);
+    }
   } else {
     CHECK(!std::isfinite(r.sumsq), "%s sumsq should be non-finite", hfso::isa_name(isa));
   }
