@@ -156,7 +156,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
         rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
                                                         "speculated_buckets", "wasted_buckets", "verdict")}
         rec["predicted"] = _predicted(opt, model, batch, seq)
-        rec["pinned_gb"] = opt.engine.pinned_bytes() / 1e9
+        rec["pinned_gb"] = opt.engine.pinned_bytes / 1e9
         if cuda:  # one more step, phase by phase (each phase waits for the GPU): where the time goes
             phases: dict[str, float] = {}
             t = time.perf_counter()
