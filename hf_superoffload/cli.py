@@ -8,6 +8,7 @@ own instruction data, through the offload engine, on the GPU when there is one a
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import sys
@@ -15,6 +16,8 @@ import time
 from collections.abc import Sequence
 
 import torch
+
+from ._cli_args import OneLineParser, float_in, int_in, model_spec, offload_config
 
 __all__ = ["main"]
 
@@ -38,8 +41,13 @@ def _train(args: argparse.Namespace) -> int:
             model = LlamaForCausalLM(config).to(torch.bfloat16)
         source = f"preset {preset!r} (random init)"
     else:
-        tokenizer = AutoTokenizer.from_pretrained(preset)
-        model = AutoModelForCausalLM.from_pretrained(preset, dtype=torch.bfloat16).to(device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(preset)
+            model = AutoModelForCausalLM.from_pretrained(preset, dtype=torch.bfloat16).to(device)
+        except OSError as e:  # not a model folder, or a hub id that is not cached / reachable
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"hf-superoffload train: error: argument --model: cannot load {preset!r}: {first}", file=sys.stderr)
+            return 2
         source = preset
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
@@ -51,6 +59,13 @@ def _train(args: argparse.Namespace) -> int:
     opt = SuperOffloadOptimizer(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0, config=cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
     batches = packed_batches(tokenizer, texts, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
+    try:  # the packer checks the corpus against --seq-len when it yields its first batch
+        batches = itertools.chain([next(batches)], batches)
+    except ValueError as e:
+        print(f"hf-superoffload train: error: argument --seq-len: {e}; lower --seq-len or raise --examples",
+              file=sys.stderr)
+        opt.close()
+        return 2
     tokens = args.batch_size * args.seq_len
     t_start, t_last, first_loss, loss_val = time.perf_counter(), time.perf_counter(), None, float("nan")
     for step in range(1, args.steps + 1):
@@ -84,24 +99,53 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device(text: str) -> str:
+    """auto, cpu, cuda or cuda:N; a CUDA device this machine does not have is refused at parse time."""
+    if text == "auto":
+        return text
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not available on this machine ({torch.cuda.device_count()} CUDA "
+                                         "device(s)): use auto or cpu")
+    return text
+
+
+def _output_dir(text: str) -> str:
+    from pathlib import Path
+
+    if Path(text).expanduser().is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file: give a folder (created if missing)")
+    return text
+
+
+_TRAIN_PRESETS = ("tiny", "small", "1b", "3.6b", "8b", "14b")
+_MANY = 10**9  # steps, warmup and logging intervals beyond this are typos, not runs
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hf-superoffload", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="hf-superoffload", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="fine-tune a model on the project's instruction data through the offload engine")
-    t.add_argument("--model", default=None, help="preset (tiny, small, 1b, 3.6b, 8b, 14b) or a model id/path "
-                   "(default: small on GPU, tiny on CPU)")
-    t.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    t.add_argument("--steps", type=int, default=200)
-    t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--seq-len", type=int, default=128)
-    t.add_argument("--lr", type=float, default=1e-3)
-    t.add_argument("--warmup", type=int, default=20)
-    t.add_argument("--examples", type=int, default=4000, help="instruction examples to generate")
+    t.add_argument("--model", default=None, type=model_spec(_TRAIN_PRESETS), help="preset (tiny, small, 1b, 3.6b, "
+                   "8b, 14b) or a model id/path (default: small on GPU, tiny on CPU)")
+    t.add_argument("--device", default="auto", type=_device, help="auto, cpu, cuda or cuda:N")
+    t.add_argument("--steps", type=int_in(1, _MANY), default=200)
+    t.add_argument("--batch-size", type=int_in(1, 1 << 16), default=8)
+    t.add_argument("--seq-len", type=int_in(2, 1 << 20), default=128)
+    t.add_argument("--lr", type=float_in(0.0, 1.0, lo_open=True, hint=", e.g. 1e-4"), default=1e-3)
+    t.add_argument("--warmup", type=int_in(0, _MANY), default=20)
+    t.add_argument("--examples", type=int_in(1, 10**7), default=4000, help="instruction examples to generate")
     t.add_argument("--grad-ckpt", action="store_true")
-    t.add_argument("--offload-config", default=None, help='SuperOffloadConfig fields as JSON, e.g. \'{"gpu_resident_buckets": 0}\'')
-    t.add_argument("--log-every", type=int, default=20)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--output-dir", default=None)
+    t.add_argument("--offload-config", default=None, type=offload_config,
+                   help='SuperOffloadConfig fields as JSON, e.g. \'{"gpu_resident_buckets": 0}\'')
+    t.add_argument("--log-every", type=int_in(1, _MANY), default=20)
+    t.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
+    t.add_argument("--output-dir", default=None, type=_output_dir)
     t.set_defaults(func=_train)
     from .plan_cli import add_plan_parser
 

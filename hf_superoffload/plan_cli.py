@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ._cli_args import OneLineParser, float_in, int_in, model_spec, offload_config
 from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile, shipped_profile_names
 from .planning.memory_model import (
@@ -253,23 +254,27 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on an ``argparse`` subparsers object (``hf-superoffload plan ...``)."""
     p = subparsers.add_parser("plan", help="predict the offload plan, memory and step time of a run; exit 1 if it "
                               "cannot fit", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="config.json, local model folder, hub model id or preset")
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--seq-len", type=int, required=True)
+    from .presets import PRESETS
+
+    memory = float_in(0.0, 1e6, lo_open=True, hint=" GiB")
+    p.add_argument("--model", required=True, type=model_spec(tuple(PRESETS)),
+                   help="config.json, local model folder, hub model id or preset")
+    p.add_argument("--batch-size", type=int_in(1, 1 << 16), required=True)
+    p.add_argument("--seq-len", type=int_in(1, MAX_SEQ), required=True)
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
-    p.add_argument("--gpu-mem", type=float, default=None, help="free GPU memory in GiB (overrides the profile)")
-    p.add_argument("--host-mem", type=float, default=None, help="available host RAM in GiB (overrides the profile)")
+    p.add_argument("--gpu-mem", type=memory, default=None, help="free GPU memory in GiB (overrides the profile)")
+    p.add_argument("--host-mem", type=memory, default=None, help="available host RAM in GiB (overrides the profile)")
     p.add_argument("--profile", default="measure", help="measure (this machine), gh200, h200, rtx4090 or a JSON "
                    "file written by HardwareProfile.save")
-    p.add_argument("--offload-config", default=None, help="SuperOffloadConfig fields as JSON")
+    p.add_argument("--offload-config", default=None, type=offload_config, help="SuperOffloadConfig fields as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--sequence-parallel", type=int, default=1, metavar="P",
+    p.add_argument("--sequence-parallel", type=int_in(1, 4096), default=1, metavar="P",
                    help="Ulysses ranks per sequence (one GPU each): activations per GPU are 1/P, the loss is chunked, "
                         "the optimizer state is sharded over the P ranks; also prints the longest sequence that fits")
-    p.add_argument("--loss-chunk", type=int, default=None, metavar="TOKENS",
+    p.add_argument("--loss-chunk", type=int_in(1, MAX_SEQ), default=None, metavar="TOKENS",
                    help="LM head + loss over chunks of this many tokens (default: 4096 with --sequence-parallel > 1, "
                         "else HF's loss over all logits)")
-    p.add_argument("--tiled-mlp", type=int, default=0, metavar="TOKENS",
+    p.add_argument("--tiled-mlp", type=int_in(0, MAX_SEQ), default=0, metavar="TOKENS",
                    help="each decoder layer's MLP runs this many tokens at a time (sequence_parallel.enable_tiled_mlp; "
                         "0: untiled)")
     p.add_argument("--keep-attention", action="store_true",
@@ -439,7 +444,7 @@ def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfil
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hf_superoffload.plan_cli --model ...`` (the same as ``hf-superoffload plan``)."""
-    parser = argparse.ArgumentParser(prog="hf-superoffload")
+    parser = OneLineParser(prog="hf-superoffload")
     add_plan_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args))
