@@ -142,9 +142,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.plan_listeners: list[Callable[[OffloadPlan], None]] = []
         """Called once with the plan when the engine is built (integrations log it on the main process)."""
         self._batch_hook: Any = None
+        self._fp32_values: list[torch.Tensor | None] | None = None
+        infer = profile_read and not converted and self._infers_workload()
+        # a plan that cannot fit raises here, before the parameters are broadcast, converted or hooked
+        plan = None if infer else self._make_plan(workload, profile)
         if comm is not None:
             _broadcast_params(ordered, comm)
-        self._fp32_values: list[torch.Tensor | None] | None = None
         if converted:
             # fp32 model: the exact fp32 values seed the masters, then the model keeps bf16 copies.
             self._fp32_values = [p.detach().clone() if p.dtype == torch.float32 else None for p in ordered]
@@ -154,11 +157,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                         p.data = p.data.to(torch.bfloat16)
             logger.warning("hf_superoffload: converted %d fp32 parameters to bf16; the fp32 values are the "
                            "master weights on the host", converted)
-        if profile_read and self._infers_workload():
+        if plan is None:
             # [Note: workload from the first batch]: plan once the first training batch shows the step's shape
             self._batch_hook = model.register_forward_pre_hook(self._plan_from_batch, with_kwargs=True, prepend=True)
         else:
-            self._build(workload)
+            self._build(workload, plan)
         self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
 
     def _infers_workload(self) -> bool:
@@ -169,7 +172,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             return False
         if self.config.gpu_resident_buckets != "auto" or self.config.weight_placement != "auto":
             return False
-        if self._fp32_values is not None or getattr(self._model, "config", None) is None:
+        if getattr(self._model, "config", None) is None:
             return False
         try:
             from .planning.memory_model import ModelShape
@@ -193,22 +196,27 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                                 accumulation=accumulates)
         self._build(workload)
 
-    def _build(self, workload: Workload | None) -> OffloadEngine:
-        """Plan and build the engine (once). ``workload``: the step's shape (given, or read from the first batch)."""
+    def _make_plan(self, workload: Workload | None, profile: HardwareProfile) -> OffloadPlan:
+        return make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config, profile=profile,
+                         workload=workload, **self._ranks)
+
+    def _build(self, workload: Workload | None, plan: OffloadPlan | None = None) -> OffloadEngine:
+        """Build the engine (once) for ``plan``, or plan first. ``workload``: the step's shape (given, or read from
+        the first batch)."""
         if self._built is not None:
             return self._built
         if self._batch_hook is not None:
             self._batch_hook.remove()
             self._batch_hook = None
-        profile = self._profile
-        if workload is not None and workload is not self.workload:  # read from the first batch
-            self.workload = workload
-            device = self._ordered[0].device
-            if device.type == "cuda":  # the memory free now, not at construction
-                profile = dataclasses.replace(profile, device_free_bytes=torch.cuda.mem_get_info(device)[0])
-            profile = _count_own_weights_as_free(profile, self._model, device)
-        plan = make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config, profile=profile,
-                         workload=workload, **self._ranks)
+        if plan is None:
+            profile = self._profile
+            if workload is not None and workload is not self.workload:  # read from the first batch
+                self.workload = workload
+                device = self._ordered[0].device
+                if device.type == "cuda":  # the memory free now, not at construction
+                    profile = dataclasses.replace(profile, device_free_bytes=torch.cuda.mem_get_info(device)[0])
+                profile = _count_own_weights_as_free(profile, self._model, device)
+            plan = self._make_plan(workload, profile)
         engine = OffloadEngine(
             params=self._ordered,
             param_group=self._groups,
@@ -255,8 +263,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if self._built is not None:
             return self._built.plan
         if self._provisional is None:
-            self._provisional = make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config,
-                                          profile=self._profile, **self._ranks)
+            self._provisional = self._make_plan(None, self._profile)
         return self._provisional
 
     @property

@@ -61,12 +61,23 @@ def test_auto_is_off_when_host_ram_is_short_and_true_then_refused():
     # room for p/m/v twice, landing and staging, headroom, but not a second landing arena
     keep = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * n)  # what the planner keeps free
     prof = profile(host_available_bytes=28 * n + keep + n)
-    p = plan(prof=prof)
+    double = SuperOffloadConfig(gpu_resident_buckets=0, rollback="double_buffer")  # auto would not take it this tight
+    p = plan(double, prof=prof)
     assert p.rollback is Rollback.DOUBLE_BUFFER and not p.defer_moments
     assert any("host RAM too small for a second" in note for note in p.notes)
     with pytest.raises(PlanError, match="second landing arena"):
-        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=True), prof=prof)
-    assert plan(prof=profile(host_available_bytes=28 * n + keep + 2 * n)).defer_moments
+        plan(double.replace(defer_moments=True), prof=prof)
+    assert plan(double, prof=profile(host_available_bytes=28 * n + keep + 2 * n)).defer_moments
+
+
+def test_auto_rollback_takes_the_double_buffer_only_where_the_host_affords_it():
+    n = sum(NUMELS)
+    keep = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * n)
+    tight = plan(prof=profile(host_available_bytes=30 * n + keep))  # it would fit, with nothing to spare
+    assert tight.rollback is Rollback.INVERSE
+    assert tight.host_bytes() <= 20 * n  # all state on the host: p/m/v, landing, staging and a second landing
+    roomy = plan(prof=profile(host_available_bytes=2 * 30 * n + keep))
+    assert roomy.rollback is Rollback.DOUBLE_BUFFER
 
 
 def test_host_accumulation_keeps_it_off():
