@@ -87,6 +87,10 @@ class SuperOffloadConfig:
         worker_timeout_s: Longest time the training loop waits for one bucket before raising an error that
             names it. The worker itself never polls.
         check_finite: Skip the whole step (bit-exact) when any gradient is non-finite.
+        max_consecutive_skips: After this many consecutive skipped (non-finite) steps, ``step()`` raises a
+            ``RuntimeError`` naming the count and the last gradient norms (the optimizer state is left as it was
+            before the skips): a run whose every step is skipped trains nothing while looking alive. ``0``: never
+            raise.
         accumulate_on_host: Gradient accumulation (micro-batches run inside ``no_sync()``, or an integration's
             sync predicate says "not a boundary"): ``True`` offloads every micro-batch's host-bucket gradients as
             they complete and sums them on the host (the CPU worker adds; the device keeps no accumulated
@@ -148,6 +152,7 @@ class SuperOffloadConfig:
     pin_memory: bool = True
     worker_timeout_s: float = 600.0
     check_finite: bool = True
+    max_consecutive_skips: int = 8
     accumulate_on_host: bool | Literal["auto"] = "auto"
     host_accumulation_dtype: AccumulationDtype = "auto"
     defer_moments: bool | Literal["auto"] = "auto"
@@ -186,6 +191,9 @@ class SuperOffloadConfig:
             raise bad("cpu_threads", self.cpu_threads, "use None (automatic) or an integer >= 1")
         if not (self.worker_timeout_s > 0):
             raise bad("worker_timeout_s", self.worker_timeout_s, "use a positive number of seconds")
+        mcs = self.max_consecutive_skips
+        if isinstance(mcs, bool) or not isinstance(mcs, int) or mcs < 0:
+            raise bad("max_consecutive_skips", mcs, "use an integer >= 0 such as 8 (0: never raise on skipped steps)")
         if not (isinstance(self.accumulate_on_host, bool) or self.accumulate_on_host == "auto"):
             raise bad("accumulate_on_host", self.accumulate_on_host, "use True, False or 'auto'")
         if self.host_accumulation_dtype not in ("auto", "fp32", "landing"):

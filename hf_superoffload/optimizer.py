@@ -335,9 +335,35 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if stats.verdict == StepVerdict.SKIP.value:
             self.skipped_steps += 1
             logger.warning("hf_superoffload: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
-        elif stats.clip_coef < 1.0:
-            self.clipped_steps += 1
+            self._check_consecutive_skips(stats.grad_norm)
+        else:
+            self._skip_norms = []
+            self._last_good_norm = stats.grad_norm
+            if stats.clip_coef < 1.0:
+                self.clipped_steps += 1
         return loss
+
+    def _check_consecutive_skips(self, norm: float) -> None:
+        """Raise after ``config.max_consecutive_skips`` skipped steps in a row. The skip has already restored the
+        state, so the caller may fix the cause and go on; the count restarts so that it raises again only after
+        as many more skips."""
+        norms = getattr(self, "_skip_norms", [])
+        norms.append(norm)
+        self._skip_norms = norms
+        limit = self.config.max_consecutive_skips
+        if not limit or len(norms) < limit:
+            return
+        self._skip_norms = []
+        shown = ", ".join(f"{n:.4g}" for n in norms[-8:])
+        good = getattr(self, "_last_good_norm", None)
+        before = f"{good:.4g}" if good is not None else "none (no step has succeeded yet)"
+        raise RuntimeError(
+            f"hf_superoffload: {len(norms)} consecutive optimizer steps were skipped for non-finite gradients "
+            f"(gradient norms of the last ones: {shown}; last finite norm: {before}); the optimizer state is as "
+            "before them. Check the learning rate (lower it, add warmup), the data (NaN/inf inputs or labels) and "
+            "the loss scaling and precision (fp16 overflow, a loss computed in low precision), or raise "
+            "SuperOffloadConfig.max_consecutive_skips (0 never raises)"
+        )
 
     @property
     def step_was_skipped(self) -> bool:

@@ -103,7 +103,7 @@ class SuperOffloadPlugin:
         config_file: YAML or JSON file with ``SuperOffloadConfig`` fields (default: ``$HF_SUPEROFFLOAD_CONFIG``).
         bucket_size_mb, gpu_resident_buckets, gpu_resident_fraction, device_memory_fraction, speculation,
         rollback, nonspeculative_in_place, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
-        worker_timeout_s, check_finite, accumulate_on_host, host_accumulation_dtype, defer_moments, defer_master,
+        worker_timeout_s, check_finite, max_consecutive_skips, accumulate_on_host, host_accumulation_dtype, defer_moments, defer_master,
         d2h_lead_buckets, upload_thread, d2h_gate: see
         :class:`SuperOffloadConfig`. ``cpu_threads="auto"`` forces the
         automatic thread count even when the environment or file sets one; ``defer_moments="auto"`` the
@@ -125,6 +125,7 @@ class SuperOffloadPlugin:
     pin_memory: bool | None = None
     worker_timeout_s: float | None = None
     check_finite: bool | None = None
+    max_consecutive_skips: int | None = None
     accumulate_on_host: bool | str | None = None
     host_accumulation_dtype: str | None = None
     defer_moments: bool | str | None = None

@@ -100,6 +100,8 @@ class SuperOffloadArguments(TrainingArguments):
         superoffload_pin_memory: Page-lock the host buffers that DMA touches.
         superoffload_worker_timeout_s: Longest wait for one bucket before an error that names it.
         superoffload_check_finite: Skip the whole step (bit-exact) on any non-finite gradient.
+        superoffload_max_consecutive_skips: After this many consecutive skipped (non-finite) steps the optimizer
+            raises, naming the last gradient norms (0: never).
         superoffload_accumulate_on_host: ``"auto"``, ``True``/``"true"`` or ``False``/``"false"``: with
             gradient_accumulation_steps > 1, sum the micro-batches' gradients on the host (every micro-batch is
             offloaded) instead of in ``param.grad`` on the device. ``"auto"``: on in weight-flow mode.
@@ -179,6 +181,10 @@ class SuperOffloadArguments(TrainingArguments):
         default=_D.check_finite,
         metadata=_help("SuperOffload: skip the whole step, bit-exactly, when any gradient is non-finite (the LR "
                        "schedule does not advance either)."))
+    superoffload_max_consecutive_skips: int = field(
+        default=_D.max_consecutive_skips,
+        metadata=_help("SuperOffload: after this many consecutive skipped (non-finite) steps, stop with an error "
+                       "naming the last gradient norms instead of training nothing (0: never)."))
     superoffload_accumulate_on_host: str = field(
         default=str(_D.accumulate_on_host),
         metadata=_help("SuperOffload: 'auto', 'true' or 'false': sum gradient-accumulation micro-batches on the host "
