@@ -118,7 +118,10 @@ class SuperOffloadTrainer(Trainer):
                 f"SuperOffloadTrainer needs SuperOffloadArguments, got {type(args).__name__}. Build them with the "
                 "same keywords: SuperOffloadArguments(output_dir=..., learning_rate=..., ...)."
             )
-        given = inspect.signature(Trainer.__init__).bind_partial(self, model, args, *rest, **kwargs).arguments
+        # bound against the next __init__ in the MRO: a subclass composed with another trainer (TRL's SFTTrainer)
+        # takes that trainer's arguments (peft_config, formatting_func, ...), which Trainer's signature lacks
+        base_init = super().__init__
+        given = inspect.signature(base_init).bind_partial(model, args, *rest, **kwargs).arguments
         passed = (given.get("optimizers") or (None,))[0]
         if isinstance(passed, SuperOffloadOptimizer) and isinstance(model, torch.nn.Module):
             refuse_other_model(passed, model, "SuperOffloadTrainer(optimizers=(...))")
