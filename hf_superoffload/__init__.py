@@ -25,6 +25,7 @@ __all__ = [
     "SuperOffloadPlugin",
     "SuperOffloadTrainer",
     "__version__",
+    "export_checkpoint",
     "module_weights",
     "prepare_superoffload",
 ]
@@ -34,6 +35,7 @@ _LAZY = {
     "SuperOffloadTrainer": ".integrations.transformers",
     "SuperOffloadPlugin": ".integrations.accelerate",
     "prepare_superoffload": ".integrations.accelerate",
+    "export_checkpoint": ".export",
 }
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "float_in", "int_in", "model_spec", "offload_config"]
+__all__ = ["OneLineParser", "existing_folder", "float_in", "int_in", "model_spec", "offload_config"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -105,3 +105,14 @@ def offload_config(text: str) -> str:
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def existing_folder(text: str) -> str:
+    """A folder that exists (a checkpoint to read)."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text!r} does not exist: give a checkpoint folder such as "
+                                         "output_dir/checkpoint-500")
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a file: give the checkpoint folder that holds it")
+    return str(path)

@@ -150,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     from .plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    from .export import add_export_parser
+
+    add_export_parser(sub)
     return p
 
 

@@ -1,0 +1,97 @@
+"""``hf-superoffload export`` / ``hf_superoffload.export_checkpoint``: a checkpoint's fp32 masters as a model.
+
+A tiny Llama is trained a few steps through SuperOffloadTrainer with checkpoints; the exported folder loads with
+``AutoModelForCausalLM.from_pretrained`` and its weights equal the optimizer's masters bit for bit (fp32), or
+the masters rounded to bf16 (bf16). Tied embeddings are written once and tied again; a frozen parameter comes
+from the checkpoint's model files. Bad input ends the CLI in one line with exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_superoffload import SuperOffloadArguments, SuperOffloadTrainer, export_checkpoint
+from hf_superoffload.cli import main
+from hf_superoffload.testing import tiny_llama
+
+
+def _train(hf: Any, out: Path, **model_kw: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Train 4 steps with a checkpoint every 2; returns the trainer and each trained parameter's final master."""
+    args = SuperOffloadArguments(**hf.train_kwargs(out, max_steps=4, save_strategy="steps", save_steps=2),
+                                 **hf.SMALL_BUCKETS)
+    model = tiny_llama(seed=0, **model_kw)
+    model.model.norm.weight.requires_grad_(False)  # a frozen parameter: not in the optimizer state
+    trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=hf.TokenDataset(16))
+    trainer.train()
+    opt = trainer.superoffload_optimizer
+    masters = {n: hf.master_of(opt, p).clone() for n, p in model.named_parameters() if p.requires_grad}
+    return trainer, masters
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_exported_fp32_weights_equal_the_masters_bit_for_bit(hf: Any, tmp_path: Path, tied: bool) -> None:
+    trainer, masters = _train(hf, tmp_path / "run", tie_word_embeddings=tied)
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    out = export_checkpoint(ckpt, tmp_path / "fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    params = dict(loaded.named_parameters())
+    for name, m in masters.items():
+        assert params[name].dtype == torch.float32
+        assert torch.equal(params[name].detach(), m), f"{name} differs from its master"
+    # the masters are not their bf16 weights: the export is not the model file upcast
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters.values())
+    frozen = trainer.model.model.norm.weight.detach().float()
+    assert torch.equal(params["model.norm.weight"].detach(), frozen)
+    if tied:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    else:
+        assert torch.equal(params["lm_head.weight"].detach(), masters["lm_head.weight"])
+    assert "lm_head.weight" not in masters or not tied
+
+    bf16 = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "bf16", dtype="bf16"),
+                                                dtype=torch.bfloat16)
+    for name, p in bf16.named_parameters():
+        if name in masters:
+            assert torch.equal(p.detach(), masters[name].to(torch.bfloat16)), name
+
+
+def test_cli_export_and_its_one_line_errors(hf: Any, tmp_path: Path, capsys: Any) -> None:
+    _, masters = _train(hf, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert all(torch.equal(dict(loaded.named_parameters())[n].detach(), m) for n, m in masters.items())
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(tmp_path / "nowhere"), str(tmp_path / "x")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err
+
+    model_only = tmp_path / "model_only"
+    tiny_llama().save_pretrained(model_only)  # config and weights, no optimizer state
+    capsys.readouterr()
+    assert main(["export", str(model_only), str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds no SuperOffload optimizer state" in err and "save_only_model" in err
+
+    os.remove(ckpt / "config.json")
+    assert main(["export", str(ckpt), str(tmp_path / "z")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--config" in err
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(hf: Any, tmp_path: Path) -> None:
+    from hf_superoffload.export import ExportError
+
+    _train(hf, tmp_path / "run")
+    other = tmp_path / "other"
+    tiny_llama(hidden_size=64, intermediate_size=128).config.save_pretrained(other)
+    with pytest.raises(ExportError, match=r"has shape .* give the config of the model that was trained"):
+        export_checkpoint(tmp_path / "run" / "checkpoint-4", tmp_path / "out", config=str(other))
