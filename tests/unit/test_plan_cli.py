@@ -14,6 +14,7 @@ from hf_superoffload.plan_cli import (
     EXIT_BAD_INPUT,
     EXIT_DOES_NOT_FIT,
     EXIT_FITS,
+    GEMM_EFFICIENCY,
     add_plan_parser,
     main,
     predict_step_time,
@@ -49,7 +50,7 @@ def test_the_anchor_fits_on_our_box(capsys):
     assert out["model"]["numel"] == 3_606_752_256
     assert out["plan"]["buckets"] >= 8
     assert out["memory_gib"]["gpu_required"] < 139
-    assert 1.0 < out["step_time_s"]["step_s"] < 1.2  # GPU-only anchor: 1.03 s
+    assert 0.9 < out["step_time_s"]["step_s"] < 1.05  # measured: 0.959 s (this plan keeps everything on the GPU)
     assert out["largest_fitting"]["num_layers"] > 28
     assert out["gpu_adamw_baseline_gib"]["fits"]
 
@@ -158,10 +159,10 @@ def test_step_time_roofline_on_the_anchor():
     shape = ModelShape.from_config(json.loads(Path(model("llama_3p6b")).read_text()))
     st = predict_step_time(shape, PlanLike.all_host(shape.numel), HardwareProfile.h200_pcie(), batch_size=8,
                            seq_len=2048, grad_ckpt=True)
-    assert st.gpu_s == pytest.approx(1.032, rel=0.02)  # the measured GPU-only step
+    assert st.gpu_s == pytest.approx(0.91, rel=0.03)  # the measured all-device step (0.959 s) less its tail's AdamW
     assert st.backward_window_s == pytest.approx(0.75 * st.gpu_s)
     assert st.cpu_s == pytest.approx(0.87, rel=0.05)  # 3.6B at ~4.2 Gparam/s under DMA contention
-    assert st.speculated_fraction == pytest.approx(0.89, abs=0.02)
+    assert st.speculated_fraction == pytest.approx(0.78, abs=0.02)  # a 0.69 s backward holds ~3/4 of the pass
     assert st.step_s >= st.gpu_s + st.tail_s
     slow = dataclasses.replace(HardwareProfile.h200_pcie(), cpu_adam_gparams=1.0)
     assert predict_step_time(shape, PlanLike.all_host(shape.numel), slow, batch_size=8, seq_len=2048,
@@ -238,7 +239,7 @@ def test_sequence_parallel_step_time_is_one_ranks_share():
     assert two.cpu_s == pytest.approx(one.cpu_s, rel=0.01)  # half the state at half the cores
     tiled = predict_step_time(shape, PlanLike.all_host(shape.numel // 2), profile, **run, sequence_parallel=2,
                               mlp_tile_tokens=8192)
-    mlp_forward = 2 * 3 * 4096 * 14336 * 32 * 262_144 / 2 / (profile.matmul_tflops * 1e12 * 0.6)
+    mlp_forward = 2 * 3 * 4096 * 14336 * 32 * 262_144 / 2 / (profile.matmul_tflops * 1e12 * GEMM_EFFICIENCY)
     assert tiled.gpu_s == pytest.approx(two.gpu_s + mlp_forward)
     one_tile = predict_step_time(shape, PlanLike.all_host(shape.numel // 2), profile, **run, sequence_parallel=2,
                                  mlp_tile_tokens=131_072)  # a tile holds every token of the rank: no recompute
