@@ -28,8 +28,10 @@ What it changes in Trainer (transformers 5.17-5.24; every other behaviour is Tra
 - ``log``: training log lines get the offload telemetry averaged over the logging window
   (``superoffload/cpu_adam_s``, ``gpu_wait_s``, ``overlap``, ``link_gb``, ``clip_coef``, ``speculative``, ...)
   plus skipped/clipped step counts and the redo rate, so every ``report_to`` integration receives them.
-  The plan summary is logged at train start on the main process (stdlib logger ``hf_superoffload``; an explicit
-  ``args.log_level`` sets its level unless you configured it yourself).
+  The plan summary is shown once on the main process when the plan is made (at the first training forward):
+  through the stdlib logger ``hf_superoffload`` when logging is configured to show its INFO records, else printed
+  on stdout (see :func:`show_plan`; an explicit ``args.log_level`` above info silences it); it is also kept in
+  ``state.log_history`` (``{"superoffload/plan": text, "step": ...}``, saved in ``trainer_state.json``).
 
 Decision on ``Trainer(args=SuperOffloadArguments(...))`` (the plain Trainer): it is **refused** with a
 ``TypeError`` naming ``SuperOffloadTrainer``, raised from ``Trainer.__init__`` (through the documented
@@ -306,6 +308,23 @@ def last_complete_checkpoint(folder: str) -> str:
     raise ValueError(f"No valid checkpoint found in output directory ({folder})")
 
 
+def show_plan(text: str) -> None:
+    """Show the plan summary where the user looks: through the ``hf_superoffload`` logger when logging is set up
+    to show its INFO records, else on stdout (above any progress bar). Silent when the level of the
+    ``hf_superoffload`` logger was explicitly raised above INFO (e.g. ``log_level="warning"``).
+
+    Trainer users rarely configure logging: transformers configures only its own logger, so an INFO record of
+    ``hf_superoffload`` would reach no handler and the plan, the first thing to check in a slow run, would be
+    lost."""
+    root = logging.getLogger("hf_superoffload")
+    if root.isEnabledFor(logging.INFO) and root.hasHandlers():
+        logger.info("%s", text)
+    elif root.level == logging.NOTSET or root.level <= logging.INFO:
+        from tqdm.auto import tqdm
+
+        tqdm.write(text)
+
+
 class _SuperOffloadCallback(TrainerCallback):
     """Logs the plan at train start (main process only), collects per-step telemetry, and waits for the last
     step's weights at train end."""
@@ -324,7 +343,11 @@ class _SuperOffloadCallback(TrainerCallback):
             from .. import ops
 
             def log_plan(plan: OffloadPlan) -> None:
-                logger.info("%s\n  CPU Adam backend: %s", plan.summary(), ops.backend())
+                text = f"{plan.summary()}\n  CPU Adam backend: {ops.backend()}"
+                # kept in trainer_state.json with the run's other logs (not sent through Trainer.log: report_to
+                # integrations take scalars, and the console printer would dump the multi-line text as a repr)
+                state.log_history.append({"superoffload/plan": text, "step": state.global_step})
+                show_plan(text)
 
             if opt.planned:
                 log_plan(opt.plan)

@@ -1,0 +1,44 @@
+"""The plan summary reaches a Trainer user who configured no logging, once, and stays in the log history."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
+from hf_superoffload.testing import tiny_llama
+
+
+def _train(hf: Any, tmp: Any, **kw: Any) -> SuperOffloadTrainer:
+    args = SuperOffloadArguments(**hf.train_kwargs(tmp, max_steps=2, **hf.SMALL_BUCKETS, **kw))
+    trainer = SuperOffloadTrainer(model=tiny_llama(seed=0), args=args, train_dataset=hf.TokenDataset(8))
+    trainer.train()
+    return trainer
+
+
+def test_plan_printed_once_and_kept_in_log_history(hf: Any, tmp_path: Any, capsys: Any) -> None:
+    assert not logging.getLogger("hf_superoffload").isEnabledFor(logging.INFO)  # as in a fresh script
+    trainer = _train(hf, tmp_path)
+    out = capsys.readouterr().out
+    assert out.count("hf_superoffload plan:") == 1 and "CPU Adam backend:" in out
+    plans = [h for h in trainer.state.log_history if "superoffload/plan" in h]
+    assert len(plans) == 1 and plans[0]["superoffload/plan"].startswith("hf_superoffload plan:")
+
+
+def test_plan_goes_through_configured_logging(hf: Any, tmp_path: Any, capsys: Any,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="hf_superoffload"):
+        _train(hf, tmp_path)
+    assert "hf_superoffload plan:" not in capsys.readouterr().out  # not twice
+    assert sum("hf_superoffload plan:" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_plan_silenced_by_explicit_log_level(hf: Any, tmp_path: Any, capsys: Any) -> None:
+    root = logging.getLogger("hf_superoffload")
+    try:
+        _train(hf, tmp_path, log_level="warning")
+    finally:
+        root.setLevel(logging.NOTSET)
+    assert "hf_superoffload plan:" not in capsys.readouterr().out
