@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = ["main"]
 def _train(args: argparse.Namespace) -> int:
     from . import SuperOffloadConfig, SuperOffloadOptimizer
     from .datasets_local import build_tokenizer, format_example, instruction_texts, packed_batches
+    from .planning.plan import OffloadPlan
     from .presets import llama_config
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -56,7 +58,19 @@ def _train(args: argparse.Namespace) -> int:
     print(f"model: {source}, {n_params / 1e6:.1f}M parameters, on {device}")
 
     cfg = SuperOffloadConfig(**json.loads(args.offload_config)) if args.offload_config else SuperOffloadConfig()
-    opt = SuperOffloadOptimizer(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0, config=cfg)
+    opt = SuperOffloadOptimizer(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=1.0, config=cfg,
+                                log_plan=False)
+    from tqdm.auto import tqdm
+
+    from . import ops
+
+    def show_plan(plan: OffloadPlan) -> None:  # once, above the progress bar
+        tqdm.write(f"{plan.summary()}\n  CPU Adam backend: {ops.backend()}")
+
+    if opt.planned:
+        show_plan(opt.plan)
+    else:  # [Note: workload from the first batch]: planned at the first training forward
+        opt.plan_listeners.append(show_plan)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
     batches = packed_batches(tokenizer, texts, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed)
     try:  # the packer checks the corpus against --seq-len when it yields its first batch
@@ -68,6 +82,8 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     tokens = args.batch_size * args.seq_len
     t_start, t_last, first_loss, loss_val = time.perf_counter(), time.perf_counter(), None, float("nan")
+    step_last = 0
+    bar = _progress(args.steps)
     for step in range(1, args.steps + 1):
         ids = next(batches).to(device)
         loss = model(input_ids=ids, labels=ids).loss
@@ -75,16 +91,20 @@ def _train(args: argparse.Namespace) -> int:
         opt.step()
         opt.zero_grad()
         sched.step()
+        bar.update(1)
         if step % args.log_every == 0 or step == 1 or step == args.steps:
-            loss_val = loss.item()
+            loss_val = loss.item()  # a device sync: only on logging steps, so the CPU stays ahead of the GPU
             first_loss = loss_val if first_loss is None else first_loss
             now = time.perf_counter()
-            span = args.log_every if step > 1 else 1
             st = opt.last_step_stats
-            print(f"step {step:5d}  loss {loss_val:.4f}  grad_norm {opt.last_grad_norm:.3f}  "
-                  f"tokens/s {span * tokens / (now - t_last):,.0f}  cpu_adam {st.cpu_s * 1e3:.1f} ms  "
-                  f"gpu_wait {st.wait_s * 1e3:.1f} ms  {st.verdict}")
-            t_last = now
+            rate = (step - step_last) * tokens / (now - t_last)
+            bar.set_postfix_str(f"loss {loss_val:.4f}  tok/s {rate:,.0f}  gpu_wait {st.wait_s * 1e3:.1f} ms  "
+                                f"cpu_adam {st.cpu_s * 1e3:.1f} ms")
+            bar.write(f"step {step:5d}  loss {loss_val:.4f}  grad_norm {opt.last_grad_norm:.3f}  "
+                      f"tokens/s {rate:,.0f}  cpu_adam {st.cpu_s * 1e3:.1f} ms  "
+                      f"gpu_wait {st.wait_s * 1e3:.1f} ms  {st.verdict}")
+            t_last, step_last = now, step
+    bar.close()
     opt.synchronize()
     elapsed = time.perf_counter() - t_start
     gov = opt.engine.governor
@@ -97,6 +117,14 @@ def _train(args: argparse.Namespace) -> int:
         print(f"saved to {args.output_dir}")
     opt.close()
     return 0
+
+
+def _progress(total: int) -> Any:
+    """The training progress bar on stderr; tqdm turns it off when stderr is not a terminal (logs, CI), where the
+    per-step lines (on stdout) are the record."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", disable=None, dynamic_ncols=True, file=sys.stderr)
 
 
 def _device(text: str) -> str:
