@@ -17,11 +17,13 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from hf_superoffload.datasets_local import build_tokenizer, format_example, instruction_texts, packed_batches
@@ -108,6 +110,11 @@ def main(argv: Sequence[str] | None = None) -> float:
         next(batches)
     model.train()
     loss_sum, last_loss, grad_norm = 0.0, float("nan"), torch.tensor(float("nan"))
+    # progress on the main process, on a terminal only (tqdm's disable=None); the per-step lines stay the record
+    bar = tqdm(total=args.max_steps, initial=progress.step, desc="train", unit="step", dynamic_ncols=True,
+               disable=None if accelerator.is_main_process else True)
+    step_tokens = args.batch_size * args.seq_len * args.grad_accum * accelerator.num_processes
+    t_last = time.perf_counter()
     while progress.step < args.max_steps:
         ids = next(batches).to(accelerator.device)
         with accelerator.accumulate(model):
@@ -123,12 +130,18 @@ def main(argv: Sequence[str] | None = None) -> float:
             continue
         progress.step += 1
         opt = optimizer.superoffload
-        accelerator.print(f"step {progress.step:4d}  loss {loss_sum:.4f}  grad_norm {grad_norm.item():.3f}  "
-                          f"lr {scheduler.get_last_lr()[0]:.2e}  "
-                          + json.dumps({k.split("/")[1]: v for k, v in opt.last_step_stats.as_log().items()}))
+        now, st = time.perf_counter(), opt.last_step_stats
+        rate, t_last = step_tokens / (now - t_last), now
+        bar.update(1)
+        bar.set_postfix_str(f"loss {loss_sum:.4f}  tok/s {rate:,.0f}  gpu_wait {st.wait_s * 1e3:.1f} ms")
+        if accelerator.is_main_process:
+            bar.write(f"step {progress.step:4d}  loss {loss_sum:.4f}  grad_norm {grad_norm.item():.3f}  "
+                      f"lr {scheduler.get_last_lr()[0]:.2e}  tokens/s {rate:,.0f}  "
+                      + json.dumps({k.split("/")[1]: v for k, v in st.as_log().items()}))
         last_loss, loss_sum = loss_sum, 0.0
         if (args.save_every and progress.step % args.save_every == 0) or progress.step == args.max_steps:
             accelerator.save_state(os.path.join(args.output_dir, f"step-{progress.step}"))
+    bar.close()
     accelerator.wait_for_everyone()
     opt = optimizer.superoffload
     accelerator.print(f"done at step {progress.step}: skipped {opt.skipped_steps}, clipped {opt.clipped_steps}, "
