@@ -10,17 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_superoffload.config import SuperOffloadConfig
 from hf_superoffload.plan_cli import (
     EXIT_BAD_INPUT,
     EXIT_DOES_NOT_FIT,
     EXIT_FITS,
     GEMM_EFFICIENCY,
     add_plan_parser,
+    arrival_numels,
+    load_model_config,
     main,
     predict_step_time,
 )
 from hf_superoffload.planning.hardware import CACHE_ENV, HardwareProfile
 from hf_superoffload.planning.memory_model import ModelShape, PlanLike
+from hf_superoffload.planning.planner import make_plan
 
 DATA = Path(__file__).parent / "data"
 
@@ -265,3 +269,21 @@ def test_the_largest_model_is_unknown_without_free_gpu_memory(capsys, tmp_path, 
     assert "largest model of this width that fits: unknown (free GPU memory unknown: pass --gpu-mem" in text
     _, with_gpu = plan_json(capsys, *argv, "--gpu-mem", "24")
     assert 0 < with_gpu["largest_fitting"]["num_layers"] < 2048
+
+
+def test_step_time_predictions_hold_against_the_measured_default_rows():
+    """One H200 box, one call each (docs/benchmarks.md, "What the defaults do"): the planner's own plans, predicted
+    within 10% of the measured median step, clipping at 1.0 firing on every step of that random data."""
+    from hf_superoffload.planning.planner import Workload
+
+    h200 = HardwareProfile.h200_pcie()
+    for name, batch, config, measured in (("3.6b", 8, SuperOffloadConfig(), 0.959),
+                                          ("8b", 4, SuperOffloadConfig(), 1.018),
+                                          ("3.6b", 8, SuperOffloadConfig(gpu_resident_buckets=0), 1.274)):
+        cfg = load_model_config(name)
+        shape = ModelShape.from_config(cfg)
+        plan = make_plan(arrival_numels(cfg), element_size=2, config=config, profile=h200,
+                         workload=Workload(shape, batch, 2048, True))
+        st = predict_step_time(shape, PlanLike.from_plan(plan), h200, batch_size=batch, seq_len=2048, grad_ckpt=True,
+                               clipping_every_step=True)
+        assert st.step_s == pytest.approx(measured, rel=0.10), (name, config)
