@@ -27,7 +27,13 @@ from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
 from hf_superoffload.datasets_local import build_tokenizer, format_example, instruction_texts, packed_batches
-from hf_superoffload.integrations.accelerate import SuperOffloadPlugin, prepare_superoffload
+from hf_superoffload.integrations.accelerate import (
+    SuperOffloadPlugin,
+    last_complete_checkpoint,
+    mark_checkpoint_complete,
+    prepare_superoffload,
+    remove_stale_temp_files,
+)
 from hf_superoffload.presets import PRESETS, llama_config
 
 
@@ -80,11 +86,12 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, list[str]]:
 
 
 def latest_checkpoint(output_dir: str) -> str:
-    found = sorted((int(d.split("-")[1]), d) for d in os.listdir(output_dir)
-                   if d.startswith("step-") and d.split("-")[1].isdigit())
-    if not found:
-        raise SystemExit(f"--resume latest: no step-* checkpoint in {output_dir}")
-    return os.path.join(output_dir, found[-1][1])
+    """The newest *complete* step-N folder: save_state writes its files in place, so a folder whose completion
+    marker is missing (or that holds a temp file of an interrupted save) is skipped, with a warning."""
+    try:
+        return last_complete_checkpoint(output_dir, prefix="step")
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"--resume latest: {e}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> float:
@@ -102,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> float:
     accelerator.register_for_checkpointing(progress)
     if args.resume:
         path = latest_checkpoint(args.output_dir) if args.resume == "latest" else args.resume
+        if accelerator.is_main_process:
+            remove_stale_temp_files(path)
         accelerator.load_state(path)  # model, optimizer (into the host buffers), scheduler, RNG, progress
         accelerator.print(f"resumed from {path} at step {progress.step}")
 
@@ -140,7 +149,11 @@ def main(argv: Sequence[str] | None = None) -> float:
                       + json.dumps({k.split("/")[1]: v for k, v in st.as_log().items()}))
         last_loss, loss_sum = loss_sum, 0.0
         if (args.save_every and progress.step % args.save_every == 0) or progress.step == args.max_steps:
-            accelerator.save_state(os.path.join(args.output_dir, f"step-{progress.step}"))
+            folder = os.path.join(args.output_dir, f"step-{progress.step}")
+            accelerator.save_state(folder)
+            accelerator.wait_for_everyone()  # every rank's files are written: only now is the folder complete
+            if accelerator.is_main_process:
+                mark_checkpoint_complete(folder, step=progress.step)
     bar.close()
     accelerator.wait_for_everyone()
     opt = optimizer.superoffload

@@ -5,7 +5,10 @@
   round-trips the host-resident state through the GPU; ``step_was_skipped`` is forwarded (the stock wrapper
   only reports GradScaler overflows), so ``AcceleratedScheduler`` and Trainer do not advance the LR on a
   skipped step; and it hands out *deferred* gradient norms (see :meth:`deferred_grad_norm`).
-- :func:`atomic_torch_save`: ``torch.save`` to a temporary file, fsync, ``os.replace``.
+- :func:`atomic_torch_save`: ``torch.save`` to a temporary file, fsync, ``os.replace``; it first removes the
+  stale temporary files an interrupted save left in that folder (:func:`remove_stale_temp_files`).
+- :func:`last_complete_checkpoint`: the newest checkpoint folder a resume can trust (Trainer and the Accelerate
+  example).
 - :class:`TelemetryWindow`: averages :class:`~hf_superoffload.runtime.engine.StepStats` over a logging window.
 - :func:`warn_if_threads_throttled`: the one thread-count warning (see below).
 
@@ -21,7 +24,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import tempfile
+import time
 from contextlib import suppress
 from typing import Any
 
@@ -32,11 +37,16 @@ from ..optimizer import SuperOffloadOptimizer
 from ..runtime.engine import StepStats
 
 __all__ = [
+    "COMPLETE_MARKER",
     "SuperOffloadAcceleratedOptimizer",
     "TelemetryWindow",
     "atomic_torch_save",
     "find_superoffload_optimizer",
+    "is_our_temp_file",
+    "last_complete_checkpoint",
+    "mark_checkpoint_complete",
     "refuse_other_model",
+    "remove_stale_temp_files",
     "warn_if_threads_throttled",
 ]
 
@@ -165,12 +175,105 @@ def refuse_other_model(optimizer: SuperOffloadOptimizer, model: torch.nn.Module,
                          "SuperOffloadOptimizer(model, ...)")
 
 
+# Temporary files of atomic saves: ".<final name>.<8 random characters>.superoffload.tmp". Before the tag existed
+# they were ".<final name>.<random>.tmp"; those count as ours only for the file names we write.
+_TEMP_TAG = ".superoffload.tmp"
+_TEMP_NAME = re.compile(r"\.(?P<target>.+)\.[A-Za-z0-9_]{8}(?P<tag>\.superoffload)?\.tmp")
+_OWN_TARGETS = re.compile(r"optimizer\.pt|optimizer\.bin|scheduler\.pt|optimizer_rank\d+\.pt|superoffload_optimizer\.pt|"
+                          r"checkpoint_complete\.json")
+# A temp file last written before this process started cannot be one a rank of this run is writing now (every rank
+# imports this module before it trains), so it was left by a run that died while saving.
+_PROCESS_START = time.time()
+_IN_FLIGHT: set[str] = set()  # this process's own temp files, never removed while being written
+COMPLETE_MARKER = "checkpoint_complete.json"
+"""Written last into a checkpoint folder (:func:`mark_checkpoint_complete`): a folder without it was interrupted."""
+
+
+def is_our_temp_file(name: str) -> bool:
+    """Whether ``name`` (a file name) is a temporary file of :func:`atomic_torch_save`."""
+    m = _TEMP_NAME.fullmatch(name)
+    return m is not None and (m.group("tag") is not None or _OWN_TARGETS.fullmatch(m.group("target")) is not None)
+
+
+def remove_stale_temp_files(folder: str | os.PathLike[str]) -> list[str]:
+    """Remove the temporary files of atomic saves that a killed run left in ``folder`` (ours only, by name, and only
+    those last written before this process started: another rank may be writing its own right now); returns their
+    names. A crash mid-save leaves a partial file of checkpoint size under a hidden name."""
+    folder = os.fspath(folder)
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        path = os.path.abspath(os.path.join(folder, name))
+        if not is_our_temp_file(name) or path in _IN_FLIGHT:
+            continue
+        try:
+            if os.stat(path).st_mtime >= _PROCESS_START:
+                continue
+            os.unlink(path)
+        except FileNotFoundError:  # another rank removed it first
+            continue
+        removed.append(name)
+    if removed:
+        logger.warning("hf_superoffload: removed %d stale temporary file(s) left in %s by an interrupted save: %s",
+                       len(removed), folder, ", ".join(sorted(removed)))
+    return removed
+
+
+def last_complete_checkpoint(folder: str, *, prefix: str = "checkpoint", marker: str = COMPLETE_MARKER) -> str:
+    """The highest-numbered ``<prefix>-N`` folder in ``folder`` that holds ``marker`` (written last: Trainer's
+    ``trainer_state.json``, or :data:`COMPLETE_MARKER` of :func:`mark_checkpoint_complete`; so a folder
+    without it was interrupted while being saved) and no temporary file of ours (a save into it was interrupted:
+    its files may come from two different steps). Skipped folders are named in a warning. ``ValueError`` if none."""
+    found = []
+    for name in os.listdir(folder):
+        m = re.fullmatch(rf"{re.escape(prefix)}-(\d+)", name)
+        if m and os.path.isdir(os.path.join(folder, name)):
+            found.append((int(m.group(1)), os.path.join(folder, name)))
+    skipped = []
+    for _, path in sorted(found, reverse=True):
+        files = os.listdir(path)
+        temps = sorted(f for f in files if is_our_temp_file(f))
+        if marker in files and not temps:
+            if skipped:
+                logger.warning("hf_superoffload: skipping incomplete checkpoint(s) %s (the run stopped while saving); "
+                               "resuming from %s", "; ".join(skipped), path)
+            return path
+        skipped.append(f"{path}: " + (f"no {marker}" if marker not in files else f"an interrupted save left {temps[0]}"))
+    raise ValueError(f"No valid checkpoint found in output directory ({folder})"
+                     + (f": every {prefix}-N folder is incomplete ({'; '.join(skipped)})" if skipped else ""))
+
+
+def mark_checkpoint_complete(folder: str | os.PathLike[str], **info: Any) -> None:
+    """Write :data:`COMPLETE_MARKER` (``info`` as JSON) into ``folder``, atomically: call it once every file of the
+    checkpoint is written, on one process."""
+    import json
+
+    path = os.path.join(os.fspath(folder), COMPLETE_MARKER)
+    fd, tmp = tempfile.mkstemp(prefix=f".{COMPLETE_MARKER}.", suffix=_TEMP_TAG, dir=os.fspath(folder))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(info, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj, path)`` that never leaves a partial file: temp file in the same folder, flush, fsync,
-    ``os.replace``, then fsync the folder so the rename itself is durable."""
+    ``os.replace``, then fsync the folder so the rename itself is durable. Stale temp files of earlier, interrupted
+    saves into the folder are removed first."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    remove_stale_temp_files(folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=_TEMP_TAG, dir=folder)
+    _IN_FLIGHT.add(os.path.abspath(tmp))
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -181,6 +284,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    finally:
+        _IN_FLIGHT.discard(os.path.abspath(tmp))
     try:
         dir_fd = os.open(folder, os.O_RDONLY)
     except OSError:  # some platforms cannot open folders; the data itself is synced

@@ -76,13 +76,18 @@ from ..planning.plan import OffloadPlan
 from ._common import (
     SuperOffloadAcceleratedOptimizer,
     find_superoffload_optimizer,
+    last_complete_checkpoint,
+    mark_checkpoint_complete,
     read_optimizer_state,
     refuse_other_model,
+    remove_stale_temp_files,
     save_optimizer_state,
     warn_if_threads_throttled,
 )
 
-__all__ = ["ENV_CONFIG", "ENV_PREFIX", "SuperOffloadPlugin", "accelerate_config_path", "prepare_superoffload"]
+# the checkpoint helpers are re-exported for custom loops: mark a save_state folder complete, resume the newest one
+__all__ = ["ENV_CONFIG", "ENV_PREFIX", "SuperOffloadPlugin", "accelerate_config_path", "last_complete_checkpoint",
+           "mark_checkpoint_complete", "prepare_superoffload", "remove_stale_temp_files"]
 
 logger = get_logger(__name__)
 
@@ -368,6 +373,7 @@ def _checkpoint_shards(accelerator: Any, opt: SuperOffloadOptimizer) -> None:
         save_optimizer_state(opt, output_dir, "superoffload_optimizer.pt")
 
     def load_hook(models: Any, input_dir: str) -> None:
+        remove_stale_temp_files(input_dir)  # partial shards of a save into this folder that was interrupted
         path, state = read_optimizer_state(opt, input_dir, "superoffload_optimizer.pt")
         if state is None:
             raise ValueError(f"{input_dir} holds no SuperOffload optimizer shards ({path}); it was not saved by a "

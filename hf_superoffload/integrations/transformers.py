@@ -57,7 +57,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import re
 import warnings
 from typing import Any
 
@@ -73,8 +72,10 @@ from ._common import (
     SuperOffloadAcceleratedOptimizer,
     TelemetryWindow,
     atomic_torch_save,
+    last_complete_checkpoint,
     read_optimizer_state,
     refuse_other_model,
+    remove_stale_temp_files,
     save_optimizer_state,
     warn_if_threads_throttled,
 )
@@ -240,6 +241,7 @@ class SuperOffloadTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or self._superoffload is None:
             return
+        remove_stale_temp_files(checkpoint)  # partial files of a save into this folder that was interrupted
         sched_file = os.path.join(checkpoint, SCHEDULER_NAME)
         opt_file, state = read_optimizer_state(self._superoffload, checkpoint, OPTIMIZER_NAME)
         if state is None:
@@ -258,7 +260,8 @@ class SuperOffloadTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, prefix=PREFIX_CHECKPOINT_DIR,
+                                                              marker=TRAINER_STATE_NAME)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ---- logging -----------------------------------------------------------------------------------
@@ -286,26 +289,6 @@ def _route_prepare_model(trainer: SuperOffloadTrainer) -> None:
         return original(model, device_placement=device_placement, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_model
-
-
-def last_complete_checkpoint(folder: str) -> str:
-    """The highest-numbered ``checkpoint-N`` in ``folder`` that holds ``trainer_state.json`` (Trainer writes it
-    last, so a checkpoint without it was interrupted while being saved); incomplete ones are skipped with a
-    warning."""
-    found = []
-    for name in os.listdir(folder):
-        m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", name)
-        if m and os.path.isdir(os.path.join(folder, name)):
-            found.append((int(m.group(1)), os.path.join(folder, name)))
-    skipped = []
-    for _, path in sorted(found, reverse=True):
-        if os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
-            if skipped:
-                logger.warning("hf_superoffload: skipping incomplete checkpoint(s) %s (no %s: the run stopped while "
-                               "saving); resuming from %s", skipped, TRAINER_STATE_NAME, path)
-            return path
-        skipped.append(path)
-    raise ValueError(f"No valid checkpoint found in output directory ({folder})")
 
 
 def show_plan(text: str) -> None:
