@@ -95,3 +95,49 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_parameter(hf: Any, 
     tiny_llama(hidden_size=64, intermediate_size=128).config.save_pretrained(other)
     with pytest.raises(ExportError, match=r"has shape .* give the config of the model that was trained"):
         export_checkpoint(tmp_path / "run" / "checkpoint-4", tmp_path / "out", config=str(other))
+
+
+def _split_into_rank_shards(sd: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """The single-process state ``sd`` as ``world`` data-parallel shards in the layout the sharded engine saves (one
+    bucket per parameter, each rank holding 1/world of it, zero-padded), for :func:`consolidate_state_dicts`."""
+    import math
+
+    from hf_superoffload.planning.plan import Placement
+
+    kinds = ("master", "exp_avg", "exp_avg_sq")
+    buckets, parts = [], {r: {"host": {k: [] for k in kinds}, "device": {k: [] for k in kinds}} for r in range(world)}
+    sizes = {"host": 0, "device": 0}
+    for i, (pl, off) in enumerate(sd["locations"]):
+        side = "host" if Placement(pl) is Placement.HOST else "device"
+        n = sd["numels"][i]
+        shard = math.ceil(n / world)
+        buckets.append({"params": [i], "numel": n, "shard": shard, "placement": side, "offset": sizes[side]})
+        sizes[side] += shard
+        for k in kinds:
+            whole = torch.cat([sd[side][k][off : off + n], torch.zeros(shard * world - n)])
+            for r in range(world):
+                parts[r][side][k].append(whole[r * shard : (r + 1) * shard])
+    shards = []
+    for r in range(world):
+        arenas = {side: {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in d.items()} for side, d in parts[r].items()}
+        shards.append({**sd, **arenas, "locations": None, "manifest": None,
+                       "sharding": {"world_size": world, "rank": r, "buckets": buckets}})
+    return shards
+
+
+def test_a_data_parallel_checkpoint_is_merged_from_its_rank_shards(hf: Any, tmp_path: Path) -> None:
+    _, masters = _train(hf, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoint-4"
+    full = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
+    for r, shard in enumerate(_split_into_rank_shards(full["superoffload"], 2)):
+        torch.save({**full, "superoffload": shard}, ckpt / f"optimizer_rank{r}.pt")
+    os.remove(ckpt / "optimizer.pt")
+    loaded = AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "out"), dtype=torch.float32)
+    params = dict(loaded.named_parameters())
+    for name, m in masters.items():
+        assert torch.equal(params[name].detach(), m), name
+    os.remove(ckpt / "optimizer_rank1.pt")  # a rank's shard is missing
+    from hf_superoffload.export import ExportError
+
+    with pytest.raises(ExportError, match="cannot merge the 1 optimizer shards"):
+        export_checkpoint(ckpt, tmp_path / "out2")
