@@ -17,6 +17,11 @@ only a lock older than ``_STALE_LOCK_S`` is taken for stale.
 No ``-march`` flag: each SIMD path carries its own target attribute and the library dispatches on the CPU
 it runs on, so a cached build is safe on any machine of the same architecture.
 
+Messages: a load from the cache says nothing (DEBUG only). A build says so once, when it starts, with the
+elapsed time ticking on a terminal (it takes about a minute and the first step waits for it); off a terminal
+the one line goes to the ``hf_superoffload`` logging when that shows INFO records, else to stderr. The stale
+lock warning appears only when a build was actually interrupted.
+
 If the build fails (no compiler, no OpenMP) the ops fall back to torch (see ``_fallback``) and ONE
 warning says what is lost and how to fix it. ``HF_SUPEROFFLOAD_DISABLE_CPU_EXT=1`` forces the fallback.
 """
@@ -27,6 +32,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import sys
 import threading
 import time
 import warnings
@@ -133,6 +139,51 @@ def _exclusive_build(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _library_built(name: str) -> bool:
+    """Whether ``name``'s library is in the cache (then ``cpp_extension.load`` only loads it)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    return any((build_dir / f"{name}{ext}").is_file() for ext in (".so", ".pyd", ".dylib"))
+
+
+def _say(message: str) -> None:
+    """One line the user should see: through logging when it is set up to show INFO records, else on stderr
+    (the library's INFO records reach no handler in a script that configured no logging)."""
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info("%s", message)
+    else:
+        print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _build_progress(name: str) -> Iterator[None]:
+    """The one build message: on a terminal a status line whose elapsed time ticks until the build ends;
+    elsewhere a single line (see [Note: CPU Adam build])."""
+    from tqdm.auto import tqdm
+
+    what = "hf_superoffload: compiling the CPU Adam extension (first use only, about a minute)"
+    bar = tqdm(desc=what, bar_format="{desc}: {elapsed}", disable=None, file=sys.stderr)
+    if bar.disable:
+        _say(f"{what}: {name}")
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="hf_superoffload-build-progress", daemon=True)
+    ticker.start()
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        stop.set()
+        ticker.join()
+        bar.close()
+        logger.info("built the CPU Adam extension %s in %.0f s", name, time.perf_counter() - start)
+
+
 def _build() -> LoadState:
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         logger.info("%s is set: CPU Adam uses the torch fallback", DISABLE_ENV)
@@ -141,8 +192,8 @@ def _build() -> LoadState:
         from torch.utils import cpp_extension
 
         name = _extension_name()
-        logger.info("loading the CPU Adam extension %s (the first use compiles it, ~1 min)", name)
-        with _exclusive_build(name):
+        with _exclusive_build(name), (contextlib.nullcontext() if _library_built(name) else _build_progress(name)):
+            logger.debug("loading the CPU Adam extension %s", name)
             cpp_extension.load(
                 name=name,
                 sources=[str(CSRC / s) for s in _SOURCES],
