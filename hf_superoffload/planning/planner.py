@@ -302,6 +302,20 @@ def make_plan(
     first = plan_at(lo)
     assert first is not None
     gib = 1024**3
+    if workload is None or profile.device_free_bytes is None:
+        # the activations (or the device) are unknown: the smallest tail with which the host holds the rest
+        if lo == 0:
+            return first
+        free = profile.device_free_bytes
+        need = first.device_numel * _DEVICE_BYTES_PER_PARAM
+        if free is not None and need > free * (1.0 - _DEVICE_MARGIN):
+            raise PlanError(f"{host_error} A device tail large enough for the host ({lo} of {n_buckets} buckets) "
+                            f"needs {need / gib:.1f} GiB of device memory for its optimizer state and gradients, "
+                            f"but {free / gib:.1f} GiB is free. Add host RAM, train fewer parameters, or use more "
+                            "GPUs.") from None
+        note = (f"device tail: {lo} bucket(s) = {first.device_numel / max(sum(numels), 1):.0%} of parameters (auto: "
+                "the fewest with which the host RAM holds the rest)")
+        return dataclasses.replace(first, notes=(note, *first.notes[1:]))
     ok, why = _device_holds(first, workload, profile, world_size)
     if not ok:
         if lo == 0:

@@ -176,3 +176,21 @@ def test_a_workload_that_fits_plain_gpu_training_keeps_every_state_on_the_device
     big = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=prof,
                     workload=Workload(cfg, 16, 2048, True))
     assert 0 < big.host_numel < sum(numels)  # a batch plain GPU training cannot fit offloads the rest
+
+
+def test_auto_tail_grows_until_the_host_holds_the_rest_when_the_activations_or_the_device_are_unknown():
+    """A host too small for every optimizer state: without a workload or without device memory, the auto tail is
+    the fewest buckets with which the host holds the rest; an explicit tail stays the user's call (refused)."""
+    from hf_superoffload.planning.planner import Workload
+
+    numels = [4_000_000] * 40
+    n = sum(numels)
+    small_host = dict(host_available_bytes=2 * GiB + 12 * n)  # room for well under all of the state
+    for device_free, workload in ((None, None), (None, Workload("tiny", 1, 16, False)), (1 * GiB, None)):
+        prof = profile(device_free_bytes=device_free, **small_host)
+        plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=prof, workload=workload)
+        assert 0 < plan.device_numel < n, (device_free, workload)
+        assert "the fewest with which the host RAM holds the rest" in plan.notes[0]
+        with pytest.raises(PlanError, match="host"):  # one bucket fewer on the device does not fit the host
+            make_plan(numels, element_size=2, profile=prof, workload=workload,
+                      config=SuperOffloadConfig(gpu_resident_buckets=len(plan.device_buckets) - 1))
