@@ -47,10 +47,13 @@ from .transformers import SuperOffloadTrainer
 __all__ = ["SuperOffloadSFTConfig", "SuperOffloadSFTTrainer"]
 
 
+# SFTConfig first: a dataclass takes each field's default from the last base (in reverse MRO) that declares it, and
+# SuperOffloadArguments re-declares every TrainingArguments field with Trainer's defaults, which would silently
+# replace TRL's (learning_rate, logging_steps, gradient_checkpointing, bf16).
 @dataclass
-class SuperOffloadSFTConfig(SuperOffloadArguments, SFTConfig):
+class SuperOffloadSFTConfig(SFTConfig, SuperOffloadArguments):
     """``SFTConfig`` with the ``superoffload_*`` fields of :class:`SuperOffloadArguments` (see the module
-    docstring). ``__post_init__`` runs SuperOffloadArguments' checks, then SFTConfig's, then TrainingArguments'."""
+    docstring). ``__post_init__`` runs SFTConfig's, then SuperOffloadArguments' checks, then TrainingArguments'."""
 
 
 class SuperOffloadSFTTrainer(SuperOffloadTrainer, SFTTrainer):

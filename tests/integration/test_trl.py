@@ -157,3 +157,13 @@ def test_trl_example_runs_offline(tmp_path: Any) -> None:
                             "--assistant_only_loss", "True", "--use_cpu", "True", "--disable_tqdm", "True"])
     assert math.isfinite(metrics["train_loss"])
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_sft_config_keeps_trl_defaults(tmp_path: Any) -> None:
+    import dataclasses
+
+    ours = SuperOffloadSFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    trl_own = SFTConfig(output_dir=str(tmp_path), use_cpu=True)
+    differ = [f.name for f in dataclasses.fields(trl_own) if getattr(ours, f.name) != getattr(trl_own, f.name)]
+    assert differ == []  # e.g. learning_rate 2e-5, logging_steps 10, gradient_checkpointing on, as TRL documents
+    assert ours.to_superoffload_config() is not None  # and the offload fields are there
