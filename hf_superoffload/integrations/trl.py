@@ -25,9 +25,11 @@ Both classes are compositions, nothing more:
   ``lm_head`` (its fused LM head), so ``compute_loss`` runs inside ``module_weights(lm_head)``, which waits for
   that weight's update as the module's forward would ([Note: unhooked reads]).
 
-A plain ``SFTConfig`` would not do: SFTTrainer converts any other ``TrainingArguments`` into a fresh
-``SFTConfig`` (dropping the offload fields), and a plain ``SFTTrainer`` given ``SuperOffloadSFTConfig`` is
-refused like a plain ``Trainer`` given ``SuperOffloadArguments`` (it would build torch AdamW).
+Why a config class of its own: SFTTrainer converts any ``TrainingArguments`` that is not an ``SFTConfig``
+(``SuperOffloadArguments`` included) into a fresh ``SFTConfig``, dropping the offload fields. So
+``SuperOffloadSFTTrainer`` refuses anything but ``SuperOffloadSFTConfig``, and a plain ``SFTTrainer`` given
+``SuperOffloadSFTConfig`` is refused like a plain ``Trainer`` given ``SuperOffloadArguments`` (it would build
+torch AdamW).
 
 Importing this module imports ``trl`` (``pip install hf_superoffload[trl]``).
 """
@@ -53,7 +55,8 @@ __all__ = ["SuperOffloadSFTConfig", "SuperOffloadSFTTrainer"]
 @dataclass
 class SuperOffloadSFTConfig(SFTConfig, SuperOffloadArguments):
     """``SFTConfig`` with the ``superoffload_*`` fields of :class:`SuperOffloadArguments` (see the module
-    docstring). ``__post_init__`` runs SFTConfig's, then SuperOffloadArguments' checks, then TrainingArguments'."""
+    docstring). ``__post_init__`` runs the checks of all three (TRL's ``bf16`` default is resolved before the
+    offload checks see it)."""
 
 
 class SuperOffloadSFTTrainer(SuperOffloadTrainer, SFTTrainer):
