@@ -156,6 +156,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{BIND}::test_parameters_without_gradient_parity",),
     ),
     Mutation(
+        "checkpoint_with_swapped_blocks_accepted", "hf_superoffload/state.py",
+        "        crcs = list(pool.map(zlib.crc32, pieces))",
+        "        crcs = list(pool.map(lambda piece: sum(piece) & 0xFFFFFFFF, pieces))  # order-insensitive",
+        ("tests/reliability/test_checkpoint_order.py::"
+         "test_two_swapped_blocks_in_the_file_are_detected_naming_file_arena_and_parameters",),
+    ),
+    Mutation(
         "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/host_step.py",
         "source = b.staging if b.staging is not None else b.pmv[copy][0]",
         "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self._copies][0]",
