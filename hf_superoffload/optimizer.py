@@ -165,9 +165,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._state_hook = model.register_state_dict_pre_hook(lambda *a, **k: self.synchronize())
 
     def _infers_workload(self) -> bool:
-        """Whether the plan waits for the first training batch (the profile read from the device, not given): the
-        step's shape is not given, the device's memory is known, the tail and the weight placement are the planner's to choose, one process (every rank must
-        make the same plan), and the model has a transformers config the memory model reads."""
+        """Whether the plan waits for the first training batch. Only where the inference is sound: the profile read
+        from a device that reports its free memory, no workload given, the tail and the weight placement left to
+        the planner, one process (every rank must make the same plan), and a transformers config the memory model
+        reads ([Note: workload from the first batch])."""
         if self.workload is not None or self._comm is not None or self._profile.device_free_bytes is None:
             return False
         if self.config.gpu_resident_buckets != "auto" or self.config.weight_placement != "auto":
