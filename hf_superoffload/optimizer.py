@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .config import SuperOffloadConfig
-from .planning.hardware import HardwareProfile
+from .planning.hardware import HardwareProfile, cuda_free_bytes
 from .planning.plan import OffloadPlan
 from .planning.planner import Workload, make_plan
 from .runtime.collectives import ShardGroup
@@ -215,7 +215,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 self.workload = workload
                 device = self._ordered[0].device
                 if device.type == "cuda":  # the memory free now, not at construction
-                    profile = dataclasses.replace(profile, device_free_bytes=torch.cuda.mem_get_info(device)[0])
+                    profile = dataclasses.replace(profile, device_free_bytes=cuda_free_bytes(device)[0])
                 profile = _count_own_weights_as_free(profile, self._model, device)
             plan = self._make_plan(workload, profile)
         engine = OffloadEngine(

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CACHE_ENV", "HardwareProfile", "available_host_bytes", "cache_path", "default_cpu_threads",
+    "CACHE_ENV", "HardwareProfile", "available_host_bytes", "cache_path", "cuda_free_bytes", "default_cpu_threads",
     "shipped_profile_names",
 ]
 
@@ -74,6 +74,17 @@ def _meminfo(key: str) -> int | None:
 def available_host_bytes() -> int | None:
     """``MemAvailable`` from /proc/meminfo, or ``None`` where it cannot be read."""
     return _meminfo("MemAvailable")
+
+
+def cuda_free_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device as this process may use them: the driver's free memory, capped by
+    ``torch.cuda.set_per_process_memory_fraction`` (the caching allocator refuses to reserve past fraction x
+    total, so a plan sized by the driver's figure alone would run out of memory under the cap)."""
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:
+        free = min(free, max(0, int(fraction * total) - torch.cuda.memory_reserved(device)))
+    return int(free), int(total)
 
 
 def cache_path(device: torch.device | str) -> Path:
@@ -138,7 +149,7 @@ class HardwareProfile:
         free = total = None
         name = None
         if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
+            free, total = cuda_free_bytes(device)
             name = torch.cuda.get_device_name(device)
         return cls(
             device_type=device.type,
