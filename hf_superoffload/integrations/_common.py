@@ -47,6 +47,7 @@ __all__ = [
     "mark_checkpoint_complete",
     "refuse_other_model",
     "remove_stale_temp_files",
+    "show_plan",
     "warn_if_threads_throttled",
 ]
 
@@ -367,3 +368,20 @@ def warn_if_threads_throttled(optimizer: SuperOffloadOptimizer) -> None:
             "native op (see cpu_ext/_build.py), or launch with `accelerate launch --num_cpu_threads_per_process %d` "
             "(or export OMP_NUM_THREADS=%d).", have, os.environ.get("OMP_NUM_THREADS", "unset"), want, want, want,
         )
+
+
+def show_plan(text: str) -> None:
+    """Show the plan summary where the user looks: through the ``hf_superoffload`` logger when logging is set up
+    to show its INFO records, else on stdout (above any progress bar). Silent when the level of the
+    ``hf_superoffload`` logger was explicitly raised above INFO (e.g. ``log_level="warning"``).
+
+    Trainer users rarely configure logging: transformers configures only its own logger, so an INFO record of
+    ``hf_superoffload`` would reach no handler and the plan, the first thing to check in a slow run, would be
+    lost."""
+    root = logging.getLogger("hf_superoffload")
+    if root.isEnabledFor(logging.INFO) and root.hasHandlers():
+        logger.info("%s", text)
+    elif root.level == logging.NOTSET or root.level <= logging.INFO:
+        from tqdm.auto import tqdm
+
+        tqdm.write(text)

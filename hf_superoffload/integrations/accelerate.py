@@ -82,6 +82,7 @@ from ._common import (
     refuse_other_model,
     remove_stale_temp_files,
     save_optimizer_state,
+    show_plan,
     warn_if_threads_throttled,
 )
 
@@ -316,7 +317,8 @@ def prepare_superoffload(
     from .. import ops
 
     def log_plan(plan: OffloadPlan) -> None:
-        logger.info("%s\n  CPU Adam backend: %s", plan.summary(), ops.backend(), main_process_only=True)
+        if accelerator.is_main_process:  # shown without logging set up, as the Trainer shows it
+            show_plan(f"{plan.summary()}\n  CPU Adam backend: {ops.backend()}")
 
     if opt.planned:
         log_plan(opt.plan)

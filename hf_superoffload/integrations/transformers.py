@@ -77,6 +77,7 @@ from ._common import (
     refuse_other_model,
     remove_stale_temp_files,
     save_optimizer_state,
+    show_plan,
     warn_if_threads_throttled,
 )
 from .arguments import (
@@ -289,23 +290,6 @@ def _route_prepare_model(trainer: SuperOffloadTrainer) -> None:
         return original(model, device_placement=device_placement, evaluation_mode=True)
 
     accelerator.prepare_model = prepare_model
-
-
-def show_plan(text: str) -> None:
-    """Show the plan summary where the user looks: through the ``hf_superoffload`` logger when logging is set up
-    to show its INFO records, else on stdout (above any progress bar). Silent when the level of the
-    ``hf_superoffload`` logger was explicitly raised above INFO (e.g. ``log_level="warning"``).
-
-    Trainer users rarely configure logging: transformers configures only its own logger, so an INFO record of
-    ``hf_superoffload`` would reach no handler and the plan, the first thing to check in a slow run, would be
-    lost."""
-    root = logging.getLogger("hf_superoffload")
-    if root.isEnabledFor(logging.INFO) and root.hasHandlers():
-        logger.info("%s", text)
-    elif root.level == logging.NOTSET or root.level <= logging.INFO:
-        from tqdm.auto import tqdm
-
-        tqdm.write(text)
 
 
 class _SuperOffloadCallback(TrainerCallback):

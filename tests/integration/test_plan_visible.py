@@ -42,3 +42,15 @@ def test_plan_silenced_by_explicit_log_level(hf: Any, tmp_path: Any, capsys: Any
     finally:
         root.setLevel(logging.NOTSET)
     assert "hf_superoffload plan:" not in capsys.readouterr().out
+
+
+def test_accelerate_path_shows_the_plan_without_logging(capsys: Any) -> None:
+    from accelerate import Accelerator
+
+    from hf_superoffload.integrations.accelerate import prepare_superoffload
+
+    assert not logging.getLogger("hf_superoffload").isEnabledFor(logging.INFO)  # as in a fresh script
+    _, optimizer = prepare_superoffload(Accelerator(cpu=True), tiny_llama(seed=0), dict(lr=1e-3))
+    out = capsys.readouterr().out
+    assert out.count("hf_superoffload plan:") == 1 and "CPU Adam backend:" in out
+    optimizer.superoffload.close()
