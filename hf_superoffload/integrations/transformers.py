@@ -57,6 +57,8 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
+import threading
 import warnings
 from typing import Any
 
@@ -142,7 +144,8 @@ class SuperOffloadTrainer(Trainer):
         with building_superoffload_trainer():
             super().__init__(model, args, *rest, **kwargs)
         _route_prepare_model(self)
-        self.add_callback(_SuperOffloadCallback(self))
+        self._callback = _SuperOffloadCallback(self)
+        self.add_callback(self._callback)
         # ---- sequence parallelism (issue #11): Ulysses attention + a training step over the SP group ----
         self._sp_groups = None
         if self.args.sequence_parallel_size > 1:
@@ -263,7 +266,10 @@ class SuperOffloadTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir, prefix=PREFIX_CHECKPOINT_DIR,
                                                               marker=TRAINER_STATE_NAME)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # a run that raised never reaches on_train_end: SIGTERM must end the process again
+            self._callback._restore_sigterm()
 
     # ---- logging -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -293,11 +299,39 @@ def _route_prepare_model(trainer: SuperOffloadTrainer) -> None:
 
 
 class _SuperOffloadCallback(TrainerCallback):
-    """Logs the plan at train start (main process only), collects per-step telemetry, and waits for the last
-    step's weights at train end."""
+    """Logs the plan at train start (main process only), collects per-step telemetry, turns SIGTERM into "finish
+    the step, save, stop", and waits for the last step's weights at train end."""
 
     def __init__(self, trainer: SuperOffloadTrainer) -> None:
         self._trainer = trainer
+        self._preempted = False
+        self._previous_sigterm: Any = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """Preemption (a scheduler's SIGTERM): the step in flight finishes, a checkpoint is saved atomically and
+        ``train()`` returns. A second SIGTERM ends the process at once, as without this handler."""
+        self._preempted = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        logger.warning("hf_superoffload: SIGTERM: finishing this step, saving a checkpoint, then stopping "
+                       "(a second SIGTERM stops at once)")
+
+    def _install_sigterm(self, args: Any) -> None:
+        # one process only: every rank would have to stop at the same step (the signal reaches them at different
+        # points); never over a handler the user installed, and only from the main thread (Python's rule)
+        if (args.world_size == 1 and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self._previous_sigterm is not None:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._preempted:
+            control.should_save = True
+            control.should_training_stop = True
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if args.keep_attention_checkpointing:  # Trainer has just enabled plain checkpointing: replace its policy
@@ -321,6 +355,8 @@ class _SuperOffloadCallback(TrainerCallback):
             else:  # [Note: workload from the first batch]: planned at the first training forward
                 opt.plan_listeners.append(log_plan)
         self._trainer._telemetry.reset()
+        self._preempted = False
+        self._install_sigterm(args)
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = self._trainer.superoffload_optimizer
@@ -328,6 +364,10 @@ class _SuperOffloadCallback(TrainerCallback):
             self._trainer._telemetry.add(opt.last_step_stats)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._restore_sigterm()
+        if self._preempted:
+            logger.warning("hf_superoffload: stopped after SIGTERM at step %d; checkpoint-%d holds it (resume with "
+                           "resume_from_checkpoint=True)", state.global_step, state.global_step)
         opt = self._trainer.superoffload_optimizer
         if opt is not None:
             opt.synchronize()  # train() returns with the last step's weights in place

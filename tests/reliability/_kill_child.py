@@ -2,10 +2,10 @@
 
 Modes (each prints marker lines on stdout and then blocks, so the parent can kill it at a known point):
 
-- ``trainer OUT [--block backward|save] [--at STEP]``: a SuperOffloadTrainer run (tiny Llama, checkpoints every
-  3 steps up to 12). ``backward``: while computing step ``STEP + 1`` it blocks inside backward, in the gradient
-  hook of a late-arriving parameter (other buckets already offloaded and speculated) and prints
-  ``BLOCKED backward``. ``save``: while writing checkpoint-``STEP``'s ``optimizer.pt`` (through the integration's
+- ``trainer OUT [--block backward|save] [--at STEP] [--block-s S]``: a SuperOffloadTrainer run (tiny Llama,
+  checkpoints every 3 steps up to 12). ``backward``: while computing step ``STEP + 1`` it blocks (S seconds) inside
+  backward, in the gradient hook of a late-arriving parameter (other buckets already offloaded and speculated)
+  and prints ``BLOCKED backward``. ``save``: while writing checkpoint-``STEP``'s ``optimizer.pt`` (through the integration's
   atomic save) it writes half of the bytes, prints ``BLOCKED save``, and blocks.
 - ``atomic OUT``: a larger optimizer state (~1M parameters) is saved with ``atomic_torch_save`` to
   ``OUT/optimizer.pt`` (prints ``SAVED <sha256>``); after two more steps a second save to the same name writes
@@ -66,7 +66,7 @@ def half_then_block(obj: Any, f: Any) -> None:
 _real_save = torch.save
 
 
-def run_trainer(out: str, block: str, at: int) -> None:
+def run_trainer(out: str, block: str, at: int, block_s: float = BLOCK_S) -> None:
     trainer = make_trainer(out)
     if block == "backward":
         param = trainer.model.model.layers[0].self_attn.q_proj.weight
@@ -74,7 +74,7 @@ def run_trainer(out: str, block: str, at: int) -> None:
         def hook(grad: torch.Tensor) -> torch.Tensor:
             if trainer.state.global_step == at:
                 say("BLOCKED backward")
-                time.sleep(BLOCK_S)
+                time.sleep(block_s)
             return grad
 
         param.register_hook(hook)
@@ -127,10 +127,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("out")
     p.add_argument("--block", choices=["backward", "save"], default="backward")
     p.add_argument("--at", type=int, default=7)
+    p.add_argument("--block-s", type=float, default=BLOCK_S, help="how long the block lasts")
     a = p.parse_args(argv)
     say(f"PID {os.getpid()}")
     if a.mode == "trainer":
-        run_trainer(a.out, a.block, a.at)
+        run_trainer(a.out, a.block, a.at, a.block_s)
     else:
         run_atomic(a.out)
 

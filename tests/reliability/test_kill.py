@@ -1,8 +1,9 @@
-"""The process dies: SIGTERM in the middle of a Trainer run, SIGKILL while a checkpoint is being written.
+"""Preemption and death: SIGTERM in the middle of a Trainer run (the step finishes, is saved, the run stops and the
+script exits 0), SIGKILL while a checkpoint is being written.
 
 A child process (``_kill_child.py``) trains a tiny Llama and blocks at a known point (inside backward, or
-half-way through writing ``optimizer.pt``); the test kills it there and checks what is on disk: the last
-complete checkpoint is intact, nothing partial sits under a final file name, and resuming from it gives the
+half-way through writing ``optimizer.pt``); the test signals it there and checks what is on disk: every
+checkpoint is complete, nothing partial sits under a final file name, and resuming from the last one gives the
 same weights and optimizer state, bit for bit, as a run that was never interrupted.
 """
 
@@ -110,12 +111,15 @@ def uninterrupted(tmp_path_factory: Any, kill_child: Any) -> dict[str, torch.Ten
 
 
 @pytest.fixture(scope="module")
-def sigterm_in_backward(tmp_path_factory: Any) -> tuple[Path, int]:
+def sigterm_in_backward(tmp_path_factory: Any) -> tuple[Path, int, list[str]]:
     out = tmp_path_factory.mktemp("sigterm")
-    child = Child("trainer", str(out), "--block", "backward", "--at", "7")
+    child = Child("trainer", str(out), "--block", "backward", "--at", "7", "--block-s", "3")
     try:
         child.wait_for("BLOCKED backward")  # inside backward of step 8; checkpoints 3 and 6 were written
-        return out, child.kill(signal.SIGTERM)
+        rc = child.kill(signal.SIGTERM)
+        with contextlib.suppress(AssertionError):
+            child.wait_for("FINISHED", timeout=5)
+        return out, rc, child.log
     finally:
         child.close()
 
@@ -131,18 +135,20 @@ def sigkill_in_save(tmp_path_factory: Any) -> tuple[Path, int, int]:
         child.close()
 
 
-def test_sigterm_mid_backward_kills_the_process_and_the_last_checkpoint_resumes_bit_identically(
-    sigterm_in_backward: tuple[Path, int], uninterrupted: dict[str, torch.Tensor], tmp_path: Path, kill_child: Any
+def test_sigterm_mid_backward_finishes_the_step_saves_it_and_exits_0_and_that_checkpoint_resumes_bit_identically(
+    sigterm_in_backward: tuple[Path, int, list[str]], uninterrupted: dict[str, torch.Tensor], tmp_path: Path,
+    kill_child: Any,
 ) -> None:
-    out, rc = sigterm_in_backward
-    # Python's default for SIGTERM: the process ends at once (no handler, no finally, no atexit)
-    assert rc == -signal.SIGTERM
+    out, rc, log = sigterm_in_backward
+    # preemption: the step in flight (8) finishes, is saved atomically, and train() returns: the script exits 0
+    assert rc == 0, "\n".join(log)
+    assert "FINISHED" in log
     ckpts = _checkpoints(out)
-    assert list(ckpts) == ["checkpoint-3", "checkpoint-6"]
+    assert list(ckpts) == ["checkpoint-3", "checkpoint-6", "checkpoint-8"]
     for name, files in ckpts.items():
         assert files >= COMPLETE, f"{name} is incomplete: {sorted(files)}"
         assert not [f for f in files if f.endswith(".tmp")], f"{name} holds a temporary file"
-    state = torch.load(out / "checkpoint-6" / "optimizer.pt", map_location="cpu", weights_only=True)
+    state = torch.load(out / "checkpoint-8" / "optimizer.pt", map_location="cpu", weights_only=True)
     assert state["superoffload"]["format"] == "hf_superoffload.optimizer.v1"
     _assert_equal_states(uninterrupted, _resume(kill_child, out, tmp_path / "resumed", True))
 
