@@ -143,8 +143,27 @@ def backend_for(*tensors: torch.Tensor | None) -> Backend:
         return "reference"
     k = _load_kernels()
     if k is None or k.mode() != want:
+        if want == "native":
+            _warn_no_native(k)
         return "reference"
     return "triton" if _smoke_ok(k, device) else "reference"
+
+
+_warned_no_native = False
+
+
+def _warn_no_native(k: ModuleType | None) -> None:
+    """Once, loudly: on a GPU the eager twins are several times slower than the kernels (docs/benchmarks.md), so a
+    broken Triton install must not pass unnoticed."""
+    global _warned_no_native
+    if _warned_no_native:
+        return
+    _warned_no_native = True
+    why = (f"Triton cannot be imported ({_import_error})" if k is None
+           else "TRITON_INTERPRET was set after triton was imported")
+    warnings.warn(f"hf_superoffload: {why}; the GPU-side casts and gradient statistics run on their eager torch "
+                  f"twins (slower). Install triton>=3.6 (pip install 'triton>=3.6'), or set {_DISABLE_ENV}=1 to "
+                  "choose the eager path and silence this", RuntimeWarning, stacklevel=3)
 
 
 def last_backend(op: str) -> Backend | None:
