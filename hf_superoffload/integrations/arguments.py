@@ -69,6 +69,12 @@ def _help(text: str) -> dict[str, str]:
     return {"help": text.replace("%", "%%")}
 
 
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
 @dataclass
 class SuperOffloadArguments(TrainingArguments):
     """``TrainingArguments`` for :class:`~hf_superoffload.integrations.transformers.SuperOffloadTrainer`.
@@ -267,6 +273,11 @@ class SuperOffloadArguments(TrainingArguments):
             raise ValueError(f"SuperOffloadArguments.superoffload_max_seq_len={m!r} is invalid: use the longest "
                              "training sequence in tokens (e.g. 4096), or None to size the GPU tail without it")
         _refuse_incompatible(self)
+        if self.bf16 and not self.use_cpu and not _has_accelerator():
+            # bf16 weights are what SuperOffload trains; on a machine without a GPU the run is a CPU run (Trainer
+            # would refuse bf16 there without use_cpu), so the README's GPU snippet runs as written
+            logger.info("hf_superoffload: no GPU found: training on the CPU (use_cpu=True)")
+            self.use_cpu = True
         super().__post_init__()
         if self.mixed_precision == "fp16":  # from ACCELERATE_MIXED_PRECISION (accelerate launch/config)
             raise ValueError(
