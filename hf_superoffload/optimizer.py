@@ -125,6 +125,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float = float("nan")
         self.skipped_steps = 0
         self.clipped_steps = 0
+        self._skip_norms: list[float] = []
+        """Gradient norms of the skipped steps since the last finite one (``max_consecutive_skips``)."""
+        self._last_good_norm: float | None = None
         comm = ShardGroup.from_environment(process_group, gradient_divisor)
         ranks = _local_ranks(comm) if comm is not None else {}
         profile_read = profile is None
@@ -348,15 +351,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Raise after ``config.max_consecutive_skips`` skipped steps in a row. The skip has already restored the
         state, so the caller may fix the cause and go on; the count restarts so that it raises again only after
         as many more skips."""
-        norms = getattr(self, "_skip_norms", [])
+        norms = self._skip_norms
         norms.append(norm)
-        self._skip_norms = norms
         limit = self.config.max_consecutive_skips
         if not limit or len(norms) < limit:
             return
         self._skip_norms = []
         shown = ", ".join(f"{n:.4g}" for n in norms[-8:])
-        good = getattr(self, "_last_good_norm", None)
+        good = self._last_good_norm
         before = f"{good:.4g}" if good is not None else "none (no step has succeeded yet)"
         raise RuntimeError(
             f"hf_superoffload: {len(norms)} consecutive optimizer steps were skipped for non-finite gradients "
