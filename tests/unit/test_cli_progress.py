@@ -14,6 +14,11 @@ ARGS = ["train", "--device", "cpu", "--steps", "4", "--examples", "200", "--seq-
         "--log-every", "2"]
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # train writes its outputs under ./superoffload-train-out
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
