@@ -27,6 +27,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
@@ -252,32 +253,27 @@ def mark_checkpoint_complete(folder: str | os.PathLike[str], **info: Any) -> Non
     checkpoint is written, on one process."""
     import json
 
-    path = os.path.join(os.fspath(folder), COMPLETE_MARKER)
-    fd, tmp = tempfile.mkstemp(prefix=f".{COMPLETE_MARKER}.", suffix=_TEMP_TAG, dir=os.fspath(folder))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(info, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    _atomic_write(os.path.join(os.fspath(folder), COMPLETE_MARKER),
+                  lambda f: f.write(json.dumps(info).encode("utf-8")))
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj, path)`` that never leaves a partial file: temp file in the same folder, flush, fsync,
-    ``os.replace``, then fsync the folder so the rename itself is durable. Stale temp files of earlier, interrupted
-    saves into the folder are removed first."""
-    path = os.fspath(path)
+    """``torch.save(obj, path)`` that never leaves a partial file (see :func:`_atomic_write`). Stale temp files of
+    earlier, interrupted saves into the folder are removed first."""
+    remove_stale_temp_files(os.path.dirname(os.path.abspath(os.fspath(path))))
+    _atomic_write(os.fspath(path), lambda f: torch.save(obj, f))
+
+
+def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
+    """``write(binary file)`` into ``path`` without ever leaving a partial file there: a temp file in the same
+    folder (named so :func:`remove_stale_temp_files` knows it), flush, fsync, ``os.replace``, then fsync the folder
+    so the rename itself is durable."""
     folder = os.path.dirname(os.path.abspath(path))
-    remove_stale_temp_files(folder)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=_TEMP_TAG, dir=folder)
     _IN_FLIGHT.add(os.path.abspath(tmp))
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
