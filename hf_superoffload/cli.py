@@ -30,7 +30,7 @@ __all__ = ["main"]
 # pretrained model needs a small LR, and on the CPU few short steps so the README command ends in minutes.
 _DEFAULTS: dict[str, dict[str, float]] = {
     "preset": dict(steps=200, batch_size=8, seq_len=128, lr=1e-3, warmup=20, examples=4000, new_tokens=24),
-    "cpu": dict(steps=30, batch_size=4, seq_len=128, lr=5e-5, warmup=3, examples=400, new_tokens=32),
+    "cpu": dict(steps=20, batch_size=4, seq_len=128, lr=5e-5, warmup=3, examples=400, new_tokens=32),
     "cuda": dict(steps=300, batch_size=8, seq_len=512, lr=2e-5, warmup=30, examples=2000, new_tokens=48),
 }
 
@@ -170,6 +170,20 @@ def _train(args: argparse.Namespace) -> int:
     print(f"done: {args.steps} steps in {elapsed:.1f}s, {args.steps * tokens / elapsed:,.0f} tokens/s; loss "
           f"{first_loss:.3f} -> {loss_val:.3f}; skipped {opt.skipped_steps}, clipped {opt.clipped_steps}, "
           f"redo rate {gov.redo_rate:.0%}; CPU Adam backend: {ops.backend()}")
+    _finish(args, model, tokenizer, opt, device, sources, eval_ids,
+            before=(eval_before, samples_before), losses=step_losses, elapsed=elapsed)
+    opt.close()
+    return 0
+
+
+def _finish(args: argparse.Namespace, model: Any, tokenizer: Any, opt: Any, device: torch.device, sources: Any,
+            eval_ids: torch.Tensor, *, before: tuple[float, list[dict[str, str]]], losses: list[torch.Tensor],
+            elapsed: float) -> None:
+    """Eval loss and samples after training, then the model, loss curve and metrics written to --output-dir."""
+    from . import ops, train_job
+
+    eval_before, samples_before = before
+    tokens = args.batch_size * args.seq_len
     with opt.materialized():  # in weight-flow mode the weights live on the host between uses
         eval_after = train_job.eval_loss(model, eval_ids, device)
         samples_after = train_job.generate_samples(model, tokenizer, device, int(args.new_tokens))
@@ -178,7 +192,7 @@ def _train(args: argparse.Namespace) -> int:
     metrics = {
         "model": sources.model, "pretrained": sources.pretrained, "data": sources.data, "device": str(device),
         "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
-        "losses": [x.float().item() for x in step_losses],
+        "losses": [x.float().item() for x in losses],
         "eval_loss_before": eval_before, "eval_loss_after": eval_after, "eval_tokens": eval_ids.numel(),
         "tokens_per_s": args.steps * tokens / elapsed, "elapsed_s": elapsed,
         "skipped_steps": opt.skipped_steps, "clipped_steps": opt.clipped_steps,
@@ -187,8 +201,6 @@ def _train(args: argparse.Namespace) -> int:
     }
     for line in train_job.save_outputs(args.output_dir, model, tokenizer, opt, metrics):
         print(line)
-    opt.close()
-    return 0
 
 
 def _progress(total: int) -> Any:

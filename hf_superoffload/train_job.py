@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["HUB_DATASET", "HUB_MODELS", "Sources", "eval_blocks", "eval_loss", "generate_samples", "hub_offline",
+__all__ = ["HUB_DATASET", "HUB_MODELS", "Sources", "eval_blocks", "eval_loss", "generate_samples", "hub_offline", "hub_unreachable",
            "load_texts", "resolve_model", "save_outputs"]
 
 HUB_MODELS = {"cpu": "HuggingFaceTB/SmolLM2-135M-Instruct", "cuda": "Qwen/Qwen2.5-0.5B-Instruct"}
@@ -40,6 +40,46 @@ def hub_offline() -> bool:
     return constants.HF_HUB_OFFLINE or any(f.strip().lower() in ("1", "true", "yes", "on") for f in flags)
 
 
+def hub_unreachable() -> bool:
+    """Offline by switch, or the Hub's host does not answer a TCP connect within a few seconds. Probing first
+    spares the fallback the HTTP client's retries (a minute of warnings on a machine without network). Behind a
+    proxy a direct connect says nothing, so there the download itself decides."""
+    if hub_offline():
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+    except OSError:
+        return True
+    return False
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What resolving a hub name raises when the Hub cannot be reached: transformers wraps most failures in
+    ``OSError``; a connection error of the HTTP client can still come through as itself."""
+    errors: list[type[BaseException]] = [OSError, ConnectionError, TimeoutError, ValueError]
+    try:
+        import httpx
+
+        errors.append(httpx.HTTPError)
+    except ImportError:
+        pass
+    try:
+        import requests
+
+        errors.append(requests.RequestException)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
 def _load_pretrained(name: str, device: torch.device) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,11 +96,11 @@ def resolve_model(spec: str, device: torch.device) -> tuple[Any, Any] | None:
     raises ``OSError``: the user asked for it, so it is an error, not a fallback."""
     if spec != "auto":
         return _load_pretrained(spec, device)
-    if hub_offline():
+    if hub_unreachable():
         return None
     try:
         return _load_pretrained(HUB_MODELS[device.type], device)
-    except (OSError, ConnectionError, TimeoutError, ValueError):  # no network, DNS, proxy, rate limit, partial cache
+    except _network_errors():  # no network, DNS, proxy, rate limit, partial cache
         return None
 
 
@@ -98,14 +138,14 @@ def load_rows(spec: str, n: int, seed: int) -> tuple[list[dict[str, Any]], str]:
     from .datasets_local import instruction_texts
 
     local = (instruction_texts(n, seed=seed), "local synthetic instruction data (hf_superoffload.datasets_local)")
-    if spec == "local" or (spec == "auto" and hub_offline()):
+    if spec == "local" or (spec == "auto" and hub_unreachable()):
         return local
     name, subset = HUB_DATASET if spec == "auto" else [*spec.split(":", 1), None][:2]
     try:
         from datasets import load_dataset
 
         ds = load_dataset(name, subset, split=f"train[:{n}]")
-    except (OSError, ConnectionError, TimeoutError, ValueError):
+    except _network_errors():
         if spec != "auto":
             raise
         return local

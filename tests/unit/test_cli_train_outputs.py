@@ -97,3 +97,26 @@ def test_an_explicit_dataset_that_cannot_load_is_one_line(tmp_path: Path, monkey
 ])
 def test_rows_of_each_dataset_layout_become_one_text(row: dict[str, Any]) -> None:
     assert train_job.format_row(None, row) == "### Instruction:\nHi\n### Response:\nHello\n"
+
+
+def test_no_network_without_the_offline_switch_falls_back_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from huggingface_hub import constants
+
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def no_route(*a: Any, **k: Any) -> Any:
+        raise OSError("Name or service not known")
+
+    def must_not_download(*a: Any, **k: Any) -> Any:
+        raise AssertionError("tried the Hub although it is not reachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_route)
+    monkeypatch.setattr(train_job, "_load_pretrained", must_not_download)
+    assert train_job.hub_unreachable()
+    assert train_job.resolve_model("auto", torch.device("cpu")) is None
+    rows, source = train_job.load_rows("auto", 3, seed=0)
+    assert len(rows) == 3 and source.startswith("local")
