@@ -43,11 +43,8 @@ def _fill_defaults(args: argparse.Namespace, kind: str) -> None:
 
 def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, list[str], list[str], Any] | int:
     """Model, tokenizer, train and eval texts, and their sources; or the exit status of a one-line error."""
-    from transformers import LlamaForCausalLM
 
     from . import train_job
-    from .datasets_local import build_tokenizer
-    from .presets import llama_config
 
     spec = args.model or "auto"
     loaded = None
@@ -59,25 +56,38 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, lis
         if loaded is None:
             spec = "tiny" if device.type == "cpu" else "small"
             print(train_job.FALLBACK_LINE.replace("tiny", spec))
-    if loaded is None:  # a preset: random init, a tokenizer trained on the local data
-        _fill_defaults(args, "preset")
-        dataset = "local" if args.dataset == "auto" else args.dataset
-        rows, data_src = train_job.load_rows(dataset, int(args.examples), args.seed)
-        tokenizer = build_tokenizer([train_job.format_row(None, r) for r in rows])
-        config = llama_config(spec, vocab_size=len(tokenizer), max_position_embeddings=max(int(args.seq_len), 128))
-        with torch.device(device):
-            model = LlamaForCausalLM(config).to(torch.bfloat16)
-        sources = train_job.Sources(f"preset {spec!r} (random init)", data_src, pretrained=False)
-    else:
-        model, tokenizer = loaded
-        _fill_defaults(args, device.type)
-        sources = train_job.Sources(spec if spec != "auto" else train_job.HUB_MODELS[device.type], "", True)
     try:
-        train, held_out, sources.data = train_job.load_texts(tokenizer, args.dataset if loaded is not None
-                                                             else "local", int(args.examples), args.seed)
+        if loaded is None:
+            model, tokenizer, sources, texts = _preset(args, spec, device)
+            train, held_out = train_job.split_eval(texts)
+        else:
+            model, tokenizer = loaded
+            _fill_defaults(args, device.type)
+            sources = train_job.Sources(spec if spec != "auto" else train_job.HUB_MODELS[device.type], "", True)
+            train, held_out, sources.data = train_job.load_texts(tokenizer, args.dataset, int(args.examples),
+                                                                 args.seed)
     except (OSError, ValueError) as e:
         return _error("--dataset", f"cannot load {args.dataset!r}: {_first_line(e)}")
     return model, tokenizer, train, held_out, sources
+
+
+def _preset(args: argparse.Namespace, spec: str, device: torch.device) -> tuple[Any, Any, Any, list[str]]:
+    """A random-init preset, a tokenizer trained on its data (local unless --dataset names one), the texts."""
+    from transformers import LlamaForCausalLM
+
+    from . import train_job
+    from .datasets_local import build_tokenizer
+    from .presets import llama_config
+
+    _fill_defaults(args, "preset")
+    rows, data_src = train_job.load_rows("local" if args.dataset == "auto" else args.dataset, int(args.examples),
+                                         args.seed)
+    texts = [train_job.format_row(None, r) for r in rows]  # no chat template: the bundled tokenizer has none
+    tokenizer = build_tokenizer(texts)
+    config = llama_config(spec, vocab_size=len(tokenizer), max_position_embeddings=max(int(args.seq_len), 128))
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model, tokenizer, train_job.Sources(f"preset {spec!r} (random init)", data_src, pretrained=False), texts
 
 
 def _first_line(e: BaseException) -> str:

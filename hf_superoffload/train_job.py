@@ -153,13 +153,17 @@ def load_rows(spec: str, n: int, seed: int) -> tuple[list[dict[str, Any]], str]:
 
 
 def load_texts(tokenizer: Any, spec: str, n: int, seed: int) -> tuple[list[str], list[str], str]:
-    """Training texts, held-out eval texts (the last ~5%, at least one) and the data source."""
+    """Training texts, held-out eval texts and the data source."""
     rows, source = load_rows(spec, n, seed)
-    texts = [format_row(tokenizer, r) for r in rows]
+    return (*split_eval([format_row(tokenizer, r) for r in rows]), source)
+
+
+def split_eval(texts: list[str]) -> tuple[list[str], list[str]]:
+    """The last ~5% (at least one, at most 200) held out for eval."""
     if len(texts) < 2:  # nothing to hold out: eval on the training text
-        return texts, texts, source
+        return texts, texts
     n_eval = max(1, min(200, len(texts) // 20))
-    return texts[:-n_eval], texts[-n_eval:], source
+    return texts[:-n_eval], texts[-n_eval:]
 
 
 def eval_blocks(tokenizer: Any, texts: list[str], seq_len: int, max_blocks: int = 8) -> torch.Tensor:
