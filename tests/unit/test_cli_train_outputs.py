@@ -120,3 +120,11 @@ def test_no_network_without_the_offline_switch_falls_back_at_once(monkeypatch: p
     assert train_job.resolve_model("auto", torch.device("cpu")) is None
     rows, source = train_job.load_rows("auto", 3, seed=0)
     assert len(rows) == 3 and source.startswith("local")
+
+
+def test_without_matplotlib_the_curve_is_skipped_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the base install has no matplotlib
+    line = train_job._plot([3.0, 2.0], tmp_path / "loss_curve.png")
+    assert line.startswith("matplotlib not installed: no loss-curve PNG") and not (tmp_path / "loss_curve.png").exists()
