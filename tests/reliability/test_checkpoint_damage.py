@@ -24,25 +24,6 @@ from hf_superoffload import SuperOffloadOptimizer
 from hf_superoffload.testing import tiny_llama
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: Any, kill_child: Any) -> Path:
-    """checkpoint-2 of a 2-step SuperOffloadTrainer run."""
-    out = tmp_path_factory.mktemp("ckpt")
-    trainer = kill_child.make_trainer(str(out), max_steps=2, save_steps=2)
-    trainer.train()
-    trainer.superoffload_optimizer.close()
-    return out / "checkpoint-2"
-
-
-@pytest.fixture
-def fresh(tmp_path: Path, kill_child: Any) -> Any:
-    """A SuperOffloadTrainer with its optimizer built (as at the start of a resumed train())."""
-    trainer = kill_child.make_trainer(str(tmp_path / "run"), max_steps=2)
-    trainer.create_optimizer()
-    yield trainer
-    trainer.superoffload_optimizer.close()
-
-
 def _damaged(checkpoint: Path, dst: Path, damage: str) -> Path:
     shutil.copytree(checkpoint, dst)
     f = dst / "optimizer.pt"
