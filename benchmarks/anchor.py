@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/anchor.py MODE
 MODE: gpu | ours | ours_host | ours_nospec | ours_noclip | ours_host_noclip
-Shape from env (as in shared/anchors): CFG=hidden,intermediate,layers,heads,kv_heads,vocab (default 3.6B),
+Shape from env (as in the team's anchor configs): CFG=hidden,intermediate,layers,heads,kv_heads,vocab (default 3.6B),
 BS, SEQ, STEPS, WARM. OFFLOAD_JSON adds SuperOffloadConfig fields.
 
 MFU convention (docs/benchmarks.md): model FLOPs per token = 6N + 6*L*d*s (causal attention, all parameters

@@ -23,7 +23,7 @@ count; ``vs in-place`` is the in-place twin's time over the out-of-place row's (
 ``ours_bf16_oop``; below 1.00x the out-of-place step is slower).
 
     python benchmarks/bench_cpu_adam.py --quick --out /tmp/bench.json
-    python benchmarks/bench_cpu_adam.py --numel 268435456 --threads 8 15 16 --out results/cpu_adam.json
+    python benchmarks/bench_cpu_adam.py --numel 268435456 --threads 8 15 16 --out $OUT/cpu_adam.json
 
 Straggling ([Note: CPU Adam threads] in docs/design.md): ``--schedules static dynamic`` runs every row under each
 ``HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE``; ``--contend K`` keeps K busy-spinning processes on the host meanwhile (as the

@@ -3,12 +3,12 @@
 One process per GPU, the sequence sharded over every rank (sp = world size, dp = 1)::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/long_context.py --model 8b --seq-len 256k \\
-        --optimizer superoffload --steps 3 --warmup 1 --out results/long_context.jsonl
+        --optimizer superoffload --steps 3 --warmup 1 --out $OUT/long_context.jsonl
 
 Longest sequence that runs (each length in a fresh ``torchrun``, stops at the first failure)::
 
     python benchmarks/long_context.py --search 64k,128k,256k,512k,1m --nproc-per-node 2 --model 8b \\
-        --optimizer superoffload --out results/long_context_search.jsonl
+        --optimizer superoffload --out $OUT/long_context_search.jsonl
 
 CPU rehearsal (gloo, tiny model)::
 
@@ -22,9 +22,9 @@ Training recipe: a Llama-style config built locally (no download), bf16 weights,
 (``sequence_parallel.enable_tiled_mlp``, docs/long_context.md): 512k tokens on 2 GPUs::
 
     torchrun --standalone --nproc_per_node 2 benchmarks/long_context.py --model 8b --seq-len 512k \\
-        --tiled-mlp 8192 --optimizer superoffload --steps 1 --warmup 0 --out results/long_context.jsonl
+        --tiled-mlp 8192 --optimizer superoffload --steps 1 --warmup 0 --out $OUT/long_context.jsonl
 
-MFU convention (docs/benchmarks.md, shared/context/hardware_and_anchors.md section 6): model FLOPs per token
+MFU convention (docs/benchmarks.md, "Conventions"): model FLOPs per token
 = 6N + 6*L*d*s (N all parameters incl. embeddings and LM head, d = heads x head_dim, s = sequence length,
 causal attention halved, recompute not counted), against 989 TFLOP/s bf16 dense per H200. Tokens per step
 = batch x seq-len x dp.

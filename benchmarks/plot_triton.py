@@ -1,7 +1,7 @@
 """Plot a ``bench_triton.py --out`` record: each op's graph-timed share of the copy ceiling per bucket size and
 layout, with issue #4's 85% line and the size-matched ``copy_`` of the same bytes.
 
-    python benchmarks/plot_triton.py benchmarks/results/<run>/bench_triton.json docs/<name>.png [--ops OP ...]
+    python benchmarks/plot_triton.py $OUT/bench_triton.json docs/<name>.png [--ops OP ...]
 """
 
 from __future__ import annotations

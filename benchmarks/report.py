@@ -1,6 +1,7 @@
 """Render benchmark results into the tables and plots of docs/benchmarks.md.
 
-    python benchmarks/report.py            # the anchor.py runs: prints markdown, writes docs/benchmarks_tokens.png
+    python benchmarks/report.py --anchor $OUT/anchor.jsonl [...]   # gpu_session.sh / anchor.py lines: one markdown
+        # table per file, docs/benchmarks_tokens.png (tokens/s relative to GPU-only)
     python benchmarks/report.py --suite benchmarks/results/suite_3.6b_*.jsonl [--docs docs] [--no-plots]
         # suite.py records: one markdown table per (workload, run), docs/benchmarks_suite_<workload>.png
         # (tokens/s and MFU per system) and docs/benchmarks_ablation_<workload>.png (per-technique ablation)
@@ -28,8 +29,8 @@ LABEL = {
 }
 
 
-def load(name: str) -> list[dict]:
-    return [json.loads(line) for line in (ROOT / "results" / name).read_text().splitlines() if line.strip()]
+def load(path: str | pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
 
 def table(rows: list[dict]) -> str:
@@ -331,24 +332,29 @@ def render_suite(paths: list[str], docs: pathlib.Path | None, plots: bool = True
     return "\n".join(parts)
 
 
-def _legacy() -> None:
-    r36 = load("2026-11-30_h200_3.6b_run3.jsonl")
-    r8 = load("2026-11-30_h200_8b_run4.jsonl")
-    print("### 3.6B, batch 8 x 2048\n")
-    print(table(r36))
-    print("\n### 8B, batch 4 x 2048\n")
-    print(table(r8))
-    plot({"3.6B Llama, 8 x 2048": r36, "8B Llama, 4 x 2048": r8}, ROOT.parent / "docs" / "benchmarks_tokens.png")
+def render_anchor(paths: list[str], docs: pathlib.Path, plots: bool = True) -> None:
+    """Tables (and the tokens/s plot) of anchor.py's JSON lines, one file per workload."""
+    runs = {pathlib.Path(p).stem: load(p) for p in paths}
+    for name, rows in runs.items():
+        print(f"### {name}\n")
+        print(table(rows))
+        print()
+    if plots:
+        plot(runs, docs / "benchmarks_tokens.png")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="render benchmark results")
     ap.add_argument("--suite", nargs="+", help="suite.py JSON-lines files")
+    ap.add_argument("--anchor", nargs="+", help="anchor.py JSON-lines files (benchmarks/gpu_session.sh)")
     ap.add_argument("--docs", default=str(ROOT.parent / "docs"), help="where the PNGs go (default docs/)")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
+    if args.anchor:
+        render_anchor(args.anchor, pathlib.Path(args.docs), plots=not args.no_plots)
     if not args.suite:
-        _legacy()
+        if not args.anchor:
+            ap.error("give --suite and/or --anchor files")
         return 0
     print(render_suite(args.suite, pathlib.Path(args.docs), plots=not args.no_plots))
     return 0

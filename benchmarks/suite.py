@@ -21,24 +21,24 @@ Systems:
   ours_host_lead4 / ours_host_lead8   ours_host with d2h_lead_buckets=4 / 8 ([Note: D2H lead] in docs/design.md)
   ours_host_latep  ours_host with defer_master=True (the master stored by the commit too) and d2h_lead_buckets=4
   ours_host_latep8 the same with d2h_lead_buckets=8
-  ours_host_latep_noup  ours_host_latep with upload_thread=False (the worker issues the uploads, as before session 7)
-  ours_host_latep_nogate  ours_host_latep with d2h_gate=False (the worker blocks on each copy, as before session 8)
+  ours_host_latep_noup  ours_host_latep with upload_thread=False (the worker issues the uploads, as before the upload thread)
+  ours_host_latep_nogate  ours_host_latep with d2h_gate=False (the worker blocks on each copy, as before the D2H gate)
   ours_host_inv / ours_host_latep_inv  with rollback="inverse": the state updated in place (one copy of p/m/v)
                    instead of the double buffer's out-of-place writes
   ours_host_latep_t16  ours_host_latep with cpu_threads=16 (the default leaves a core to the training thread)
   ours_host_oop    ours_host with nonspeculative_in_place=False: steps that speculate nothing write the double
-                   buffer's other copy too (the schedule before session 9)
+                   buffer's other copy too (the schedule before 8ad7b7a)
   ours_host_m25 / _m50 / _m75  ours_host with defer_master=0.25 / 0.5 / 0.75: a fixed master share instead of the
                    adaptive one (maps the step time against the share)
   ours_host_static ours_host with the CPU Adam's threads on static slices (HF_SUPEROFFLOAD_CPU_ADAM_SCHEDULE=static,
-                   the partition before session 10) instead of dynamic chunks
+                   the partition before 61912b2) instead of dynamic chunks
   ours_host_gcfreeze  ours_host with gc.freeze() after the build: the model's objects leave the collector's view, so
                    a full collection no longer walks them (tests whether GC pauses cause the slow early steps)
   ours_flow        weight_placement="flow" (absent while the planner raises PlanError for it)
-  ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the anchor configs (shared/anchors/anchor_bench.py)
+  ds_zero2 / ds_zero3 / ds_superoffload   DeepSpeed 0.19.8, the team's anchor configs (ZeRO-2/3 CPU offload, SuperOffload)
   fsdp2_offload    FSDP2 fully_shard + CPUOffloadPolicy, one rank (the anchor config)
 
-MFU convention (shared/context/hardware_and_anchors.md section 6): model FLOPs per token = 6N + 6*L*d*s (all
+MFU convention (docs/benchmarks.md, "Conventions"): model FLOPs per token = 6N + 6*L*d*s (all
 parameters, causal attention, recompute not counted), divided by the dense bf16 peak (989 TFLOP/s on H200).
 
 The module body imports only the standard library: DeepSpeed's SuperOffload worker is a spawned process that
@@ -868,7 +868,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                     help="results directory (or a .jsonl file to append to)")
     ap.add_argument("--commit", default=None, help="git commit of the code (the GPU box has no .git)")
-    ap.add_argument("--tag", default="", help="free text stored in every record (e.g. 'h200 run 5')")
+    ap.add_argument("--tag", default="", help="free text stored in every record (e.g. 'h200 2026-11-30')")
     return ap.parse_args(argv)
 
 

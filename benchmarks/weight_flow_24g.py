@@ -2,7 +2,7 @@
 
 Usage (GPU box)::
 
-    python benchmarks/weight_flow_24g.py --out benchmarks/results/<date>_h200_weight_flow_24g.json
+    python benchmarks/weight_flow_24g.py --out $OUT/weight_flow_24g.json
 
 Rehearsal (CPU, tiny model, seconds)::
 
@@ -24,7 +24,7 @@ Host RAM, not the GPU, bounds 8B on a 128 GiB host: 16 B/param of host state is 
 (default 1: the input embedding's bucket, 0.53B parameters, 8.4 GB of fp32 state plus its resident bf16 weights)
 keeps part of the optimizer state on the GPU so the host fits; rollback is ``inverse`` (no second host copy).
 
-MFU convention (/work/shared/context/hardware_and_anchors.md section 6): model FLOPs per token = 6N + 6*L*d*s
+MFU convention (docs/benchmarks.md, "Conventions"): model FLOPs per token = 6N + 6*L*d*s
 (all parameters, causal attention, recompute not counted), against 989 TFLOP/s.
 """
 
