@@ -178,9 +178,9 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
 
 def _predicted(opt: Any, model: Any, batch: int, seq: int) -> dict[str, Any]:
     """The planner's predictions for the plan it made, on the shipped profile of this box when it is an H200."""
-    from hf_superoffload.plan_cli import predict_step_time
     from hf_superoffload.planning.hardware import HardwareProfile
     from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
+    from hf_superoffload.planning.step_time import predict_step_time
 
     shape = ModelShape.from_config(model.config)
     plan_like = PlanLike.from_plan(opt.plan)

@@ -2,40 +2,9 @@
 
 Builds the real :class:`~hf_superoffload.planning.plan.OffloadPlan` (``make_plan``) from the model's parameter
 sizes in gradient-arrival order (the model is built on the meta device: nothing is allocated), predicts the
-peak GPU and host memory (``planning/memory_model.py``) and the step time (the roofline below), reports the
+peak GPU and host memory (``planning/memory_model.py``) and the step time (``planning/step_time.py``), reports the
 largest model of the same width that fits, and exits 1 with the reason and what to change when the run does
 not fit (2 for bad input).
-
-[Note: step-time roofline]
-T = batch x seq tokens, N parameters, L layers, d attention width, S sequence length.
-
-* GPU: F = k (N T + L d S T) FLOPs, k = 8 with checkpointing (the forward runs twice), 6 without; the second
-  term is causal attention. ``gpu_s = F_gemm / (matmul_tflops x 0.68) + F_attention / (matmul_tflops x 0.6)``:
-  with bf16 weights (no autocast copies) the
-  default plans reach 0.66 (3.6B, batch 8: 0.959 s with its device tail's 0.02 s) and 0.70 (8B, batch 4: 1.018 s)
-  of the 802 TFLOP/s GEMM rate counted this way (the fp32-weight autocast anchors 0.58-0.62; 0.45 when counting
-  model FLOPs, 6N, as MFU does). Backward (with recompute) is ``W_b`` = 3/4 of it (2/3 without checkpointing),
-  the forward ``W_f`` the rest. Ulysses over P GPUs: one rank does F / P (its tokens; 1/P of the heads in
-  attention; 8B at 256k on 2 H200: 92 s predicted, 95.9 measured), and the P ranks of the host split its CPU
-  Adam rate and memory bandwidth. A tiled MLP adds one MLP forward, ``2 x 3 h f L T``.
-* link: e = 2 B/param each way (CPU cast) or 4 (GPU cast); ``d2h_s = e H / d2h``, ``h2d_s = e H / h2d`` for
-  the H host parameters.
-* CPU: the Adam rate R shares host memory with the gradient DMA landing during backward:
-  ``R_eff = R (1 - (e H / W_b) / host_memory_gbps)`` (``host_memory_gbps`` defaults to 28 B x R: the kernel
-  is bandwidth bound); ``cpu_s = H / R_eff``. Buckets are stepped speculatively as they land, so by the
-  verdict ``spec = min(cpu_s, W_b - one bucket)`` is done (that share of snapshot pages gets written);
-  ``rem = cpu_s - spec`` is left.
-* exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``; the remainder and the uploads beyond the next
-  forward, ``max(0, max(rem, h2d_s) - W_f)`` plus one bucket's latency when ``rem > 0``; the device tail's
-  AdamW, 28 B/param at ``device_memory_gbps``, runs after validation and is fully exposed.
-* weight flow: the streamed weights cross the link twice per step, 2 B/param before their forward and again
-  before their backward. ``h2d_s`` is then the forward's fetch (the step's uploads are gone: staging is the
-  weights' home), and the backward's fetch shares the backward window with the gradients' D2H, each at the
-  concurrent rate: ``max(0, max(d2h_s', fetch_s') - W_b)`` replaces the D2H term.
-* ``step_s = gpu_s + tail_s + exposed``. While clipping fires on every step, speculation pauses: nothing is
-  stepped in the backward, and the whole pass (``H / R``, no DMA contention; 20/28 of it with deferred moment
-  stores) is ``rem``, overlapping only the next forward (3.6B all-host, batch 8: 1.30 s predicted, 1.274
-  measured).
 """
 
 from __future__ import annotations
@@ -46,7 +15,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +36,11 @@ from .planning.memory_model import (
 )
 from .planning.plan import OffloadPlan
 from .planning.planner import PlanError, Workload, make_plan
+from .planning.step_time import predict_step_time
 
-__all__ = ["StepTime", "add_plan_parser", "arrival_numels", "load_model_config", "main", "main_plan",
-           "predict_step_time"]
+__all__ = ["add_plan_parser", "arrival_numels", "load_model_config", "main", "main_plan"]
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
-GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate
-ATTENTION_EFFICIENCY = 0.6  # ... and of the causal attention term (fitted where it dominates: 8B at 256k tokens)
 MAX_LAYERS = 2048  # the search limit of largest_model_that_fits
 MAX_SEQ = 1 << 24  # the search limit of the longest sequence (16M tokens)
 _PROFILE_ALIASES = {"gh200": "gh200", "h200": "h200_pcie", "rtx4090": "rtx4090_24gb"}
@@ -191,75 +157,6 @@ def resolve_profile(spec: str, *, gpu_mem_gb: float | None, host_mem_gb: float |
     if host_mem_gb is not None:
         prof = dataclasses.replace(prof, host_available_bytes=int(host_mem_gb * GiB))
     return prof
-
-
-# ---------------------------------------------------------------------------------------------- step time
-@dataclass(frozen=True, slots=True)
-class StepTime:
-    """Predicted seconds of one optimizer step (see [Note: step-time roofline])."""
-
-    gpu_s: float
-    backward_window_s: float
-    forward_window_s: float
-    cpu_s: float
-    d2h_s: float
-    h2d_s: float
-    tail_s: float
-    exposed_s: float
-    step_s: float
-    speculated_fraction: float
-
-
-def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareProfile, *, batch_size: int,
-                      seq_len: int, grad_ckpt: bool, sequence_parallel: int = 1,
-                      mlp_tile_tokens: int | None = None, keep_attention: bool = False,
-                      clipping_every_step: bool = False) -> StepTime | None:
-    """The roofline of [Note: step-time roofline] for one rank; ``None`` when the profile lacks a rate it needs.
-
-    ``sequence_parallel`` P: each of the P ranks on this host computes 1/P of every layer (its tokens outside
-    attention, 1/P of the heads inside), and they share the host's cores and memory bandwidth; ``plan_like`` is
-    one rank's plan (its shard of the optimizer state). ``mlp_tile_tokens`` below the tokens per rank: the tiled
-    MLP's backward runs one more MLP forward (2 FLOPs per MLP weight and token). ``keep_attention``: checkpointing
-    keeps attention's outputs, so attention runs forward once (6 instead of 8 FLOPs per attention "parameter").
-    ``clipping_every_step``: speculation pauses (every verdict is a redo), so the whole CPU pass starts at the
-    verdict, free of the backward's DMA, and with deferred moment stores moves 20 of 28 B/param."""
-    p, host = profile, plan_like.host_numel
-    need = (p.matmul_tflops, p.cpu_adam_gparams, p.h2d_gbps, p.d2h_gbps, p.device_memory_gbps)
-    if any(x is None for x in need):
-        return None
-    tokens = batch_size * seq_len
-    k = 8 if grad_ckpt else 6
-    k_attn = 6 if keep_attention else k
-    gemm = k * shape.numel * tokens
-    attention = k_attn * shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens
-    if mlp_tile_tokens is not None and mlp_tile_tokens < -(-tokens // sequence_parallel):
-        gemm += 2 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers * tokens
-    rate_flops = p.matmul_tflops * 1e12 * sequence_parallel
-    gpu_s = gemm / (rate_flops * GEMM_EFFICIENCY) + attention / (rate_flops * ATTENTION_EFFICIENCY)
-    w_b = gpu_s * (0.75 if grad_ckpt else 2 / 3)
-    w_f = gpu_s - w_b
-    e = 4 if plan_like.cast_side == "gpu" else 2  # bytes per parameter up (the fp32 master or bf16); down: always 2
-    rate = p.cpu_adam_gparams * 1e9 / sequence_parallel
-    host_bw = (p.host_memory_gbps or 28 * p.cpu_adam_gparams) * 1e9 / sequence_parallel
-    rate_eff = rate * max(0.2, 1 - (e * host / w_b) / host_bw)
-    cpu_s = host / rate_eff
-    d2h_s, h2d_s = 2 * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
-    bucket = plan_like.bucket_bytes / e
-    latency = bucket / rate_eff + plan_like.bucket_bytes / (p.h2d_gbps * 1e9) if host else 0.0
-    spec = min(cpu_s, max(0.0, w_b - latency))
-    rem = cpu_s - spec
-    if clipping_every_step:
-        spec = 0.0
-        rem = host / rate * (20 / 28 if plan_like.deferred_landing_bytes else 1.0)
-    backward_link = max(0.0, d2h_s - w_b)
-    if plan_like.weight_mode == "flow":
-        h2d_s = 2 * host / (p.h2d_gbps * 1e9)  # the forward's fetch
-        d2h_c, h2d_c = (p.d2h_concurrent_gbps or p.d2h_gbps) * 1e9, (p.h2d_concurrent_gbps or p.h2d_gbps) * 1e9
-        backward_link = max(0.0, max(2 * host / d2h_c, 2 * host / h2d_c) - w_b)
-    exposed = backward_link + max(0.0, max(rem, h2d_s) - w_f) + (latency if rem > 0 else 0.0)
-    tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
-    return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed, gpu_s + tail_s + exposed,
-                    spec / cpu_s if cpu_s > 0 else 1.0)
 
 
 # ---------------------------------------------------------------------------------------------- command

@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .hardware import HardwareProfile
-from .plan import CastSide, OffloadPlan, Rollback, WeightMode
+from .plan import CastSide, OffloadPlan, PlanError, Rollback, WeightMode
 
 __all__ = ["MemoryEstimate", "ModelShape", "PlanLike", "bisect_largest", "check_fits", "estimate", "fits",
            "largest_model_that_fits"]
@@ -445,7 +445,6 @@ def _items(d: dict[str, int]) -> str:
 def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
     """Raise :class:`~hf_superoffload.planning.planner.PlanError` with the numbers and what to change
     when ``est`` does not fit ``profile`` (unknown budgets are not checked)."""
-    from .planner import PlanError  # lazy: the planner may come to use this module
 
     gpu_over, host_over = _overruns(est, profile)
     if not gpu_over and not host_over:

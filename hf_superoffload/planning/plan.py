@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["BucketSpec", "CastSide", "HostAccumulation", "MasterDeferral", "OffloadPlan", "Placement", "Rollback",
-           "WeightMode"]
+__all__ = ["BucketSpec", "CastSide", "HostAccumulation", "MasterDeferral", "OffloadPlan", "Placement", "PlanError",
+           "Rollback", "WeightMode"]
+
+
+class PlanError(ValueError):
+    """The requested run cannot fit; the message gives the numbers and what to change."""
 
 
 class Placement(enum.Enum):

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
-from .memory_model import ENGINE_HOST_BYTES_PER_PARAM
+from .memory_model import ENGINE_HOST_BYTES_PER_PARAM, ModelShape, PlanLike, bisect_largest, estimate
 from .plan import (
     LANDING_RING_SLOTS,
     BucketSpec,
@@ -18,16 +18,17 @@ from .plan import (
     MasterDeferral,
     OffloadPlan,
     Placement,
+    PlanError,
     Rollback,
     WeightMode,
 )
+from .step_time import predict_step_time
 
 __all__ = ["AUTO_D2H_LEAD", "PlanError", "Workload", "d2h_lead", "make_plan", "partition_buckets", "share_count",
            "split_cores"]
 
 AUTO_D2H_LEAD = 4
-"""``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state (measured: benchmarks/NOTES.md,
-session 7)."""
+"""``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state ([Note: D2H lead] in docs/design.md)."""
 
 # Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
 _HOST_HEADROOM_BYTES = 2 * 1024**3
@@ -45,10 +46,6 @@ _COLLECTIVES_BYTES = 2 * 1024**3
 _DOUBLE_BUFFER_SHARE = 0.5
 # Small models still get this many buckets, so the CPU work pipelines with backward.
 _MIN_BUCKETS = 8
-
-
-class PlanError(ValueError):
-    """The requested run cannot fit; the message gives the numbers and what to change."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +166,6 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
     """The largest device tail (at most ``n_tail`` buckets) with which the memory model says the workload fits the
     free device memory, less ``_DEVICE_MARGIN`` (the model's own slack covers the allocator; the margin covers
     its calibration error, within +-4% of measured peaks for stationary weights)."""
-    from .memory_model import PlanLike, bisect_largest, estimate  # imports plan types: lazily
 
     free = profile.device_free_bytes
     if free is None:
@@ -223,7 +219,6 @@ def _weight_mode(numels: Sequence[int], bucket_bytes: int, config: SuperOffloadC
                                      f"{_FLOW_WEIGHT_SHARE:.0%} of {free / gib:.1f} GiB free device memory)")
         return WeightMode.STATIONARY, (f"weights: stationary (auto: bf16 weights {weights / gib:.1f} GiB within "
                                        f"{_FLOW_WEIGHT_SHARE:.0%} of {free / gib:.1f} GiB free device memory)")
-    from .memory_model import PlanLike, estimate  # the memory model imports plan types: import it lazily
 
     def need(mode: str) -> int:
         plan_like = PlanLike(host_numel=total, weight_mode=mode, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
@@ -241,6 +236,23 @@ def _weight_mode(numels: Sequence[int], bucket_bytes: int, config: SuperOffloadC
 
 class _HostRoomError(PlanError):
     """The host RAM cannot hold the optimizer state of the host buckets (an auto tail can grow to fix it)."""
+
+
+# [Note: tail from both memories]
+# With ``gpu_resident_buckets="auto"`` and a known workload, the device tail (the last buckets, whose optimizer
+# state stays on the GPU) is one search over both memories:
+# * the host RAM sets the smallest tail: the host must hold the other buckets' state (14-16 B/param, the
+#   accumulation ring or arena, a second copy for the double buffer). This fit must be monotone in the tail for
+#   the bisection to be right: every host-side choice (cast side, accumulation buffer) is made with every buffer it
+#   implies counted (the RAM-aware cast once ignored the accumulation ring and flipped along the tail);
+# * the memory model sets the largest tail: activations, weights and in-flight buckets beside the tail's 16 B/param;
+# * between them, the fastest predicted step (``step_time.py``) in the worst case, clipping on every step (then
+#   speculation pauses and every host bucket's CPU pass is exposed after the verdict), ties to the larger tail.
+#   On the H200 profile the largest tail is the fastest for the measured rows (host buckets cost exposed CPU time
+#   when clipping fires); on GH200 (a fast CPU and chip-to-chip link) a smaller tail hides the host pass in the
+#   next forward and is predicted faster. Minimising the committed-speculation case instead would pick smaller
+#   tails on H200 too, for a 1-3% predicted gain that one clipped step more than undoes.
+# ``plan``'s "largest that fits" and its verdict run this same search (``plan_cli._largest_by_plan``).
 
 
 def make_plan(
@@ -270,7 +282,8 @@ def make_plan(
 
     With ``gpu_resident_buckets="auto"``, the device tail is first sized for the device (the memory the activations
     leave, or ``device_memory_fraction``); when the host RAM cannot hold the rest, the tail grows, bucket by
-    bucket, until it can, as long as the device holds it ([Note: tail from both memories] in docs/design.md).
+    bucket, until it can, as long as the device holds it; between the two, the fastest predicted tail
+    ([Note: tail from both memories] above).
     """
     kw = dict(element_size=element_size, profile=profile, world_size=world_size, rank=rank,
               local_world_size=local_world_size, local_rank=local_rank, cores=cores, workload=workload)
@@ -324,15 +337,61 @@ def make_plan(
                         f"{first.device_numel * _DEVICE_BYTES_PER_PARAM / gib:.1f} GiB of optimizer state and gradients) "
                         f"does not fit the device either: {why}. Add host RAM, use weight_placement='flow', a "
                         "shorter sequence or a smaller batch, or more GPUs.") from None
-    best = bisect_largest_int(lo, n_buckets, lambda n: _device_holds(plan_at(n), workload, profile, world_size)[0])
+    most = bisect_largest_int(lo, n_buckets, lambda n: _device_holds(plan_at(n), workload, profile, world_size)[0])
+    best, predicted = _fastest_tail(lo, most, plan_at, workload, profile)
     plan = plan_at(best)
     assert plan is not None
     _, why = _device_holds(plan, workload, profile, world_size)
     grown = " grown until the host RAM holds the rest, then" if host_error is not None else ""
-    note = (f"device tail: {best} bucket(s) = {plan.device_numel / max(sum(numels), 1):.0%} of parameters (auto:{grown} "
-            f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
-            f"{_workload_note(workload)}, {why})")
+    run = f"{workload.batch_size} x {workload.seq_len} tokens{_workload_note(workload)}"
+    if best == most:
+        what = f"the most the workload leaves room for: {run}, {why}"
+    else:
+        what = (f"the fastest predicted, {predicted:.2f} s/step with clipping on every step, of the tails from "
+                f"{lo} to {most} the memories hold for {run}; {why}")
+    note = f"device tail: {best} bucket(s) = {plan.device_numel / max(sum(numels), 1):.0%} of parameters (auto:{grown} {what})"
     return dataclasses.replace(plan, notes=(note, *plan.notes[1:]))
+
+
+# Tails whose worst-case predicted steps are this close count as equal: the larger tail is taken (the roofline's
+# own error is several percent, and a larger tail also needs less host RAM and CPU).
+_TAIL_TIME_TIE = 0.01
+# Candidate tails evaluated in the first, coarse pass of the fastest-tail search.
+_TAIL_PROBES = 48
+
+
+def _fastest_tail(lo: int, hi: int, plan_at: Any, workload: Workload, profile: HardwareProfile) -> tuple[int, float]:
+    """[Note: tail from both memories]: among the tails in [lo, hi] (both memories hold each), the one with the
+    fastest predicted step when clipping fires on every step (the worst case: speculation pauses and the whole
+    host pass is exposed). Ties, and profiles without the rates the roofline needs, take the largest tail."""
+    shape = ModelShape.from_config(workload.model)
+
+    def predicted(n: int) -> float | None:
+        plan = plan_at(n)
+        if plan is None:
+            return None
+        t = predict_step_time(shape, PlanLike.from_plan(plan), profile, batch_size=workload.batch_size,
+                              seq_len=workload.seq_len, grad_ckpt=workload.grad_ckpt,
+                              sequence_parallel=workload.sequence_parallel, mlp_tile_tokens=workload.mlp_tile_tokens,
+                              keep_attention=workload.keep_attention, clipping_every_step=True)
+        return None if t is None else t.step_s
+
+    top = predicted(hi)
+    if top is None or lo >= hi:
+        return hi, top or 0.0
+    times = {hi: top}
+    stride = max(1, -(-(hi - lo) // _TAIL_PROBES))
+    for n in range(hi - stride, lo - 1, -stride):
+        t = predicted(n)
+        if t is not None:
+            times[n] = t
+    centre = min(times, key=lambda n: (times[n], -n))
+    for n in range(max(lo, centre - stride + 1), min(hi, centre + stride - 1) + 1):  # refine around the coarse best
+        if n not in times and (t := predicted(n)) is not None:
+            times[n] = t
+    fastest = min(times.values())
+    best = max(n for n, t in times.items() if t <= fastest * (1 + _TAIL_TIME_TIE))
+    return best, times[best]
 
 
 def _workload_note(workload: Workload) -> str:
@@ -367,7 +426,6 @@ def _device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardwar
                   world_size: int) -> tuple[bool, str]:
     """Whether the memory model says ``plan`` fits the device (less ``_DEVICE_MARGIN``) and the host, with the
     plan's own cast side, rollback and buffers (the figures ``hf-superoffload plan`` prints), and why in words."""
-    from .memory_model import PlanLike, estimate
 
     if plan is None:
         return False, "the host RAM does not hold the rest"
@@ -465,22 +523,31 @@ def _make_plan(
     # the host bytes the arenas may take (every host-RAM decision below compares against it)
     reserve = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * host_numel)
     room = None if avail is None else avail - reserve
-    if (config.cast_side == "auto" and cast_side is CastSide.CPU and weight_mode is WeightMode.STATIONARY
-            and room is not None and host_numel * 16 > room >= host_numel * 14):
-        # RAM-aware casting: the CPU cast's bf16 staging arena (2 B/param) does not fit, the GPU cast needs none
-        cast_side = CastSide.GPU
-        notes[-1] = ("fp32 master crosses the link and the GPU casts (auto: host RAM fits the state without the CPU "
-                     "cast's 2 B/param staging arena, not with it)")
-    base = host_numel * (16 if cast_side is CastSide.CPU else 14)  # p/m/v + bf16 landing (+ bf16 staging: CPU cast)
     largest_host = max((b.shard for b in buckets if b.placement is Placement.HOST), default=0)
     accumulates = workload is not None and workload.accumulation
-    accumulation, accum_note = _host_accumulation(config, weight_mode, world_size, host_numel, base, room,
-                                                  accumulates)
+
+    def host_need(side: CastSide) -> tuple[int, HostAccumulation, str]:
+        """Arena bytes with ``side``'s cast (p/m/v + bf16 landing, + bf16 staging for the CPU cast) and the
+        accumulation buffers that cast leaves room for."""
+        need = host_numel * (16 if side is CastSide.CPU else 14)
+        acc, acc_note = _host_accumulation(config, weight_mode, world_size, host_numel, need, room, accumulates)
+        if acc is HostAccumulation.FP32:
+            need += 4 * host_numel
+        elif acc is HostAccumulation.LANDING:
+            need += LANDING_RING_SLOTS * largest_host * 2
+        return need, acc, acc_note
+
+    base, accumulation, accum_note = host_need(cast_side)
+    if (config.cast_side == "auto" and cast_side is CastSide.CPU and weight_mode is WeightMode.STATIONARY
+            and room is not None and base > room and host_need(CastSide.GPU)[0] <= room):
+        # RAM-aware casting: the CPU cast's bf16 staging arena (2 B/param) does not fit beside the rest of the host
+        # buffers (accumulation included: deciding without it made the host fit non-monotone in the tail), the GPU
+        # cast needs none
+        cast_side = CastSide.GPU
+        base, accumulation, accum_note = host_need(cast_side)
+        notes[-1] = ("fp32 master crosses the link and the GPU casts (auto: host RAM fits the state without the CPU "
+                     "cast's 2 B/param staging arena, not with it)")
     notes.append(accum_note)
-    if accumulation is HostAccumulation.FP32:
-        base += 4 * host_numel
-    elif accumulation is HostAccumulation.LANDING:
-        base += LANDING_RING_SLOTS * largest_host * 2
     if room is not None and base > room:
         gib = 1024**3
         raise _HostRoomError(

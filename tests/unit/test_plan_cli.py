@@ -15,16 +15,15 @@ from hf_superoffload.plan_cli import (
     EXIT_BAD_INPUT,
     EXIT_DOES_NOT_FIT,
     EXIT_FITS,
-    GEMM_EFFICIENCY,
     add_plan_parser,
     arrival_numels,
     load_model_config,
     main,
-    predict_step_time,
 )
 from hf_superoffload.planning.hardware import CACHE_ENV, HardwareProfile
 from hf_superoffload.planning.memory_model import ModelShape, PlanLike
 from hf_superoffload.planning.planner import make_plan
+from hf_superoffload.planning.step_time import GEMM_EFFICIENCY, predict_step_time
 
 DATA = Path(__file__).parent / "data"
 
