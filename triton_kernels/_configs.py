@@ -30,7 +30,7 @@ Aimed at the fixed costs and the memory system (issue #4's last item; docs/trito
   the tile's accumulator (5 serial L2 round trips for ~1000 partials at kernel 2's b2048); ``"wide"`` in
   chunks of up to 128 per warp (512 on 4 warps: 3 round trips; wider chunks cost the kernel registers)
   with ``stats`` loaded first. Every order is fixed: deterministic. (A two-level ``"tree"`` lost to both at
-  every size in session 7 and was removed in session 8.)
+  every size in the 2026-11-30 sweep and was removed on 2026-12-01, 6e032bd.)
 * ``stream``: cache hints on the streaming tile loads / stores (``evict_first`` loads, ``.cs`` stores):
   the data is touched once, so it should not displace what stays in L2.
 * ``min_per_program``: a persistent grid gets at most ``ceil(elements / min_per_program)`` programs (0: a
@@ -40,7 +40,7 @@ Aimed at the fixed costs and the memory system (issue #4's last item; docs/trito
   aligned source vectors shifted by the row's phase difference, instead of element by element (8 2-byte
   loads and 8 2-byte stores per 16 bytes). docs/triton_kernels.md, "Per-byte costs in the SASS". Rows with
   an fp32 side (an fp32 gradient into a bf16 bucket, the scatter's fp32 bucket at an odd offset) move whole
-  tiles aligned on the destination (16-byte stores) with the source read element by element (session 12).
+  tiles aligned on the destination (16-byte stores) with the source read element by element (2026-12-01, 66a1e5b).
 * ``lookahead`` (kernel 2, packed): the word tiles' loads run one whole tile ahead of their stores and
   statistics (the statistics loop is not unrolled, so without it a warp issues its next loads only after
   the current tile's ~85 store / statistics instructions; docs/triton_kernels.md, "Per-byte costs in the
@@ -205,7 +205,7 @@ INTERP_SMS = 2
 LEGACY = RowsConfig(chunk=1 << 14, block=1024, warps=4, programs_per_sm=0, one_pass=False)
 
 # NOTE: (max elements, config) per family, first match wins; the last bound must be None (no limit).
-# Measured: H200, session 5 sweep, benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt
+# Measured: H200, the 2026-11-30 sweep at aa4d390
 # (`bench_triton.py --sweep`, its suggested table as printed). Per swept bucket size (16 / 64 / 256 MB of
 # bf16), the config with the best mean fraction of the device copy ceiling (4169 GB/s) over the family's ops
 # (flatten: bf16 and fp32 sources with statistics; scatter: fp32 -> bf16 and bf16 -> bf16) and both layouts
@@ -225,12 +225,12 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
         # 256 MB: 83.7% (legacy 83.2%)
         (None, RowsConfig(chunk=0, block=1024, warps=4, programs_per_sm=8, one_pass=True)),
     ),
-    # Session 11 sweep of this family (benchmarks/results/2026-12-01_run17_session11/call6_spread_sweep), H200,
+    # The 2026-12-01 sweep of this family (2291f87), H200,
     # ceiling 4199 GB/s, means over the spread ops (bf16 and fp32 sources) and both layouts; what the engine runs.
     "flatten_spread": (
         # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3, one 2048-element tile per program on 4 warps
-        # with streaming hints, a dependent launch. Session 12 sweep (results/2026-12-01_run18_session12/
-        # call4_pdl_sweep, ceiling 4132 GB/s): bf16 86.0%, fp32 source 90.8% (torch's copy_ of the bf16 bytes
+        # with streaming hints, a dependent launch. The 2026-12-01 dependent-launch sweep (66a1e5b,
+        # ceiling 4132 GB/s): bf16 86.0%, fp32 source 90.8% (torch's copy_ of the bf16 bytes
         # 84.5%); without the dependent launch 81.5 / 87.8%; c4096/b4096/w8 85.7 / 89.8% (83.6 / 87.3% without)
         (
             16777216,
@@ -252,7 +252,7 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
             ),
         ),
         # 64 MB: 88.0% (bf16 87.9 / 85.1% aligned / odd), 256 MB: 94.2% (bf16 95.6 / 90.8%), with a dependent launch
-        # (session 12 call 5, results/2026-12-01_run18_session12/call5_pdl_k2_sweep: 87.0 / 93.9% without it)
+        # (the 2026-12-01 sweep of kernel 2 with dependent launches, 66a1e5b: 87.0 / 93.9% without it)
         (
             None,
             RowsConfig(
@@ -262,14 +262,14 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
         ),
     ),
     "scatter": (
-        # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3 (session 12 sweeps, calls 2-4): the fp32 -> bf16 cast
+        # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3 (the 2026-12-01 sweeps, 66a1e5b): the fp32 -> bf16 cast
         # 95.0%, the bf16 copy 87.2% with streaming hints and a dependent launch (92.1 / 84.9% without the
         # dependent launch, 88.6 / 80.0% without either; kernel 1's c4096/b1024/w4/2p/s: 89.7 / 75.2%)
         (
             16777216,
             RowsConfig(chunk=2048, block=2048, warps=4, programs_per_sm=0, kernel=3, packed=True, stream=True, pdl=True),
         ),
-        # 16 MB otherwise, 64 MB and 256 MB: kernel 1 on 4096-element rows, a dependent launch (session 12 call 5):
+        # 16 MB otherwise, 64 MB and 256 MB: kernel 1 on 4096-element rows, a dependent launch (2026-12-01, 66a1e5b):
         # 16 MB 86.2% with streaming hints (83.3% without the dependent launch; kernel 2's p8/b2048/w4 81.3%);
         # 64 MB 87.9% (cast 94.2 / 95.7% odd / aligned; 86.6% without it; with hints 86.3%); 256 MB 93.9% with
         # hints (93.4% without them)
@@ -278,11 +278,11 @@ HEURISTIC: dict[str, tuple[tuple[int | None, RowsConfig], ...]] = {
         (None, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, stream=True, pdl=True)),
     ),
     "scatter_sr": (
-        # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3 (session 12 sweeps, calls 2-4), 82.5% with
+        # 16 MB with at most ENTRY_SLOTS aligned rows: kernel 3 (the 2026-12-01 sweeps, 66a1e5b), 82.5% with
         # streaming hints and a dependent launch (79.3% without it, 75.8% without either; the row below 69.3%)
         (16777216, RowsConfig(chunk=2048, block=2048, warps=4, programs_per_sm=0, kernel=3, stream=True, pdl=True)),
         # 16 MB otherwise and 64 MB: kernel 1 on 4096-element rows with streaming hints and a dependent launch
-        # (session 12 call 5): 76.9% (70.1% plain) and 85.2% (83.1% plain); 256 MB: without hints 88.7% (88.4%
+        # (2026-12-01, 66a1e5b): 76.9% (70.1% plain) and 85.2% (83.1% plain); 256 MB: without hints 88.7% (88.4%
         # without the dependent launch; the LEGACY config, this row before, 85.5%)
         (16777216, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, stream=True, pdl=True)),
         (67108864, RowsConfig(chunk=4096, block=1024, warps=4, programs_per_sm=0, one_pass=False, stream=True, pdl=True)),
@@ -389,7 +389,7 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
         RowsConfig(0, 4096, 8, 4),
     ]
     if family == "flatten":
-        # NOTE: session 5 sweep (benchmarks/results/2026-11-30_run12_session5/triton_branch_sweep.txt): the
+        # NOTE: the 2026-11-30 sweep (aa4d390): the
         # kernel-1 w8 configs lost by 5-25 points on the bf16 statistics (2-5 programs per SM fit), c4096 by
         # 8-15, the kernel-2 two-launch, p12 and b4096 non-packed ones by 1-8; they are dropped for the
         # fixed-cost variants below (issue #4's last item, docs/triton_kernels.md "Fixed costs"), one change
@@ -398,7 +398,7 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
         k2w = dict(kernel=2, packed=True)
         cands = [
             LEGACY,
-            # the session 5 winners (HEURISTIC and the best per op): baselines of the new variants
+            # the 2026-11-30 winners (HEURISTIC and the best per op): baselines of the new variants
             RowsConfig(0, 1024, 4, 8),
             RowsConfig(0, 2048, 4, 16),
             RowsConfig(0, 1024, 4, 8, one_pass=False),  # what the single-launch reduction buys
@@ -417,29 +417,29 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 1024, 4, 8, epilogue="wide", stream=True),
             # shares dealt round-robin in ~8 Ki-element pieces (one piece per program at 16 MB: no change)
             RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, **k2w),
-            # NOTE: session 7 (benchmarks/results/2026-11-30_run14_session7/callD_triton): p4/b4096/k2w/et and
+            # NOTE: the 2026-11-30 variant sweep: p4/b4096/k2w/et and
             # p16/b1024/ew/s/i4k lost to their bases at every size, p16/b1024 ran as p8/b1024 (8 programs per
             # SM fit its 64 registers: the same launch, within 0.2 points); dropped for these three. The tree
             # epilogue lost to the loop and wide ones at every size on both kernels (e.g. 16 MB bf16: 53.2% vs
-            # 57.6 / 58.1%) and kernel 1's interleave never beat its base (p8/b1024/ew): dropped in session 8.
+            # 57.6 / 58.1%) and kernel 1's interleave never beat its base (p8/b1024/ew): dropped on 2026-12-01 (e6e6348).
             # per-byte cost: rows not aligned on both sides (the odd layout from 64 MB up) as whole 16-byte
             # vectors instead of 2-byte loads and stores (docs/triton_kernels.md, "Per-byte costs in the
-            # SASS"), on the session 7 winners of kernel 2
+            # SASS"), on the 2026-11-30 winners of kernel 2
             RowsConfig(0, 2048, 4, 8, realign=True, **k2w),
             RowsConfig(0, 2048, 4, 8, epilogue="wide", min_per_program=16384, realign=True, **k2w),
             RowsConfig(0, 2048, 4, 8, epilogue="wide", interleave=8192, realign=True, **k2w),
             # per-byte cost on aligned rows: the next tile's loads ahead of this tile's stores and statistics
-            # (offline SASS, session 8: ptxas keeps them after the statistics, ahead of the stores only)
+            # (offline SASS, 2026-12-01: ptxas keeps them after the statistics, ahead of the stores only)
             RowsConfig(0, 2048, 4, 8, lookahead=True, **k2w),
             RowsConfig(0, 2048, 4, 8, realign=True, lookahead=True, **k2w),
         ]
     elif family == "flatten_spread":
-        # NOTE: session 11 (benchmarks/probe_stats_kernels.py, results/2026-12-01_run17_session11): without a
+        # NOTE: a stripped probe (2026-12-01; docs/triton_kernels.md "Spread statistics"): without a
         # reduction in the launch, one 8-16 KB tile per program and no persistent loop reached 86-89% / 94-95%
-        # at 64 / 256 MB on one contiguous bf16 tensor (83.5% at 16 MB with 8 KB tiles). In the session 11
+        # at 64 / 256 MB on one contiguous bf16 tensor (83.5% at 16 MB with 8 KB tiles). In the 2026-12-01
         # flatten sweep, on the spread ops, c4096/b4096/w4/k2w won from 64 MB up and p8/b2048/k2w/ew/s at 16 MB;
         # c4096/b4096/w8, c8192/b8192/w8 and c8192/b4096/w8 lost by 3-20 points. The rest of the flatten list
-        # is left out: its epilogue variants do nothing here. Candidates: the session 11 winners and their
+        # is left out: its epilogue variants do nothing here. Candidates: that sweep's winners and their
         # realigned twins (the odd layout), 2048-element tiles (the probe's 16 MB best), two tiles per program.
         k2w = dict(kernel=2, packed=True)
         cands = [
@@ -450,12 +450,12 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(4096, 4096, 4, 0, realign=True, **k2w),
             RowsConfig(4096, 4096, 4, 0, stream=True, **k2w),
             RowsConfig(8192, 4096, 4, 0, realign=True, **k2w),
-            # NOTE: session 12: kernel 3 (the rows as arguments; only on buckets of at most ENTRY_SLOTS aligned
-            # rows: the 16 MB layouts), one tile per program as in benchmarks/probe_entry_args.py. Made room for
-            # by c4096/b2048/w4/k2w and c2048/b2048/w2/k2w (session 11: behind c4096/b4096 everywhere). Call 2:
+            # NOTE: 2026-12-01 (66a1e5b): kernel 3 (the rows as arguments; only on buckets of at most ENTRY_SLOTS aligned
+            # rows: the 16 MB layouts), one tile per program as in the entry-argument probe. Made room for
+            # by c4096/b2048/w4/k2w and c2048/b2048/w2/k2w (the sweep before: behind c4096/b4096 everywhere). Sweep 1:
             # c4096/b4096/w8/k3w/s won (83.4 / 85.2%), c2048/b2048/w8 (52 / 70%) and c8192/b4096/w8 (79 / 77%)
-            # lost and left. Call 3: 16 warps lost by 6-35 points and left; c2048/b2048/w4/k3w/s 78.7 / 87.1%.
-            # Call 4: the dependent launch (/pdl) won at 16 MB, c2048/b2048/w4/k3w/s/pdl 86.0 / 90.8% (bf16 /
+            # lost and left. Sweep 2: 16 warps lost by 6-35 points and left; c2048/b2048/w4/k3w/s 78.7 / 87.1%.
+            # Sweep 3: the dependent launch (/pdl) won at 16 MB, c2048/b2048/w4/k3w/s/pdl 86.0 / 90.8% (bf16 /
             # fp32 source); left: kernel 3 without hints and c4096/b4096/w4 (1-3 points behind), and the
             # losers by 5-20 points: p8/b1024, p16/b2048, c4096/b1024/2p, c2048/b2048/k2w(/ra),
             # p8/b2048/k2w/m16k/ra. Now /pdl on kernel 2 (the buckets kernel 3 cannot take; 64 MB up).
@@ -464,7 +464,7 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 2048, 4, 8, stream=True, realign=True, pdl=True, **k2w),
             RowsConfig(8192, 4096, 4, 0, realign=True, pdl=True, **k2w),
             RowsConfig(8192, 4096, 4, 0, stream=True, realign=True, pdl=True, **k2w),
-            # Call 5: c8192/b4096/w4/k2w/ra/pdl won from 64 MB up (88.0 / 94.2%; 87.0 / 93.9% without /pdl), the
+            # Sweep 4: c8192/b4096/w4/k2w/ra/pdl won from 64 MB up (88.0 / 94.2%; 87.0 / 93.9% without /pdl), the
             # odd 64 MB layout at 85.1 / 84.2% (bf16 / fp32 source); c4096/b4096/k2w/ra/pdl 5-8 points behind, left.
             # Now for that layout: more elements per program, the next tile's loads ahead, 8 warps.
             RowsConfig(16384, 4096, 4, 0, realign=True, pdl=True, **k2w),
@@ -484,10 +484,10 @@ def sweep_candidates(family: str) -> list[RowsConfig]:
             RowsConfig(0, 2048, 4, 8, kernel=2, packed=True, realign=True),
         ]
     if family in ("scatter", "scatter_sr"):
-        # Kernel 3 (session 12), for the buckets it can take. Call 2: c2048/b2048/w4 won (cast 88.6%, SR 75.8%);
-        # 8 warps and 1024-element tiles on 4-8 warps lost by 8-45 points. Call 3: with streaming hints 90.4 /
+        # Kernel 3 (2026-12-01, 66a1e5b), for the buckets it can take. Sweep 1: c2048/b2048/w4 won (cast 88.6%, SR 75.8%);
+        # 8 warps and 1024-element tiles on 4-8 warps lost by 8-45 points. Sweep 2: with streaming hints 90.4 /
         # 78.4% (bf16 copy 82.3%); c4096/b4096/w4 and 2048-element tiles on 2 warps 1-8 points behind, left.
-        # Call 4: the dependent launch (/pdl) won at 16 MB (cast 95.0%, bf16 copy 87.2%, SR 82.5%); left:
+        # Sweep 3: the dependent launch (/pdl) won at 16 MB (cast 95.0%, bf16 copy 87.2%, SR 82.5%); left:
         # c4096/b4096/w8 and c1024/b1024/w2 without hints (1-5 points behind c2048/b2048/w4). Now /pdl on the
         # 64-256 MB rows too.
         pk = family == "scatter"

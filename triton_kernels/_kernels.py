@@ -352,7 +352,7 @@ def _publish_stats(acc_sq, acc_bad, part_sq_ptr, part_bad_ptr, part_base, counte
         s = tl.sum(acc_sq, axis=0)
         c = tl.sum(acc_bad, axis=0)
     if ONE_PASS and EPI_W == 0:
-        # NOTE: the session 5 code as it was, so that "loop" compiles to the same registers (Triton 3.6, sm_90:
+        # NOTE: the 2026-11-30 (aa4d390) code as it was, so that "loop" compiles to the same registers (Triton 3.6, sm_90:
         # restructured, p8/b1024/w4 bf16 went from 64 registers to 56 with spills).
         tl.store(part_sq_ptr + pid, s)
         tl.store(part_bad_ptr + pid, c)
@@ -510,7 +510,7 @@ def _rows_kernel(
         for start in range(n_full, n, BLOCK):  # the tail (and None rows)
             offs = start + lane
             # NOTE: written out, not through _sload / _sstore: through the helpers Triton 3.6 compiled
-            # p8/b1024/w4 bf16 to 56 registers with spills instead of 64 without (offline sm_90, session 7).
+            # p8/b1024/w4 bf16 to 56 registers with spills instead of 64 without (offline sm_90, 2026-11-30).
             if STREAM:
                 x = tl.load(src + offs, mask=offs < n_src, other=0, eviction_policy="evict_first")
             else:

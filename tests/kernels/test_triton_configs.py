@@ -99,7 +99,7 @@ def test_sweep_candidates() -> None:
     assert any(not c.one_pass and c.programs_per_sm for c in flatten)
     assert any(c.kernel == 2 and c.packed for c in flatten) and any(c.kernel == 2 and not c.packed for c in flatten)
     # issue #4's fixed-cost variants still in the sweep (kernel 1's interleave left it: it lost at every size in
-    # session 7), and the per-byte ones on kernel 2
+    # the 2026-11-30 sweep), and the per-byte ones on kernel 2
     for k in (1, 2):
         mine = [c for c in flatten if c.kernel == k]
         assert any(c.epilogue == "wide" for c in mine) and any(c.stream for c in mine)
