@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$STAGE${PYTHONPATH:+:$PYTHONPATH}
 
 # Pack everything under $OUT into $OUT/all_<script>.tgz, leaving only the archives and the named files beside them: a
-# device call brings back at most 8 files (session 5 lost a suite's JSONL lines to that limit). Scripts chained in one
+# device call brings back at most 8 files (a 2026-11-30 call lost a suite's JSONL lines to that limit). Scripts chained in one
 # call each leave their own archive. PACK=0 leaves $OUT as is.
 pack_out() {
   [ "${PACK:-1}" = 1 ] || return 0

@@ -12,6 +12,9 @@ worst case for speculation). Systems per row:
              else, the README's own snippet (its plan is made at the first batch); accumulation through ``no_sync``
   host0      the snippet with ``SuperOffloadConfig(gpu_resident_buckets=0)``: every optimizer state on the host
   host0_inverse  host0 with ``rollback="inverse"`` (one state copy: 12 B/param less host RAM than the double buffer)
+  trainer    ``SuperOffloadTrainer(args=SuperOffloadArguments(bf16=True, max_grad_norm=1.0,
+             gradient_accumulation_steps=ACCUM, ...))``, no offload settings: the README's Trainer snippet on the
+             same random tokens (timed between optimizer steps by a callback that waits for the GPU)
 
 A row spec is ``PRESET:BATCH[:ACCUM[:LAYERS]]`` (LAYERS overrides the preset's depth, e.g. ``14b:4:8:49`` is 15.0B).
 Each record: median/min/max seconds per optimizer step over the timed steps, tokens/s, MFU (6N + 6 L d s per token
@@ -23,6 +26,7 @@ predicted and measured sit side by side. A baseline that runs out of memory is r
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -35,7 +39,8 @@ from typing import Any
 
 PEAK_TFLOPS = 989.0
 LR, CLIP = 1e-5, 1.0
-SYSTEMS = ("gpu_fp32", "gpu_bf16", "snippet", "host0", "host0_inverse")
+SYSTEMS = ("gpu_fp32", "gpu_bf16", "snippet", "host0", "host0_inverse", "trainer")
+OURS = ("snippet", "host0", "host0_inverse", "trainer")
 
 
 def _model(preset: str, layers: int | None, device: Any, dtype: Any) -> Any:
@@ -71,6 +76,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     gen = torch.Generator().manual_seed(1234)
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device) for _ in range(accum)]
 
+    if system == "trainer":
+        return _run_trainer(rec, model, batches, batch, accum, seq, n, warmup, steps, device)
     opt: Any
     if system == "gpu_fp32":
         opt = torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
@@ -113,7 +120,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
 
     def step() -> None:
         for k, ids in enumerate(batches):
-            if system not in ("gpu_fp32", "gpu_bf16") and k < accum - 1:
+            if system in OURS and k < accum - 1:
                 with opt.no_sync():
                     loss_of(ids).backward()
             else:
@@ -137,26 +144,9 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     except torch.OutOfMemoryError as e:
         rec.update(status="oom", error=str(e).splitlines()[0][:300])
         return rec
-    tokens = batch * seq * accum
-    med = statistics.median(times)
-    flops = 6 * n + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq
-    rec.update(status="ok", step_s={"median": med, "min": min(times), "max": max(times), "n": len(times)},
-               tokens_per_s=tokens / med, mfu=flops * tokens / med / (PEAK_TFLOPS * 1e12),
-               peak_gpu_gb=(torch.cuda.max_memory_allocated(device) / 1e9) if cuda else None,
-               host_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
-    if system not in ("gpu_fp32", "gpu_bf16"):
-        plan = opt.plan
-        rec["plan"] = {"host_params": plan.host_numel, "device_params": plan.device_numel,
-                       "host_state_gb": plan.host_bytes() / 1e9, "weight_mode": plan.weight_mode.value,
-                       "cast_side": plan.cast_side.value, "rollback": plan.rollback.value,
-                       "host_accumulation": plan.host_accumulation.value, "defer_moments": plan.defer_moments,
-                       "d2h_lead": plan.d2h_lead_buckets, "workload_inferred": opt.workload is not None,
-                       "summary": plan.summary()}
-        st = opt.last_step_stats
-        rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
-                                                        "speculated_buckets", "wasted_buckets", "verdict")}
-        rec["predicted"] = _predicted(opt, model, batch, seq)
-        rec["pinned_gb"] = opt.engine.pinned_bytes / 1e9
+    _finish(rec, times, batch, accum, seq, n, cfg, device)
+    if system in OURS:
+        _describe(rec, opt, model, batch, seq)
         if cuda:  # one more step, phase by phase (each phase waits for the GPU): where the time goes
             phases: dict[str, float] = {}
             t = time.perf_counter()
@@ -174,6 +164,74 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
             phases["step_and_pass_s"] = time.perf_counter() - t
             rec["phases"] = phases
     return rec
+
+
+def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int) -> None:
+    plan = opt.plan
+    rec["plan"] = {"host_params": plan.host_numel, "device_params": plan.device_numel,
+                   "host_state_gb": plan.host_bytes() / 1e9, "weight_mode": plan.weight_mode.value,
+                   "cast_side": plan.cast_side.value, "rollback": plan.rollback.value,
+                   "host_accumulation": plan.host_accumulation.value, "defer_moments": plan.defer_moments,
+                   "d2h_lead": plan.d2h_lead_buckets, "workload_inferred": opt.workload is not None,
+                   "summary": plan.summary()}
+    st = opt.last_step_stats
+    rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
+                                                    "speculated_buckets", "wasted_buckets", "verdict")}
+    rec["predicted"] = _predicted(opt, model, batch, seq)
+    rec["pinned_gb"] = opt.engine.pinned_bytes / 1e9
+
+
+def _run_trainer(rec: dict[str, Any], model: Any, batches: list[Any], batch: int, accum: int, seq: int, n: int,
+                 warmup: int, steps: int, device: Any) -> dict[str, Any]:
+    """The README's Trainer snippet on the row's random tokens; seconds between optimizer steps, GPU drained."""
+    import tempfile
+
+    import torch
+    from transformers import TrainerCallback
+
+    from hf_superoffload import SuperOffloadArguments, SuperOffloadTrainer
+
+    rows = [{"input_ids": ids[i].cpu(), "labels": ids[i].cpu()} for ids in batches for i in range(ids.shape[0])]
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            stamps.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out:
+        args = SuperOffloadArguments(output_dir=out, bf16=True, max_grad_norm=CLIP, learning_rate=LR,
+                                     weight_decay=0.1, adam_beta2=0.95, per_device_train_batch_size=batch,
+                                     gradient_accumulation_steps=accum, max_steps=warmup + steps + 1,
+                                     lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                                     report_to=[], dataloader_drop_last=True, disable_tqdm=True,
+                                     use_cpu=device.type != "cuda")
+        trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=rows * (warmup + steps + 2),
+                                      callbacks=[Stamp()])
+        try:
+            trainer.train()
+        except torch.OutOfMemoryError as e:
+            rec.update(status="oom", error=str(e).splitlines()[0][:300])
+            return rec
+        times = [b - a for a, b in itertools.pairwise(stamps)][warmup:]
+        _finish(rec, times, batch, accum, seq, n, model.config, device)
+        _describe(rec, trainer.superoffload_optimizer, model, batch, seq)
+        trainer.superoffload_optimizer.close()
+    return rec
+
+
+def _finish(rec: dict[str, Any], times: list[float], batch: int, accum: int, seq: int, n: int, cfg: Any,
+            device: Any) -> None:
+    import torch
+
+    tokens = batch * seq * accum
+    med = statistics.median(times)
+    flops = 6 * n + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq
+    rec.update(status="ok", step_s={"median": med, "min": min(times), "max": max(times), "n": len(times)},
+               tokens_per_s=tokens / med, mfu=flops * tokens / med / (PEAK_TFLOPS * 1e12),
+               peak_gpu_gb=(torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else None,
+               host_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
 
 
 def _predicted(opt: Any, model: Any, batch: int, seq: int) -> dict[str, Any]:

@@ -152,7 +152,7 @@ def test_defer_master_auto_is_adaptive_where_it_can_work_and_off_elsewhere():
     auto = plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="cpu"))  # the default is "auto"
     assert auto.defer_master is MasterDeferral.ADAPTIVE and "adaptive share" in auto.summary()
     assert any("deferred master stores: adaptive" in n for n in auto.notes)
-    # (session 9 measured the adaptive share faster than defer_master=True on the all-host 3.6B step: no hint)
+    # (measured on 2026-12-01 at 8ad7b7a: the adaptive share faster than defer_master=True on the all-host 3.6B step: no hint)
     assert not any(n.startswith("hint:") and "defer_master" in n for n in auto.notes)
     # no deferred moments or the GPU cast: nothing to adapt, and no error (unlike an explicit True)
     assert plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=False)).defer_master is MasterDeferral.OFF

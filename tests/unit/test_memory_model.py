@@ -45,19 +45,19 @@ GPU_POINTS = {
     "0.95B fwd+bwd": (llama(2048, 5632, 16, 16, 16, 32000), 8, 2048, False, PlanLike(optimizer="none"), 35.2),
     "1.88B fwd+bwd": (llama(4096, 11008, 8, 32, 32, 32000), 4, 2048, False, PlanLike(optimizer="none"), 23.2),
 }
-# measured this session (docs/benchmarks.md runs 6-7) with the plans those runs printed; chunked loss where the
+# measured on the H200 box on 2026-11-30 (docs/benchmarks.md) with the plans those runs printed; chunked loss where the
 # script used it (benchmarks/long_context.py)
 GPU_POINTS_10PCT = {
-    "8B default plan, 1 GPU (run 6)": (L8, 4, 2048, True, PlanLike(device_numel=3_302_100_000,
+    "8B default plan, 1 GPU (2026-11-30)": (L8, 4, 2048, True, PlanLike(device_numel=3_302_100_000,
                                                                  host_numel=4_728_200_000, host_bytes_per_param=28),
                                        4096, 66.66),
-    "8B data parallel, per rank (run 6)": (L8, 4, 2048, True, PlanLike(device_numel=3_328_800_000,
+    "8B data parallel, per rank (2026-11-30)": (L8, 4, 2048, True, PlanLike(device_numel=3_328_800_000,
                                                                       host_numel=686_300_000, host_bytes_per_param=28),
                                            4096, 67.21),
-    "8B weight flow, 24 GiB cap (run 7)": (L8, 4, 2048, True, PlanLike(device_numel=525_300_000,
+    "8B weight flow, 24 GiB cap (2026-11-30)": (L8, 4, 2048, True, PlanLike(device_numel=525_300_000,
                                                                       host_numel=7_504_900_000, weight_mode="flow"),
                                            None, 20.91 * 1.073741824),
-    "15.0B on 1 GPU, GPU cast (session 3)": (dict(PRESETS["14b"], num_hidden_layers=49), 4, 2048, True,
+    "15.0B on 1 GPU, GPU cast (2026-11-30)": (dict(PRESETS["14b"], num_hidden_layers=49), 4, 2048, True,
                                              PlanLike(device_numel=6_968_012_800, host_numel=8_076_938_240,
                                                       cast_side="gpu", bucket_bytes=4 * 778_567_680),
                                              4096, 130.0),
@@ -88,7 +88,7 @@ def test_gpu_peak_matches_this_sessions_8b_points_within_10_percent(case):
 def test_host_rss_of_the_8b_single_gpu_run_within_10_percent():
     plan = PlanLike(device_numel=3_302_100_000, host_numel=4_728_200_000, host_bytes_per_param=28)
     est = estimate(L8, batch_size=4, seq_len=2048, grad_ckpt=True, plan_like=plan)
-    assert est.host_expected_bytes / 1e9 == pytest.approx(134.6, rel=0.10)  # ru_maxrss of run 6's 1-GPU rank
+    assert est.host_expected_bytes / 1e9 == pytest.approx(134.6, rel=0.10)  # ru_maxrss of the 2026-11-30 1-GPU rank
 
 
 @pytest.mark.parametrize("bpp,fraction,low,high", [(16, 1.0, 64.3, 64.3), (28, 0.89, 94.4, 96.2)])
@@ -196,7 +196,7 @@ def test_largest_model_that_fits_is_the_boundary():
 
 def test_long_sequence_point_measured_with_ulysses():
     """8B, one 262,144-token sequence over 2 GPUs (Ulysses, chunked loss), the measured plan's per-rank device
-    tail (docs/benchmarks.md, run 6): 126.5 GB measured. At this length the peak is the first recomputed layer
+    tail (docs/benchmarks.md, 2026-11-30): 126.5 GB measured. At this length the peak is the first recomputed layer
     with every layer's checkpoint alive; the logits are chunked."""
     shape = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256)

@@ -175,7 +175,7 @@ def test_step_time_roofline_on_the_anchor():
 
 
 def test_sequence_parallel_reports_the_longest_sequence(capsys):
-    """8B on two H200 with Ulysses: the run measured at 262,144 tokens (126.5 GB peak, run 6) is predicted to fit,
+    """8B on two H200 with Ulysses: the run measured at 262,144 tokens (126.5 GB peak, 2026-11-30) is predicted to fit,
     close to the predicted limit; one GPU per sequence fits far less."""
     rc, two = plan_json(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "262144", "--grad-ckpt",
                         "--profile", "h200", "--sequence-parallel", "2")
@@ -218,7 +218,7 @@ def test_keep_attention_plan_leaves_less_optimizer_state_on_the_gpu(capsys):
     assert rc == EXIT_FITS, plain["reason"]
     rc, keep = plan_json(capsys, *argv, "--keep-attention")
     assert rc == EXIT_FITS, keep["reason"]
-    assert keep["plan"]["device_numel"] < plain["plan"]["device_numel"] / 5  # measured: 3.23B -> 0.31B (run 13)
+    assert keep["plan"]["device_numel"] < plain["plan"]["device_numel"] / 5  # measured: 3.23B -> 0.31B (450ab34)
     assert keep["step_time_s"]["gpu_s"] < 0.85 * plain["step_time_s"]["gpu_s"]
     assert keep["longest_sequence"]["tokens"] < plain["longest_sequence"]["tokens"]
     rc, _, err = plan(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "8", "--keep-attention")
@@ -227,7 +227,7 @@ def test_keep_attention_plan_leaves_less_optimizer_state_on_the_gpu(capsys):
 
 def test_sequence_parallel_step_time_is_one_ranks_share():
     """Ulysses over P GPUs: each rank computes 1/P of every layer and the P ranks split the host's CPU Adam. The 8B
-    step at 262,144 tokens on two H200 was measured at 95.9 s (run 6); one rank's roofline must be near it, and
+    step at 262,144 tokens on two H200 was measured at 95.9 s (2026-11-30); one rank's roofline must be near it, and
     the tiled MLP adds exactly one MLP forward per layer."""
     shape = ModelShape.from_config(dict(json.loads(Path(model("llama_3p6b")).read_text()), hidden_size=4096,
                                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -247,7 +247,7 @@ def test_sequence_parallel_step_time_is_one_ranks_share():
     one_tile = predict_step_time(shape, PlanLike.all_host(shape.numel // 2), profile, **run, sequence_parallel=2,
                                  mlp_tile_tokens=131_072)  # a tile holds every token of the rank: no recompute
     assert one_tile.gpu_s == pytest.approx(two.gpu_s)
-    # keeping attention's outputs: attention runs forward once; measured 75.99 s (run 13)
+    # keeping attention's outputs: attention runs forward once; measured 75.99 s (450ab34)
     keep = predict_step_time(shape, PlanLike.all_host(shape.numel // 2), profile, **run, sequence_parallel=2,
                              keep_attention=True)
     attention_fwd = 2 * 32 * 4096 * 262_144 * 262_144 / 2 / (profile.matmul_tflops * 1e12 * 0.6)

@@ -1,0 +1,25 @@
+"""benchmarks/defaults.py runs its systems end to end on the CPU (tiny shapes), so a GPU session never spends its
+minutes on a broken script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "defaults.py"
+
+
+def test_snippet_and_trainer_rows_record_their_plans(tmp_path: Path) -> None:
+    out = tmp_path / "d.jsonl"
+    subprocess.run([sys.executable, str(SCRIPT), "--rows", "tiny:2:2", "--systems", "snippet", "trainer",
+                    "--device", "cpu", "--seq", "32", "--warmup", "1", "--steps", "2", "--out", str(out)],
+                   check=True, timeout=600)
+    recs = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(recs) == {"snippet", "trainer"}
+    for r in recs.values():
+        assert r["status"] == "ok", r
+        assert r["step_s"]["n"] == 2 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
+        assert r["plan"]["host_params"] + r["plan"]["device_params"] > 0
+        assert r["last_step"]["verdict"] in ("commit", "redo", "skip")
