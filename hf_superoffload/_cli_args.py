@@ -89,7 +89,8 @@ def model_spec(presets: tuple[str, ...]) -> Callable[[str], str]:
 
 
 def offload_config(text: str) -> str:
-    """``SuperOffloadConfig`` fields as a JSON object, checked now (the text is kept: commands build the config)."""
+    """``SuperOffloadConfig`` options as a JSON object (planner switches under ``"overrides"``), checked now by the
+    config's own parser (the text is kept: commands build the config)."""
     from .config import SuperOffloadConfig
 
     try:
@@ -101,7 +102,7 @@ def offload_config(text: str) -> str:
         raise argparse.ArgumentTypeError("expected a JSON object of SuperOffloadConfig fields, e.g. "
                                          "'{\"gpu_resident_buckets\": 0}'")
     try:
-        SuperOffloadConfig(**fields)
+        SuperOffloadConfig.from_dict(fields)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text

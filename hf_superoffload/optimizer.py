@@ -229,8 +229,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             modules=list(self._model.modules()),
             check_finite=self.config.check_finite,
             timeout_s=self.config.worker_timeout_s,
-            governor=SpeculationGovernor(enabled=plan.speculation, max_redo_rate=self.config.max_redo_rate,
-                                         window=self.config.redo_window),
+            governor=SpeculationGovernor(enabled=plan.speculation, max_redo_rate=self.config.overrides.max_redo_rate,
+                                         window=self.config.overrides.redo_window),
             comm=self._comm,
         )
         engine.max_grad_norm_fn = lambda: self.max_grad_norm

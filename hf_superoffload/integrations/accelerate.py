@@ -18,8 +18,10 @@ registry, so the accelerate YAML (``configs/single_gpu.yaml``, also packaged: :f
 holds only accelerate's own keys. Offload settings come, highest priority first, from: the fields given to
 ``SuperOffloadPlugin(...)`` (e.g. parsed from your script's arguments); environment variables
 ``HF_SUPEROFFLOAD_<FIELD>`` (``HF_SUPEROFFLOAD_BUCKET_SIZE_MB=64``; ``accelerate launch`` forwards the environment to
-every process); a YAML/JSON file named by ``config_file=`` or ``HF_SUPEROFFLOAD_CONFIG`` (a mapping of
-``SuperOffloadConfig`` fields, optionally under a top-level ``superoffload:`` key); ``SuperOffloadConfig``'s defaults.
+every process); ``config_file=`` or ``HF_SUPEROFFLOAD_CONFIG``: a YAML/JSON file, a JSON string or (``config_file``
+only) a dict of ``SuperOffloadConfig`` options, optionally under a top-level ``superoffload:`` key, read exactly as
+``SuperOffloadArguments.superoffload_config``; ``SuperOffloadConfig``'s defaults. The plugin's fields and variables
+are generated from the config's user options; the planner's expert switches go under ``overrides:`` in the file.
 
 **What ``prepare_superoffload`` does** (accelerate 1.15, no DeepSpeed/FSDP):
 
@@ -58,11 +60,10 @@ We never call ``torch.set_num_threads``: the thread count of other CPU work stay
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from importlib import resources
 from typing import Any
 
@@ -70,7 +71,13 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
-from ..config import BOOL_WORDS, TRI_STATE_FIELDS, SuperOffloadConfig, tri_state_from_text
+from ..config import (
+    USER_OPTIONS,
+    InvalidConfigValue,
+    PlannerOverrides,
+    SuperOffloadConfig,
+    load_config_mapping,
+)
 from ..optimizer import SuperOffloadOptimizer
 from ..planning.plan import OffloadPlan
 from ._common import (
@@ -94,52 +101,32 @@ logger = get_logger(__name__)
 
 ENV_PREFIX = "HF_SUPEROFFLOAD_"
 ENV_CONFIG = "HF_SUPEROFFLOAD_CONFIG"
-_FIELDS = tuple(f.name for f in dataclasses.fields(SuperOffloadConfig))
+_EXPERT = tuple(f.name for f in dataclasses.fields(PlannerOverrides))
+
+# One plugin field per SuperOffloadConfig user option, generated (None: not set here)
+_SuperOffloadPluginOptions = make_dataclass(
+    "_SuperOffloadPluginOptions", [(n, Any, field(default=None)) for n in USER_OPTIONS],
+    namespace={"__module__": __name__})
 
 
 @dataclass
-class SuperOffloadPlugin:
+class SuperOffloadPlugin(_SuperOffloadPluginOptions):
     """Offload settings for Accelerate loops, shaped like accelerate's plugins (``None`` = not set here).
 
-    Each field maps to the :class:`SuperOffloadConfig` field of the same name; an unset field falls back to
-    ``HF_SUPEROFFLOAD_<FIELD>``, then to the file in ``config_file`` / ``HF_SUPEROFFLOAD_CONFIG``, then to the
-    default. :meth:`to_config` gives the validated config (``ValueError`` naming the source and the fix).
+    One field per user option of :class:`SuperOffloadConfig` (generated from its fields: ``bucket_size_mb``,
+    ``gpu_resident_buckets``, ``speculation``...), the same name and meaning; a string is parsed by the option's type
+    (``"auto"``, ``"true"``, ``"8"``). An unset field falls back to ``HF_SUPEROFFLOAD_<OPTION>``, then to
+    ``config_file``, then to the default. :meth:`to_config` gives the validated config (``ValueError`` naming the
+    source and the fix). ``cpu_threads="auto"`` forces the automatic thread count even when the environment or
+    file sets one.
 
     Attributes:
-        config_file: YAML or JSON file with ``SuperOffloadConfig`` fields (default: ``$HF_SUPEROFFLOAD_CONFIG``).
-        bucket_size_mb, gpu_resident_buckets, gpu_resident_fraction, device_memory_fraction, speculation,
-        rollback, nonspeculative_in_place, max_redo_rate, redo_window, cast_side, weight_placement, cpu_threads, pin_memory,
-        worker_timeout_s, check_finite, max_consecutive_skips, accumulate_on_host, host_accumulation_dtype, defer_moments, defer_master,
-        d2h_lead_buckets, upload_thread, d2h_gate: see
-        :class:`SuperOffloadConfig`. ``cpu_threads="auto"`` forces the
-        automatic thread count even when the environment or file sets one; ``defer_moments="auto"`` the
-        planner's choice.
+        config_file: The options as a YAML/JSON file path, a JSON string or a dict, like
+            ``SuperOffloadArguments.superoffload_config`` (default: ``$HF_SUPEROFFLOAD_CONFIG``). Expert planner
+            switches (:class:`~hf_superoffload.config.PlannerOverrides`) go under ``overrides``.
     """
 
-    bucket_size_mb: float | None = None
-    gpu_resident_buckets: int | str | None = None
-    gpu_resident_fraction: float | None = None
-    device_memory_fraction: float | None = None
-    speculation: bool | None = None
-    rollback: str | None = None
-    nonspeculative_in_place: bool | None = None
-    max_redo_rate: float | None = None
-    redo_window: int | None = None
-    cast_side: str | None = None
-    weight_placement: str | None = None
-    cpu_threads: int | str | None = None
-    pin_memory: bool | None = None
-    worker_timeout_s: float | None = None
-    check_finite: bool | None = None
-    max_consecutive_skips: int | None = None
-    accumulate_on_host: bool | str | None = None
-    host_accumulation_dtype: str | None = None
-    defer_moments: bool | str | None = None
-    defer_master: bool | str | None = None
-    d2h_lead_buckets: int | str | None = None
-    upload_thread: bool | None = None
-    d2h_gate: bool | None = None
-    config_file: str | None = None
+    config_file: str | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.config_file is None:
@@ -147,77 +134,30 @@ class SuperOffloadPlugin:
         self.to_config()  # fail at construction, with the source of the bad value
 
     def to_config(self) -> SuperOffloadConfig:
-        """Resolve every field (explicit > environment > file > default) into a ``SuperOffloadConfig``."""
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
-        if self.config_file:
-            for k, v in _read_config_file(self.config_file).items():
-                values[k], sources[k] = _coerce(k, v, f"{self.config_file}: {k}"), f"{self.config_file}: {k}"
-        for k in _FIELDS:
+        """Resolve every option (explicit > environment > file > default) into a ``SuperOffloadConfig``."""
+        where = self.config_file if isinstance(self.config_file, str) and os.path.isfile(self.config_file) \
+            else "SuperOffloadPlugin.config_file"
+        values = load_config_mapping(self.config_file, what=where)
+        labels = {k: f"{where}: {k}" for k in values}
+        for k in _EXPERT:
+            if os.environ.get(ENV_PREFIX + k.upper()):
+                raise ValueError(f"{ENV_PREFIX}{k.upper()} was removed: {k} is a planner override for experts; set "
+                                 f"it under 'overrides:' in the config file ({ENV_CONFIG}) or as "
+                                 f"SuperOffloadConfig(overrides=PlannerOverrides({k}=...))")
+        for k in USER_OPTIONS:
             env = os.environ.get(ENV_PREFIX + k.upper())
             if env is not None and env != "":
-                values[k], sources[k] = _coerce(k, env, ENV_PREFIX + k.upper()), ENV_PREFIX + k.upper()
+                values[k], labels[k] = env, ENV_PREFIX + k.upper()
             mine = getattr(self, k)
             if mine is not None:
-                values[k], sources[k] = _coerce(k, mine, f"SuperOffloadPlugin.{k}"), f"SuperOffloadPlugin.{k}"
+                values[k], labels[k] = mine, f"SuperOffloadPlugin.{k}"
         try:
-            return SuperOffloadConfig(**values)
-        except ValueError as e:
-            field = next((k for k in values if f"SuperOffloadConfig.{k}=" in str(e)), None)
-            where = f" (set by {sources[field]})" if field else ""
-            raise ValueError(f"{e}{where}") from None
-
-
-def _read_config_file(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ValueError(f"SuperOffload config file {path!r} does not exist (from config_file= or ${ENV_CONFIG})")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith(".json"):
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
-    data = data or {}
-    if isinstance(data, Mapping) and set(data) == {"superoffload"}:
-        data = data["superoffload"] or {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{path}: expected a mapping of SuperOffloadConfig fields, got {type(data).__name__}")
-    unknown = sorted(set(data) - set(_FIELDS))
-    if unknown:
-        raise ValueError(f"{path}: unknown SuperOffload setting(s) {unknown}; valid keys: {list(_FIELDS)}")
-    return dict(data)
-
-
-def _coerce(name: str, value: Any, source: str) -> Any:
-    """Turn strings (environment variables, YAML) into the type of ``SuperOffloadConfig.<name>``."""
-    default = getattr(SuperOffloadConfig(), name)
-    if not isinstance(value, str):
-        return value
-    v = value.strip()
-    try:
-        if name in TRI_STATE_FIELDS:  # auto / true / false (defer_master: also a share, 0.5)
-            try:
-                return tri_state_from_text(name, v)
-            except ValueError as e:
-                raise ValueError(f"{source}={value!r} is invalid for SuperOffloadConfig.{name}: {e}") from None
-        if name == "d2h_lead_buckets":
-            return "auto" if v.lower() == "auto" else int(v)
-        if name in ("gpu_resident_buckets", "cpu_threads"):
-            if v.lower() in ("auto", "none", ""):
-                return "auto" if name == "gpu_resident_buckets" else None
-            return int(v)
-        if isinstance(default, bool):
-            return BOOL_WORDS[v.lower()]
-        if isinstance(default, int):
-            return int(v)
-        if isinstance(default, float):
-            return float(v)
-    except (KeyError, ValueError):
-        kind = "true/false" if isinstance(default, bool) else type(default).__name__
-        raise ValueError(f"{source}={value!r} is invalid for SuperOffloadConfig.{name}: expected {kind}") from None
-    return v
+            return SuperOffloadConfig.from_dict(values)
+        except InvalidConfigValue as e:
+            label = labels.get(e.name) if e.owner == "SuperOffloadConfig" else labels.get("overrides")
+            raise ValueError(f"{e} (set by {label})" if label else str(e)) from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
 def accelerate_config_path(name: str = "single_gpu") -> str:

@@ -1,11 +1,14 @@
 """``SuperOffloadArguments``: ``TrainingArguments`` plus the offload settings, for ``SuperOffloadTrainer``.
 
-Offload settings are ordinary, flat ``superoffload_*`` fields, one per
-:class:`~hf_superoffload.config.SuperOffloadConfig` field (``superoffload_bucket_size_mb`` ->
-``bucket_size_mb``...). That is the clearest shape for HF users: they show up in ``--help`` of
-``HfArgumentParser``, they travel in the same JSON/YAML file as every other training argument
-(``parser.parse_yaml_file``/``parse_json_file``), they are saved with ``training_args.bin`` and in
-``to_dict()``/W&B/TensorBoard hparams, and they need no nested parsing. Defaults are ``SuperOffloadConfig``'s.
+Offload settings come from one source, :class:`~hf_superoffload.config.SuperOffloadConfig`: the
+``superoffload_config`` argument takes them as a dict, a JSON string or a JSON/YAML file (the shapes
+``TrainingArguments.deepspeed`` takes), and every user option of the config also gets a flat
+``superoffload_<option>`` argument, *generated* from the config's fields (type, default and ``--help`` line), so it
+shows up in ``HfArgumentParser``'s ``--help``, travels in the same JSON/YAML file as every other training argument
+and is saved with ``training_args.bin`` and in ``to_dict()``. A ``superoffload_<option>`` that is not at its
+default overrides the same key of ``superoffload_config``. The planner's expert switches
+(:class:`~hf_superoffload.config.PlannerOverrides`) have no argument: they go under ``"overrides"`` in
+``superoffload_config``; their old argument names are refused with that spelling.
 
 The optimizer hyper-parameters are the usual ``TrainingArguments`` ones: ``learning_rate``, ``adam_beta1``,
 ``adam_beta2``, ``adam_epsilon``, ``weight_decay`` (HF's decay/no-decay groups) and ``max_grad_norm`` (clipping
@@ -19,24 +22,25 @@ SuperOffload's AdamW).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
-from typing import Any, get_args
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Literal, Optional
 
 from transformers import TrainingArguments
 
 from ..config import (
-    TRI_STATE_FIELDS,
-    AccumulationDtype,
-    CastSide,
-    Rollback,
+    USER_OPTIONS,
+    InvalidConfigValue,
+    PlannerOverrides,
     SuperOffloadConfig,
-    WeightPlacement,
-    tri_state_from_text,
+    field_alternatives,
+    load_config_mapping,
+    value_from_text,
 )
 
 __all__ = ["SuperOffloadArguments", "superoffload_config_from_args"]
@@ -46,10 +50,7 @@ logger = logging.getLogger("hf_superoffload")
 _D = SuperOffloadConfig()
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 PREFIX = "superoffload_"
-# superoffload_ arguments that describe the run (the planner's workload), not a SuperOffloadConfig field
-_RUN_SHAPE_FIELDS = frozenset({"superoffload_max_seq_len"})
-# SuperOffloadConfig fields that take True, False or "auto" (strings on the command line)
-_AUTO_OR_INT_FIELDS = ("gpu_resident_buckets", "d2h_lead_buckets")
+_EXPERT = tuple(f.name for f in dataclasses.fields(PlannerOverrides))
 
 # True while SuperOffloadTrainer.__init__ runs Trainer.__init__: a plain Trainer given these args is refused.
 _IN_SUPEROFFLOAD_TRAINER: ContextVar[bool] = ContextVar("hf_superoffload_in_trainer", default=False)
@@ -75,46 +76,53 @@ def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
+def _flag_type(name: str) -> tuple[Any, Any]:
+    """The ``HfArgumentParser`` type and default of ``--superoffload_<name>``, from ``SuperOffloadConfig.<name>``:
+    a plain ``bool``/``int``/``float`` or a ``Literal`` of choices keeps its type (and ``--no_`` complement for a
+    true default); a field mixing kinds (``int | Literal["auto"]``) is text, parsed by the config's own parser."""
+    alts = field_alternatives(SuperOffloadConfig, name)
+    default = getattr(_D, name)
+    if alts in ((bool,), (int,), (float,)):
+        return alts[0], default
+    if all(isinstance(a, str) for a in alts):
+        return Literal[alts], default  # choices in --help
+    if alts == (int, type(None)):
+        return Optional[int], default  # noqa: UP045 -- HfArgumentParser reads typing.Optional
+    return str, str(default).lower()
+
+
+def _flag(name: str) -> tuple[str, Any, Any]:
+    kind, default = _flag_type(name)
+    meta = next(f.metadata for f in dataclasses.fields(SuperOffloadConfig) if f.name == name)
+    return PREFIX + name, kind, field(default=default, metadata=_help(f"SuperOffload: {meta['help']}"))
+
+
+def _removed_flag(name: str) -> tuple[str, Any, Any]:
+    """A planner override's old argument: hidden from ``--help``, refused with its new spelling when set."""
+    return PREFIX + name, Optional[str], field(default=None, metadata={"help": argparse.SUPPRESS})  # noqa: UP045
+
+
+# The superoffload_<option> arguments, generated from SuperOffloadConfig (one per user option), plus the removed
+# planner-override names so that passing one gives its new spelling instead of "argument not used".
+_SuperOffloadOptionArguments = make_dataclass(
+    "_SuperOffloadOptionArguments", [_flag(n) for n in USER_OPTIONS] + [_removed_flag(n) for n in _EXPERT],
+    bases=(TrainingArguments,), namespace={"__module__": __name__})
+
+
 @dataclass
-class SuperOffloadArguments(TrainingArguments):
+class SuperOffloadArguments(_SuperOffloadOptionArguments):
     """``TrainingArguments`` for :class:`~hf_superoffload.integrations.transformers.SuperOffloadTrainer`.
 
-    Every ``superoffload_<name>`` field maps to ``SuperOffloadConfig.<name>`` (see
-    ``hf_superoffload/config.py`` for the full semantics); :meth:`to_superoffload_config` converts them.
+    The offload options come from ``superoffload_config`` (dict, JSON string or JSON/YAML file) and the generated
+    ``superoffload_<option>`` arguments, one per user option of :class:`~hf_superoffload.config.SuperOffloadConfig`
+    (its field docstrings give the full semantics, ``--help`` the one-line form); an argument not at its default
+    overrides ``superoffload_config``. :meth:`to_superoffload_config` converts them.
 
     Attributes:
-        superoffload_bucket_size_mb: Gradient MB per bucket (unit of device->host copy, CPU Adam work and
-            host->device copy).
-        superoffload_gpu_resident_buckets: ``"auto"`` or an integer: how many of the last-arriving buckets (the
-            first layers) keep their optimizer state on the GPU.
-        superoffload_gpu_resident_fraction: With ``"auto"`` and unknown free device memory (CPU runs): fraction
-            of trainable parameters kept in the device tail.
-        superoffload_device_memory_fraction: With ``"auto"`` on a GPU: share of free device memory the tail may
-            fill.
-        superoffload_speculation: Start CPU Adam per bucket before the global gradient norm is known, then
-            validate (commit, redo with the clip coefficient, or skip).
-        superoffload_rollback: How a speculative step is undone (``SuperOffloadConfig.rollback``): ``"auto"``,
-            the bit-exact double copy (+12 B/param host RAM) or ``"inverse"`` (no extra memory, fp32 rounding).
-        superoffload_nonspeculative_in_place: With the double copy, steps that speculate nothing update the
-            committed copy in place (faster; a failed deferred commit then marks the state inconsistent).
-        superoffload_max_redo_rate: Speculation pauses while more than this share of recent steps needed a redo.
-        superoffload_redo_window: Window, in optimizer steps, for ``superoffload_max_redo_rate``.
-        superoffload_cast_side: Where fp32<->bf16 casts happen: ``"auto"``, ``"cpu"`` or ``"gpu"``.
-        superoffload_weight_placement: ``"auto"``, ``"stationary"`` (bf16 weights stay on the GPU) or ``"flow"``.
-        superoffload_cpu_threads: CPU Adam threads; ``None``: the affinity mask's cores minus one (independent
-            of ``OMP_NUM_THREADS``, which ``accelerate launch`` sets to 1).
-        superoffload_pin_memory: Page-lock the host buffers that DMA touches.
-        superoffload_worker_timeout_s: Longest wait for one bucket before an error that names it.
-        superoffload_check_finite: Skip the whole step (bit-exact) on any non-finite gradient.
-        superoffload_max_consecutive_skips: After this many consecutive skipped (non-finite) steps the optimizer
-            raises, naming the last gradient norms (0: never).
-        superoffload_accumulate_on_host: ``"auto"``, ``True``/``"true"`` or ``False``/``"false"``: with
-            gradient_accumulation_steps > 1, sum the micro-batches' gradients on the host (every micro-batch is
-            offloaded) instead of in ``param.grad`` on the device. ``"auto"``: on in weight-flow mode.
-        superoffload_host_accumulation_dtype: ``"auto"``, ``"fp32"`` (separate fp32 sum, +4 B/param host RAM) or
-            ``"landing"`` (sum in the landing buffer, bf16 with CPU casts).
-        superoffload_defer_moments: ``"auto"``, ``"true"`` or ``"false"``: a CPU pass whose verdict is known stores
-            the Adam moments later, off the critical path (+2 B/param pinned). ``"auto"``: the planner decides.
+        superoffload_config: The offload options as a dict, a JSON string or the path of a JSON/YAML file (under an
+            optional top-level ``superoffload:`` key); expert planner switches go under ``"overrides"``.
+        superoffload_<option>: One per ``SuperOffloadConfig`` user option (``superoffload_bucket_size_mb``,
+            ``superoffload_gpu_resident_buckets``...), generated from the config's fields.
         superoffload_max_seq_len: The longest training sequence in tokens; when given, the GPU-resident share of
             the optimizer state is sized from the memory model for this batch shape (a planner ``Workload``).
         sequence_parallel_size: Ulysses sequence parallelism: ranks per sequence (1 = off).
@@ -125,107 +133,11 @@ class SuperOffloadArguments(TrainingArguments):
             sequences attention is most of the FLOPs; costs the outputs' memory, which the planner counts.
     """
 
-    superoffload_bucket_size_mb: float = field(
-        default=_D.bucket_size_mb,
-        metadata=_help("SuperOffload: gradient MB per bucket, the unit of device->host copy, CPU Adam work and "
-                       "host->device copy."))
-    superoffload_gpu_resident_buckets: str = field(
-        default=str(_D.gpu_resident_buckets),
-        metadata=_help("SuperOffload: 'auto' or an integer >= 0: how many of the last buckets to arrive in "
-                       "backward (the first layers) keep fp32 master and Adam state on the GPU."))
-    superoffload_gpu_resident_fraction: float = field(
-        default=_D.gpu_resident_fraction,
-        metadata=_help("SuperOffload: with gpu_resident_buckets='auto' when free device memory is unknown (CPU "
-                       "runs): fraction of trainable parameters kept on the device."))
-    superoffload_device_memory_fraction: float = field(
-        default=_D.device_memory_fraction,
-        metadata=_help("SuperOffload: with gpu_resident_buckets='auto' on a GPU: share of the free device memory "
-                       "the GPU-resident tail may fill (16 B/param)."))
-    superoffload_speculation: bool = field(
-        default=_D.speculation,
-        metadata=_help("SuperOffload: start each bucket's CPU Adam before the global gradient norm is known and "
-                       "validate afterwards (speculation-then-validation)."))
-    superoffload_rollback: Rollback = field(
-        default=_D.rollback,
-        metadata=_help(f"SuperOffload: how a speculative step is undone, one of {list(get_args(Rollback))}: the "
-                       "bit-exact kind costs +12 B/param host RAM, 'inverse' none (fp32 rounding); 'auto' takes the "
-                       "bit-exact one when host RAM allows."))
-    superoffload_nonspeculative_in_place: bool = field(
-        default=_D.nonspeculative_in_place,
-        metadata=_help("SuperOffload: with the bit-exact double copy, a step that speculates nothing (speculation "
-                       "off or paused) updates the committed copy in place, moving less host memory; false writes "
-                       "the other copy every step; see [Note: speculation and rollback]."))
-    superoffload_max_redo_rate: float = field(
-        default=_D.max_redo_rate,
-        metadata=_help("SuperOffload: pause speculation while more than this fraction of the last "
-                       "superoffload_redo_window steps needed a clip-and-redo."))
-    superoffload_redo_window: int = field(
-        default=_D.redo_window,
-        metadata=_help("SuperOffload: window, in optimizer steps, for superoffload_max_redo_rate."))
-    superoffload_cast_side: CastSide = field(
-        default=_D.cast_side,
-        metadata=_help("SuperOffload: where the fp32 master becomes bf16 weights (gradients cross in bf16 either "
-                       "way): 'cpu' (fused into the CPU Adam, bf16 weights over the link, right for PCIe), 'gpu' "
-                       "(the fp32 master over the link, no host staging arena, right for chip-to-chip links or short "
-                       "host RAM) or 'auto'."))
-    superoffload_weight_placement: WeightPlacement = field(
-        default=_D.weight_placement,
-        metadata=_help("SuperOffload: 'stationary' keeps bf16 weights on the GPU, 'flow' streams them per layer, "
-                       "'auto' decides from the memory budget."))
-    superoffload_cpu_threads: int | None = field(
-        default=_D.cpu_threads,
-        metadata=_help("SuperOffload: CPU Adam threads (default: the cores of this process's affinity mask minus "
-                       "one, independent of OMP_NUM_THREADS)."))
-    superoffload_pin_memory: bool = field(
-        default=_D.pin_memory,
-        metadata=_help("SuperOffload: page-lock the host buffers that DMA touches (exact size)."))
-    superoffload_worker_timeout_s: float = field(
-        default=_D.worker_timeout_s,
-        metadata=_help("SuperOffload: longest wait, in seconds, for one bucket before raising an error that "
-                       "names it."))
-    superoffload_check_finite: bool = field(
-        default=_D.check_finite,
-        metadata=_help("SuperOffload: skip the whole step, bit-exactly, when any gradient is non-finite (the LR "
-                       "schedule does not advance either)."))
-    superoffload_max_consecutive_skips: int = field(
-        default=_D.max_consecutive_skips,
-        metadata=_help("SuperOffload: after this many consecutive skipped (non-finite) steps, stop with an error "
-                       "naming the last gradient norms instead of training nothing (0: never)."))
-    superoffload_accumulate_on_host: str = field(
-        default=str(_D.accumulate_on_host),
-        metadata=_help("SuperOffload: 'auto', 'true' or 'false': sum gradient-accumulation micro-batches on the host "
-                       "(each micro-batch's gradients are offloaded) instead of on the device; 'auto': on in "
-                       "weight-flow mode."))
-    superoffload_host_accumulation_dtype: AccumulationDtype = field(
-        default=_D.host_accumulation_dtype,
-        metadata=_help("SuperOffload: with host accumulation, 'fp32' (a separate fp32 sum, +4 B/param host RAM), "
-                       "'landing' (the sum lives in the bf16 landing buffer) or 'auto' (fp32 when host RAM allows)."))
-    superoffload_defer_moments: str = field(
-        default=str(_D.defer_moments),
-        metadata=_help("SuperOffload: 'auto', 'true' or 'false': a CPU Adam pass whose verdict is already known (no "
-                       "speculation, clipping certain, a redo) writes p and the bf16 weights only and stores the Adam "
-                       "moments later, off the critical path (+2 B/param pinned host RAM); 'auto': the planner "
-                       "decides."))
-    superoffload_defer_master: str = field(
-        default=str(_D.defer_master),
-        metadata=_help("SuperOffload: 'auto', 'true' or 'false': with deferred moment stores and the CPU cast, a "
-                       "verdict-known CPU pass writes the bf16 weights only and the fp32 master is stored later too; "
-                       "'auto': for as many host buckets as the engine measures the later stores to fit; a fraction "
-                       "such as '0.4': the host buckets holding that share of the host parameters."))
-    superoffload_d2h_lead_buckets: str = field(
-        default=str(_D.d2h_lead_buckets),
-        metadata=_help("SuperOffload: how many host buckets' gradient copies the backward may run ahead of (0: each "
-                       "bucket's hook waits for its own copy; 'auto': 4 when the host holds most of the optimizer "
-                       "state, else 0); see [Note: D2H lead] in docs/design.md."))
-    superoffload_upload_thread: bool = field(
-        default=_D.upload_thread,
-        metadata=_help("SuperOffload: issue the host buckets' weight uploads from a thread of their own so the CPU "
-                       "Adam worker never waits on them (CUDA, one process); see [Note: upload thread]."))
-    superoffload_d2h_gate: bool = field(
-        default=_D.d2h_gate,
-        metadata=_help("SuperOffload: with a D2H lead, queue a host bucket's CPU Adam only once its gradient copy "
-                       "has landed, so the worker commits deferred state meanwhile (one process); see [Note: D2H "
-                       "gate]."))
+    superoffload_config: dict | str | None = field(
+        default=None,
+        metadata=_help("SuperOffload: the offload options as a dict, a JSON string, or the path of a JSON/YAML file "
+                       "(like --deepspeed), e.g. '{\"gpu_resident_buckets\": 0}'. A --superoffload_<option> "
+                       "flag that is not at its default overrides the same key."))
     superoffload_max_seq_len: int | None = field(
         default=None,
         metadata=_help("SuperOffload: the longest sequence (tokens) a training batch holds. When given, the planner "
@@ -250,6 +162,12 @@ class SuperOffloadArguments(TrainingArguments):
                        "memory; see docs/sequence_parallel.md."))
 
     def __post_init__(self) -> None:
+        for name in _EXPERT:
+            if getattr(self, PREFIX + name) is not None:
+                raise ValueError(
+                    f"SuperOffloadArguments.{PREFIX}{name} was removed: it is a planner override for experts; write "
+                    f"superoffload_config={{\"overrides\": {{\"{name}\": {getattr(self, PREFIX + name)!r}}}}} "
+                    f"(Python: SuperOffloadConfig(overrides=PlannerOverrides({name}=...)))")
         if self.keep_attention_checkpointing and not (vars(self).get("activation_checkpointing")
                                                       or vars(self).get("gradient_checkpointing")):
             raise ValueError("SuperOffloadArguments.keep_attention_checkpointing=True is a form of gradient "
@@ -285,9 +203,6 @@ class SuperOffloadArguments(TrainingArguments):
                 "accelerate config). SuperOffload trains bf16 weights without loss scaling: use "
                 "mixed_precision bf16 or no in the accelerate config, or pass bf16=True."
             )
-        self.superoffload_gpu_resident_buckets = str(self.superoffload_gpu_resident_buckets)
-        for name in TRI_STATE_FIELDS:
-            setattr(self, PREFIX + name, str(getattr(self, PREFIX + name)).lower())
         self.to_superoffload_config()  # validate now, not at the first train() call
 
     # ------------------------------------------------------------------------------------------------
@@ -323,37 +238,43 @@ class SuperOffloadArguments(TrainingArguments):
         return superoffload_config_from_args(self)
 
     def superoffload_fields(self) -> dict[str, Any]:
-        """The ``superoffload_*`` fields as ``SuperOffloadConfig`` keyword arguments (JSON-friendly)."""
-        return {f.name[len(PREFIX):]: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name.startswith(PREFIX) and f.name not in _RUN_SHAPE_FIELDS}
+        """The ``superoffload_<option>`` arguments by option name, as given (text or value)."""
+        return {name: getattr(self, PREFIX + name) for name in USER_OPTIONS}
+
+    def to_dict(self) -> dict[str, Any]:
+        """``TrainingArguments.to_dict`` without the removed planner-override names (always ``None``)."""
+        d = super().to_dict()
+        for name in _EXPERT:
+            d.pop(PREFIX + name, None)
+        return d
 
 
 def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadConfig:
-    """Convert the ``superoffload_*`` fields of ``args`` into a validated :class:`SuperOffloadConfig`.
+    """Convert ``superoffload_config`` and the ``superoffload_<option>`` arguments of ``args`` into a validated
+    :class:`SuperOffloadConfig`; an argument not at its default overrides the same key of ``superoffload_config``.
 
     Raises ``ValueError`` naming the argument and the fix, e.g.
     ``SuperOffloadArguments.superoffload_bucket_size_mb=-1 is invalid: use a positive size such as 32``.
     """
-    kw = args.superoffload_fields()
-    for name in _AUTO_OR_INT_FIELDS:  # 'auto' / '3' / 3 -> "auto" / 3 / 3
-        value = kw[name]
-        if isinstance(value, str):
-            value = value.strip().lower()
-            try:
-                value = value if value == "auto" else int(value)
-            except ValueError:
-                raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: use 'auto' or an "
-                                 "integer >= 0") from None
-        kw[name] = value
-    for name in TRI_STATE_FIELDS:  # 'auto' / 'true' / 'false' (defer_master: also '0.5') -> "auto" / True / 0.5
+    where = f"SuperOffloadArguments.{PREFIX}config"
+    values = load_config_mapping(args.superoffload_config, what=where)
+    labels = {k: f"{where}[{k!r}]" for k in values}
+    for name, raw in args.superoffload_fields().items():
+        label = f"SuperOffloadArguments.{PREFIX}{name}"
         try:
-            kw[name] = tri_state_from_text(name, str(kw[name]))
-        except ValueError as e:
-            raise ValueError(f"SuperOffloadArguments.{PREFIX}{name}={kw[name]!r} is invalid: {e}") from None
+            value = value_from_text(SuperOffloadConfig, name, raw) if isinstance(raw, str) else raw
+        except InvalidConfigValue as e:
+            raise ValueError(e.labelled(label)) from None
+        default = getattr(_D, name)
+        if value != default or isinstance(value, bool) != isinstance(default, bool):  # True == 1, yet set
+            values[name], labels[name] = value, label
     try:
-        return SuperOffloadConfig(**kw)
-    except ValueError as e:
-        raise ValueError(str(e).replace("SuperOffloadConfig.", f"SuperOffloadArguments.{PREFIX}")) from None
+        return SuperOffloadConfig.from_dict(values)
+    except InvalidConfigValue as e:
+        label = labels.get(e.name) if e.owner == "SuperOffloadConfig" else None
+        raise ValueError(e.labelled(label) if label else f"{where}: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _checkpoint_kwargs(args: Any) -> Any:

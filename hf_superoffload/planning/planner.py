@@ -118,11 +118,11 @@ def _tail_count(
         return n, f"device tail: {n} bucket(s), as configured"
     total = sum(numels)
     if profile.device_free_bytes is not None:
-        limit = config.device_memory_fraction * profile.device_free_bytes / _DEVICE_BYTES_PER_PARAM
-        why = f"{config.device_memory_fraction:.0%} of {profile.device_free_bytes / 1024**3:.0f} GiB free device memory"
+        limit = config.overrides.device_memory_fraction * profile.device_free_bytes / _DEVICE_BYTES_PER_PARAM
+        why = f"{config.overrides.device_memory_fraction:.0%} of {profile.device_free_bytes / 1024**3:.0f} GiB free device memory"
     else:
-        limit = config.gpu_resident_fraction * total / world_size
-        why = f"target {config.gpu_resident_fraction:.0%} of parameters"
+        limit = config.overrides.gpu_resident_fraction * total / world_size
+        why = f"target {config.overrides.gpu_resident_fraction:.0%} of parameters"
     count, covered, per_rank = 0, 0, 0
     for g in reversed(groups):  # ``limit`` counts this rank's elements: it holds 1/world_size of each bucket
         size = sum(numels[i] for i in g)
@@ -155,8 +155,8 @@ def d2h_lead(config: SuperOffloadConfig, host_numel: int, device_numel: int) -> 
     """[Note: D2H lead]: the configured lead, or for ``"auto"`` 4 when the host holds most of the optimizer state
     (its CPU pass is then the critical path and the backward should not drain at every host bucket) and 0 when the
     GPU holds most of it (the default plans measured with 0)."""
-    if config.d2h_lead_buckets != "auto":
-        return int(config.d2h_lead_buckets)
+    if config.overrides.d2h_lead_buckets != "auto":
+        return int(config.overrides.d2h_lead_buckets)
     return AUTO_D2H_LEAD if host_numel > device_numel else 0
 
 
@@ -561,7 +561,7 @@ def _make_plan(
         rollback = Rollback.DOUBLE_BUFFER
     elif config.rollback == "inverse":
         rollback = Rollback.INVERSE
-    elif not config.speculation and config.nonspeculative_in_place:
+    elif not config.speculation and config.overrides.nonspeculative_in_place:
         rollback = Rollback.INVERSE
         notes.append("rollback: one state copy (speculation is off, so no step is ever undone; a second copy would "
                      "only cost 12 B/param of host RAM)")
@@ -607,9 +607,9 @@ def _make_plan(
         master_buckets=(share_count([b.shard for b in buckets if b.placement is Placement.HOST], config.defer_master)
                         if master is MasterDeferral.SHARE else 0),
         d2h_lead_buckets=lead,
-        d2h_gate=config.d2h_gate and lead > 0 and world_size == 1,
-        nonspeculative_in_place=config.nonspeculative_in_place and rollback is Rollback.DOUBLE_BUFFER,
-        upload_thread=(config.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
+        d2h_gate=config.overrides.d2h_gate and lead > 0 and world_size == 1,
+        nonspeculative_in_place=config.overrides.nonspeculative_in_place and rollback is Rollback.DOUBLE_BUFFER,
+        upload_thread=(config.overrides.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.testing import tiny_llama
 
 LR = 1e-3
@@ -76,7 +77,7 @@ def main() -> None:
     steps, start = int(kw.get("steps", 30)), int(kw.get("start", 0))
     max_norm = float(kw.get("max_norm", 1.0))
     cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=int(kw.get("tail", 2)),
-                             rollback=kw.get("rollback", "auto"), max_redo_rate=1.0, cpu_threads=1,
+                             rollback=kw.get("rollback", "auto"), overrides=PlannerOverrides(max_redo_rate=1.0), cpu_threads=1,
                              weight_placement="flow" if kw.get("flow") == "1" else "auto")
     model = build_model(kw, device)
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_norm, config=cfg)

@@ -11,6 +11,7 @@ import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
 
 from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
 from hf_superoffload.testing import tiny_llama
 
@@ -29,10 +30,11 @@ def _args(tmp_path: Any, **kw: Any) -> SuperOffloadArguments:
         ({"optim": "adamw_torch", "optim_args": "foo=1"}, "optim_args"),
         ({"superoffload_bucket_size_mb": -1.0}, "superoffload_bucket_size_mb=-1.0 is invalid"),
         ({"superoffload_gpu_resident_buckets": "many"}, "superoffload_gpu_resident_buckets='many'"),
-        ({"superoffload_d2h_lead_buckets": "soon"}, "superoffload_d2h_lead_buckets='soon' is invalid: use 'auto'"),
-        ({"superoffload_max_redo_rate": 2.0}, "superoffload_max_redo_rate"),
-        ({"superoffload_defer_master": "half"}, "superoffload_defer_master='half' is invalid: use 'auto', 'true'"),
-        ({"superoffload_defer_master": "1.5"}, "superoffload_defer_master=1.5 is invalid: use True, False, 'auto'"),
+        ({"superoffload_d2h_lead_buckets": "4"}, r"superoffload_d2h_lead_buckets was removed.*\{\"overrides\": "
+                                                 r"\{\"d2h_lead_buckets\": '4'\}\}"),
+        ({"superoffload_max_redo_rate": 2.0}, "superoffload_max_redo_rate was removed"),
+        ({"superoffload_defer_master": "half"}, "superoffload_defer_master='half' is invalid: use 'auto', true"),
+        ({"superoffload_defer_master": "1.5"}, "superoffload_defer_master=1.5 is invalid: use 'auto', true, false"),
     ],
 )
 def test_incompatible_or_invalid_arguments_are_refused(tmp_path: Any, kw: dict[str, Any], match: str) -> None:
@@ -52,10 +54,12 @@ def test_adamw_names_are_accepted(tmp_path: Any) -> None:
 
 
 def test_every_config_field_has_an_argument_and_the_parser_reads_them(tmp_path: Any) -> None:
-    config_fields = {f.name for f in dataclasses.fields(SuperOffloadConfig)}
+    config_fields = {f.name for f in dataclasses.fields(SuperOffloadConfig)} - {"overrides"}
+    removed = {f.name for f in dataclasses.fields(PlannerOverrides)}  # hidden, refused with the new spelling
     arg_fields = {f.name[len("superoffload_"):] for f in dataclasses.fields(SuperOffloadArguments)
                   if f.name.startswith("superoffload_")}
-    assert arg_fields == config_fields | {"max_seq_len"}  # the one run-shape argument (the planner's workload)
+    # plus the one run-shape argument (the planner's workload) and the config source
+    assert arg_fields == config_fields | removed | {"max_seq_len", "config"}
     (args,) = HfArgumentParser(SuperOffloadArguments).parse_args_into_dataclasses(args=[
         "--output_dir", str(tmp_path), "--use_cpu", "--superoffload_gpu_resident_buckets", "0",
         "--no_superoffload_speculation", "--superoffload_rollback", "inverse", "--superoffload_cpu_threads", "1",
@@ -105,11 +109,11 @@ def test_non_finite_step_is_skipped_and_the_lr_schedule_does_not_advance(hf: Any
 def test_the_trainer_arguments_mirror_every_config_field() -> None:
     import dataclasses
 
-    from hf_superoffload import SuperOffloadConfig
+    from hf_superoffload.config import USER_OPTIONS
     from hf_superoffload.integrations.arguments import SuperOffloadArguments
 
     ours = {f.name for f in dataclasses.fields(SuperOffloadArguments)}
-    missing = [f.name for f in dataclasses.fields(SuperOffloadConfig) if f"superoffload_{f.name}" not in ours]
+    missing = [name for name in USER_OPTIONS if f"superoffload_{name}" not in ours]
     assert not missing, f"SuperOffloadArguments lacks superoffload_ fields for {missing}"
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.testing import tiny_llama
 
 _spec = importlib.util.spec_from_file_location("_forced_reference", Path(__file__).with_name("_forced_reference.py"))
@@ -24,7 +25,8 @@ fr = sys.modules.setdefault("_forced_reference", importlib.util.module_from_spec
 _spec.loader.exec_module(fr)
 
 STEPS = 20
-SMALL = dict(bucket_size_mb=0.004, max_redo_rate=1.0)  # a dozen buckets; the governor never pauses speculation
+# a dozen buckets; the governor never pauses speculation
+SMALL = dict(bucket_size_mb=0.004, overrides=PlannerOverrides(max_redo_rate=1.0))
 
 
 def run(config: SuperOffloadConfig, *, max_grad_norm: float | None, accum: int = 1,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.planner import make_plan
 from hf_superoffload.runtime import streams
@@ -45,11 +46,11 @@ def test_the_planner_gates_only_with_a_lead_in_one_process() -> None:
     p = plan(everything_on_host)
     assert p.d2h_lead_buckets == 4 and p.d2h_gate
     assert "each queued once its copy has landed" in p.summary()
-    assert not plan(everything_on_host.replace(d2h_gate=False)).d2h_gate
-    assert not plan(everything_on_host.replace(d2h_lead_buckets=0)).d2h_gate
+    assert not plan(everything_on_host.with_overrides(d2h_gate=False)).d2h_gate
+    assert not plan(everything_on_host.with_overrides(d2h_lead_buckets=0)).d2h_gate
     assert not plan(everything_on_host, world_size=2, rank=0).d2h_gate
     with pytest.raises(ValueError, match="d2h_gate"):
-        SuperOffloadConfig(d2h_gate="yes")  # type: ignore[arg-type]
+        PlannerOverrides(d2h_gate="yes")  # type: ignore[arg-type]
 
 
 CONFIGS = {
@@ -62,9 +63,9 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gated_runs_equal_ungated_runs_bitwise(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     clip = 0.05 if name == "clip_every_step_defer_master" else 1.0  # 0.05: clipping fires on every step
-    config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, d2h_lead_buckets=2,
-                                worker_timeout_s=60, **CONFIGS[name])
-    model_a, opt_a = build(config.replace(d2h_gate=False), clip)
+    config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, worker_timeout_s=60,
+                                overrides=PlannerOverrides(d2h_lead_buckets=2), **CONFIGS[name])
+    model_a, opt_a = build(config.with_overrides(d2h_gate=False), clip)
     assert not opt_a.plan.d2h_gate
     losses_a = train(model_a, opt_a, 6)
     state_a = snapshot(model_a, opt_a)
@@ -104,8 +105,8 @@ def test_a_first_task_released_after_the_verdict_still_commits_when_idle(monkeyp
         real_wait(self)
 
     monkeypatch.setattr(streams.Handoff, "wait_host", late_copy)
-    config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, d2h_lead_buckets=2, speculation=False,
-                                defer_moments=True, cast_side="cpu", worker_timeout_s=60)
+    config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, speculation=False, defer_moments=True,
+                                cast_side="cpu", worker_timeout_s=60, overrides=PlannerOverrides(d2h_lead_buckets=2))
     model, opt = build(config, 1.0)
     assert opt.plan.d2h_gate and opt.plan.defer_moments
     g = torch.Generator().manual_seed(3)

@@ -20,6 +20,7 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload import ops as ops_module
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.plan import MasterDeferral
 from hf_superoffload.runtime.cpu_worker import WorkerError
 from hf_superoffload.testing import ReferenceAdamW, tiny_llama
@@ -27,6 +28,9 @@ from hf_superoffload.testing import ReferenceAdamW, tiny_llama
 LR = 1e-3
 MODES = {False: MasterDeferral.OFF, True: MasterDeferral.ALL, "auto": MasterDeferral.ADAPTIVE, 0.5: MasterDeferral.SHARE}
 BASE = dict(bucket_size_mb=0.004, gpu_resident_buckets=2, worker_timeout_s=60)
+
+
+NO_PAUSE = PlannerOverrides(max_redo_rate=1.0)  # the governor never pauses speculation
 
 
 def cfg(**kw: Any) -> SuperOffloadConfig:
@@ -146,9 +150,9 @@ def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str
     spec = schedule != "speculation_off"
     clip = always(1e-3 if schedule == "clip_every_step" else 1.0)
     data = batches(30)
-    lazy = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=True, defer_master=master,
+    lazy = Run(cfg(rollback=rollback, speculation=spec, overrides=NO_PAUSE, defer_moments=True, defer_master=master,
                    cast_side="cpu"), clip=clip, commit_when_idle=commit == "when_idle")
-    eager = Run(cfg(rollback=rollback, speculation=spec, max_redo_rate=1.0, defer_moments=False), clip=clip)
+    eager = Run(cfg(rollback=rollback, speculation=spec, overrides=NO_PAUSE, defer_moments=False), clip=clip)
     ref = Run(None, clip=clip)
     assert lazy.opt.plan.defer_moments and not eager.opt.plan.defer_moments
     assert lazy.opt.plan.defer_master is MODES[master]
@@ -186,9 +190,9 @@ def test_speculative_commits_redos_and_deferred_steps_mixed(rollback: str, maste
         return (1e-3, 1.2, 1e6, None)[step % 4]
 
     data = batches(24)
-    lazy = Run(cfg(rollback=rollback, max_redo_rate=1.0, defer_moments=True, defer_master=master, cast_side="cpu"),
+    lazy = Run(cfg(rollback=rollback, overrides=NO_PAUSE, defer_moments=True, defer_master=master, cast_side="cpu"),
                clip=clip)
-    eager = Run(cfg(rollback=rollback, max_redo_rate=1.0, defer_moments=False), clip=clip)
+    eager = Run(cfg(rollback=rollback, overrides=NO_PAUSE, defer_moments=False), clip=clip)
     ref = Run(None, clip=clip)
     verdicts, wasted, log = [], 0, []
     for ids in data:
@@ -245,7 +249,7 @@ def test_nan_after_a_deferred_step_is_skipped_bit_exactly(rollback: str, where: 
 
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 def test_save_with_pending_commits_and_resume_bit_identically(rollback: str) -> None:
-    config = cfg(rollback=rollback, max_redo_rate=1.0, defer_moments=True)
+    config = cfg(rollback=rollback, overrides=NO_PAUSE, defer_moments=True)
     clip = always(1e-3)  # every step deferred
     data = batches(8)
     whole = Run(config, clip=clip)
@@ -314,7 +318,8 @@ COPIES = ["double_buffer", "double_buffer_in_place", "inverse"]
 
 
 def copies_config(copies: str) -> dict[str, Any]:
-    return {"rollback": copies.removesuffix("_in_place"), "nonspeculative_in_place": copies.endswith("_in_place")}
+    return {"rollback": copies.removesuffix("_in_place"),
+            "overrides": PlannerOverrides(nonspeculative_in_place=copies.endswith("_in_place"))}
 
 
 def assert_kept_after_a_failed_commit(lazy: Run, eager: Run, copies: str) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer, ops
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.testing import tiny_llama
 
 LR = 1e-3
@@ -136,7 +137,7 @@ def test_clipped_redo_and_double_buffer_undo_are_bit_exact(monkeypatch: pytest.M
     want, want_norms, stats = _train(threads=1, speculation=False, max_grad_norm=1.6, rollback="double_buffer")
     assert {s.verdict for s in stats} == {"redo", "commit"}
     got, norms, stats = _train(threads=2, speculation=True, max_grad_norm=1.6, rollback="double_buffer",
-                               wait_before_step=0.05, max_redo_rate=1.0)
+                               wait_before_step=0.05, overrides=PlannerOverrides(max_redo_rate=1.0))
     assert sum(s.wasted_buckets for s in stats) > 0  # speculated, then undone
     assert (got, norms) == (want, want_norms)
     with monkeypatch.context() as m:

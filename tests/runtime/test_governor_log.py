@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.testing import tiny_llama
 
 
 @pytest.mark.parametrize("speculation", [True, False])
 def test_pauses_and_resumptions_are_logged_once_each(caplog, speculation: bool) -> None:
     model = tiny_llama(seed=0)
-    cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=0, max_redo_rate=0.5, redo_window=2,
-                             speculation=speculation)
+    cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=0, speculation=speculation,
+                             overrides=PlannerOverrides(max_redo_rate=0.5, redo_window=2))
     opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=1e-3, config=cfg, log_plan=False)
     g = torch.Generator().manual_seed(0)
     with caplog.at_level(logging.INFO, logger="hf_superoffload"):

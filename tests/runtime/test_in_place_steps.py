@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from hf_superoffload.config import PlannerOverrides
+
 from .test_deferred_moments import Run, assert_bitwise, assert_matches_reference, batches, cfg
 
 
@@ -39,10 +41,10 @@ def trace(run: Run, data: list[torch.Tensor], nan_at: frozenset[int] = frozenset
 def test_nonspeculative_steps_write_in_place_and_change_no_number(speculation: bool, master: Any) -> None:
     data = batches(20)
     nan_at = frozenset({3, 15})  # skipped steps: one while paused (or off), one later
-    kw: dict[str, Any] = dict(rollback="double_buffer", speculation=speculation, max_redo_rate=0.5, redo_window=2,
-                              defer_moments=True, defer_master=master, cast_side="cpu")
-    in_place = Run(cfg(**kw), clip=clip_schedule)
-    out_of_place = Run(cfg(**kw, nonspeculative_in_place=False), clip=clip_schedule)
+    kw: dict[str, Any] = dict(rollback="double_buffer", speculation=speculation, defer_moments=True, defer_master=master, cast_side="cpu")
+    governor = PlannerOverrides(max_redo_rate=0.5, redo_window=2)
+    in_place = Run(cfg(**kw, overrides=governor), clip=clip_schedule)
+    out_of_place = Run(cfg(**kw, overrides=governor.replace(nonspeculative_in_place=False)), clip=clip_schedule)
     ref = Run(None, clip=clip_schedule)
     assert in_place.opt.plan.nonspeculative_in_place and not out_of_place.opt.plan.nonspeculative_in_place
 
@@ -78,4 +80,4 @@ def test_the_plan_keeps_it_to_the_double_buffer() -> None:
     assert not run.opt.plan.nonspeculative_in_place
     run.opt.close()
     with pytest.raises(ValueError, match="nonspeculative_in_place"):
-        cfg(nonspeculative_in_place="yes")
+        PlannerOverrides(nonspeculative_in_place="yes")  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.testing import ReferenceAdamW, tiny_llama
 
 LR = 1e-3
@@ -115,8 +116,8 @@ def test_parity_30_steps(rollback, speculation, tail):
 def test_parity_with_d2h_lead(speculation):
     """A D2H lead: the backward's tasks run in arrival order until the verdict, then in need order (the limiter
     itself only acts on CUDA copies); clipping near the threshold mixes speculated, redone and deferred buckets."""
-    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=1, speculation=speculation, d2h_lead_buckets=3,
-                             max_redo_rate=1.0)
+    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=1, speculation=speculation,
+                             overrides=PlannerOverrides(d2h_lead_buckets=3, max_redo_rate=1.0))
     res = run_pair(config=cfg, max_grad_norm=1.2)
     assert res[2].plan.d2h_lead_buckets == 3
     assert_parity(*res)
@@ -139,7 +140,7 @@ def test_cast_side_parity(cast_side, device):
 def test_clipping_forced_to_fire(max_norm):
     # governor off (max_redo_rate=1): every step speculates. At 0.05 the partial norm of the first bucket
     # already exceeds the threshold, so the rest is not speculated; near 1.2 clipping is decided late.
-    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=2, max_redo_rate=1.0)
+    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=2, overrides=PlannerOverrides(max_redo_rate=1.0))
     stats = []
     ours, ref, opt, ropt, losses, ref_losses = res = run_pair(
         config=cfg, max_grad_norm=max_norm, hook=lambda st, m, o: stats.append(o.last_step_stats)
@@ -156,7 +157,7 @@ def test_clipping_forced_to_fire(max_norm):
 
 
 def test_governor_pauses_speculation_while_clipping_keeps_firing_and_resumes():
-    cfg = SuperOffloadConfig(**SMALL, redo_window=4, max_redo_rate=0.5)
+    cfg = SuperOffloadConfig(**SMALL, overrides=PlannerOverrides(redo_window=4, max_redo_rate=0.5))
 
     def hook(stage, model, o):
         # clipping fires for the first 8 steps, then never
@@ -262,7 +263,8 @@ def test_cuda_parity_with_injected_delays(delay, tail, cast_side, lead, monkeypa
             return real_step(*a, **k)
 
         monkeypatch.setattr(ops, "cpu_adamw_step_", slow_step)
-    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=tail, cast_side=cast_side, d2h_lead_buckets=lead)
+    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=tail, cast_side=cast_side,
+                             overrides=PlannerOverrides(d2h_lead_buckets=lead))
     res = run_pair(config=cfg, device="cuda", steps=12)
     assert_parity(*res)
     assert res[2].engine.plan.pin_memory

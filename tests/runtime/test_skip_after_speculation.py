@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.testing import tiny_llama
 
 _spec = importlib.util.spec_from_file_location("_forced_reference", Path(__file__).with_name("_forced_reference.py"))
@@ -31,7 +32,7 @@ BEFORE, AFTER = 3, 3  # steps before and after the poisoned one
 def build(placement: str, rollback: str) -> tuple[Any, Any]:
     model = tiny_llama(seed=0)
     cfg = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=0, rollback=rollback,
-                             weight_placement=placement, max_redo_rate=1.0)
+                             weight_placement=placement, overrides=PlannerOverrides(max_redo_rate=1.0))
     # two groups with different betas: an inverse undo must use each run's own group
     opt = SuperOffloadOptimizer(model, fr.groups(model), lr=fr.LR, eps=fr.EPS, weight_decay=0.1,
                                 max_grad_norm=None, config=cfg)

@@ -74,7 +74,7 @@ CONFIGS = {
 def test_runs_with_and_without_the_upload_thread_are_bitwise_equal(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     clip = 0.05 if name == "clip_every_step_defer_master" else 1.0  # 0.05: clipping fires on every step
     config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, worker_timeout_s=60, **CONFIGS[name])
-    model_a, opt_a = build(config.replace(upload_thread=False), clip)
+    model_a, opt_a = build(config.with_overrides(upload_thread=False), clip)
     assert opt_a.engine._uploader is None
     losses_a = train(model_a, opt_a, 6)
     state_a = snapshot(model_a, opt_a)

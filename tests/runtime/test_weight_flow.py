@@ -140,7 +140,7 @@ def run(config, data, **kw):
 def test_flow_is_bitwise_stationary_and_matches_reference_with_clipping(ckpt):
     data = batches(30)
     # clipping fires on every step (norms are ~2-4); the governor is off so every step speculates and redoes
-    cfg = FLOW.replace(max_redo_rate=1.0)
+    cfg = FLOW.with_overrides(max_redo_rate=1.0)
     model, opt, flow = run(cfg, data, ckpt=ckpt, max_grad_norm=0.5)
     assert opt.plan.weight_mode is WeightMode.FLOW
     assert opt.clipped_steps == 30

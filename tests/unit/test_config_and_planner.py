@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.hardware import HardwareProfile, default_cpu_threads
 from hf_superoffload.planning.plan import Placement, Rollback
 from hf_superoffload.planning.planner import PlanError, make_plan, partition_buckets
@@ -24,21 +25,31 @@ def profile(**kw):
         ("bucket_size_mb", 0, "positive"),
         ("gpu_resident_buckets", -1, "integer >= 0"),
         ("gpu_resident_buckets", "many", "'auto' or an integer"),
-        ("gpu_resident_fraction", 1.5, r"\[0, 1\]"),
         ("rollback", "magic", "'double_buffer' or 'inverse'"),
         ("cast_side", "north", "'cpu' or 'gpu'"),
         ("weight_placement", "x", "'stationary' or 'flow'"),
         ("cpu_threads", 0, ">= 1"),
         ("worker_timeout_s", 0, "positive"),
+    ],
+)
+def test_config_rejects_bad_values_with_the_fix(field, value, match):
+    with pytest.raises(ValueError, match=f"SuperOffloadConfig.{field}=.*{match}"):
+        SuperOffloadConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("gpu_resident_fraction", 1.5, r"\[0, 1\]"),
         ("redo_window", 0, ">= 1"),
         ("device_memory_fraction", 0.95, r"\[0, 0.9\]"),
         ("d2h_lead_buckets", -1, "integer >= 0"),
         ("d2h_lead_buckets", True, "integer >= 0"),
     ],
 )
-def test_config_rejects_bad_values_with_the_fix(field, value, match):
-    with pytest.raises(ValueError, match=f"SuperOffloadConfig.{field}=.*{match}"):
-        SuperOffloadConfig(**{field: value})
+def test_planner_overrides_reject_bad_values_with_the_fix(field, value, match):
+    with pytest.raises(ValueError, match=f"PlannerOverrides.{field}=.*{match}"):
+        PlannerOverrides(**{field: value})
 
 
 def test_config_is_frozen_and_replace_validates():
@@ -74,7 +85,7 @@ def test_plan_tail_is_the_last_arriving_buckets():
 
 def test_auto_tail_fills_a_share_of_free_device_memory():
     numels = [1_000_000] * 100
-    cfg = SuperOffloadConfig(bucket_size_mb=2, device_memory_fraction=0.25)
+    cfg = SuperOffloadConfig(bucket_size_mb=2, overrides=PlannerOverrides(device_memory_fraction=0.25))
     plan = make_plan(numels, element_size=2, config=cfg, profile=profile(device_free_bytes=160 * 1_000_000 * 4))
     # 25% of 640 MB at 16 B/param = 10M params = the last 10 buckets
     assert plan.device_numel == 10_000_000
@@ -82,7 +93,7 @@ def test_auto_tail_fills_a_share_of_free_device_memory():
     # everything fits: everything stays on the device (offloading must never be slower than not offloading)
     assert make_plan(numels, element_size=2, config=cfg, profile=profile()).host_numel == 0
     # without device information (CPU runs) the fraction of parameters applies
-    cpu = make_plan(numels, element_size=2, config=cfg.replace(gpu_resident_fraction=0.2),
+    cpu = make_plan(numels, element_size=2, config=cfg.with_overrides(gpu_resident_fraction=0.2),
                     profile=profile(device_type="cpu", device_free_bytes=None))
     assert cpu.device_numel == 20_000_000
 
@@ -106,9 +117,8 @@ def test_rollback_auto_keeps_one_copy_when_nothing_is_ever_undone():
     on = make_plan(numels, element_size=2, config=off.replace(speculation=True), profile=profile())
     assert on.rollback is Rollback.DOUBLE_BUFFER and on.host_bytes() == p.host_bytes() + 12 * p.host_numel
     # asked for explicitly, or every step out of place: the second copy is kept
-    for kw in ({"rollback": "double_buffer"}, {"nonspeculative_in_place": False}):
-        assert make_plan(numels, element_size=2, config=off.replace(**kw), profile=profile()).rollback is (
-            Rollback.DOUBLE_BUFFER)
+    for asked in (off.replace(rollback="double_buffer"), off.with_overrides(nonspeculative_in_place=False)):
+        assert make_plan(numels, element_size=2, config=asked, profile=profile()).rollback is Rollback.DOUBLE_BUFFER
 
 
 def test_plan_refuses_what_cannot_fit_before_allocating():

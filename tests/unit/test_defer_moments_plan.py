@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import ENGINE_HOST_BYTES_PER_PARAM, PlanLike, estimate
 from hf_superoffload.planning.plan import HostAccumulation, MasterDeferral, Rollback, WeightMode
@@ -126,7 +127,7 @@ def test_defer_master_needs_deferred_moments_and_the_cpu_cast():
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, defer_moments=False))
     with pytest.raises(PlanError, match="cast_side='cpu'"):
         plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="gpu"))
-    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*True, False, 'auto' or a fraction"):
+    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*'auto', true, false or a fraction"):
         SuperOffloadConfig(defer_master="yes")
 
 
@@ -160,13 +161,13 @@ def test_defer_master_auto_is_adaptive_where_it_can_work_and_off_elsewhere():
 
 
 def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
-    p0 = plan(SuperOffloadConfig(gpu_resident_buckets=0, d2h_lead_buckets=0))
+    p0 = plan(SuperOffloadConfig(gpu_resident_buckets=0, overrides=PlannerOverrides(d2h_lead_buckets=0)))
     assert p0.d2h_lead_buckets == 0 and "D2H lead: 0 bucket(s) (each host bucket's hook waits" in p0.summary()
     # "auto" (the default): 4 when the host holds most of the optimizer state, 0 when the GPU does
     assert plan().d2h_lead_buckets == 4 and plan().device_numel == 0
     mostly_gpu = plan(SuperOffloadConfig(gpu_resident_buckets=30))
     assert mostly_gpu.device_numel > mostly_gpu.host_numel and mostly_gpu.d2h_lead_buckets == 0
-    p = plan(SuperOffloadConfig(gpu_resident_buckets=0, d2h_lead_buckets=4))
+    p = plan(SuperOffloadConfig(gpu_resident_buckets=0, overrides=PlannerOverrides(d2h_lead_buckets=4)))
     assert p.d2h_lead_buckets == 4 and "D2H lead: 4 bucket(s) in flight" in p.summary()
 
 
@@ -177,16 +178,16 @@ def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
 )
 def test_tri_state_text_one_vocabulary(name: str, text: str, want: object) -> None:
     """The Trainer arguments and the Accelerate plugin/env parse these fields with the same function."""
-    from hf_superoffload.config import tri_state_from_text
+    from hf_superoffload.config import value_from_text
 
-    got = tri_state_from_text(name, text)
+    got = value_from_text(SuperOffloadConfig, name, text)
     assert got == want and type(got) is type(want)
 
 
-@pytest.mark.parametrize(("name", "text", "match"), [("defer_moments", "0.5", "use 'auto', 'true' or 'false'$"),
+@pytest.mark.parametrize(("name", "text", "match"), [("defer_moments", "0.5", "use 'auto', true or false$"),
                                                      ("defer_master", "half", "or a fraction strictly between")])
 def test_tri_state_text_errors_name_the_spellings(name: str, text: str, match: str) -> None:
-    from hf_superoffload.config import tri_state_from_text
+    from hf_superoffload.config import value_from_text
 
     with pytest.raises(ValueError, match=match):
-        tri_state_from_text(name, text)
+        value_from_text(SuperOffloadConfig, name, text)
