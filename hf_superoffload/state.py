@@ -112,7 +112,7 @@ def _layout(engine: OffloadEngine) -> dict[str, Any]:
 def param_names(engine: OffloadEngine) -> list[str]:
     """The model's name of each of the engine's parameters, in the engine's order. The engine keeps them in
     gradient-arrival order (the reverse of registration), so an index means nothing to a user: errors name them."""
-    roots = getattr(engine, "_roots", None)  # the model itself comes first
+    roots = engine.hooks.roots  # the model itself comes first
     by_id = {id(p): n for n, p in roots[0].named_parameters()} if roots else {}
     return [by_id.get(id(p), f"parameter {i}") for i, p in enumerate(engine.params)]
 

@@ -37,16 +37,18 @@ def poison(grad: torch.Tensor) -> torch.Tensor:
 
 def inject_delay(where: str) -> None:
     """Make one stage slow on the GPU (``torch.cuda._sleep``) so a missing stream wait shows up as wrong numbers."""
-    from hf_superoffload.runtime import engine as engine_mod
+    from hf_superoffload.runtime import device_tail, flush, layout
 
     name = {"flatten": "flatten_grads_with_stats_", "scatter": "scatter_flat_"}[where]
-    real = getattr(engine_mod, name)
+    modules = {"flatten": (flush,), "scatter": (layout, device_tail)}[where]
+    real = getattr(modules[0], name)
 
     def slow(*a, **k):
         torch.cuda._sleep(50_000_000)
         return real(*a, **k)
 
-    setattr(engine_mod, name, slow)
+    for mod in modules:
+        setattr(mod, name, slow)
 
 
 def build_model(kw: dict[str, str], device: str = "cpu") -> torch.nn.Module:

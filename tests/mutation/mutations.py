@@ -52,30 +52,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
-        "weight_decay_on_the_no_decay_group", "hf_superoffload/runtime/host_step.py",
+        "weight_decay_on_the_no_decay_group", "hf_superoffload/runtime/host_pass.py",
         "                lr, beta1, beta2, eps, wd = hyper[r.group]\n                sl = slice(r.start, r.end)\n",
         "                lr, beta1, beta2, eps, wd = hyper[r.group]\n                wd = max(h[4] for h in hyper)\n"
         "                sl = slice(r.start, r.end)\n",
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
-        "clip_coefficient_ignored_on_redo", "hf_superoffload/runtime/host_step.py",
+        "clip_coefficient_ignored_on_redo", "hf_superoffload/runtime/host_pass.py",
         "self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments",
         "self._cpu_step(b, ctx, verdict.hyper, 1.0 / self._div if speculated else verdict.grad_scale, store_moments",
         (f"{BIND}::test_redo_parity[double_buffer]",),
     ),
     Mutation(
-        "no_undo_on_skip_double_buffer", "hf_superoffload/runtime/host_step.py", _SKIP_UNDO,
+        "no_undo_on_skip_double_buffer", "hf_superoffload/runtime/host_pass.py", _SKIP_UNDO,
         _SKIP_UNDO.replace("self._undo(b, ctx)", "pass"),
         (f"{SKIP}::test_skip_after_speculation_restores_the_state[flow-double_buffer]",),
     ),
     Mutation(
-        "no_undo_on_skip_inverse", "hf_superoffload/runtime/host_step.py", _SKIP_UNDO,
+        "no_undo_on_skip_inverse", "hf_superoffload/runtime/host_pass.py", _SKIP_UNDO,
         _SKIP_UNDO.replace("self._undo(b, ctx)", "pass"),
         (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
     ),
     Mutation(
-        "inverse_undo_with_group_0_betas", "hf_superoffload/runtime/host_step.py",
+        "inverse_undo_with_group_0_betas", "hf_superoffload/runtime/host_pass.py",
         "                    lr, beta1, beta2, eps, wd = hyper[r.group]\n                    ops.cpu_adamw_undo_(",
         "                    lr, beta1, beta2, eps, wd = hyper[r.group]\n                    beta1, beta2 = hyper[0][1:3]\n"
         "                    ops.cpu_adamw_undo_(",
@@ -88,30 +88,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/distributed/test_data_parallel.py::test_two_ranks_match_the_reference_on_the_global_batch[0-inverse]",),
     ),
     Mutation(
-        "no_sync_micro_batch_dropped", "hf_superoffload/runtime/engine.py",
+        "no_sync_micro_batch_dropped", "hf_superoffload/runtime/flush.py",
         "        if not sync and (self._accum is None or isinstance(b, DeviceBucket)):\n            return",
         "        if not sync and (self._accum is None or isinstance(b, DeviceBucket)):\n"
         "            self.params[i].grad = None\n            return",
         (f"{BIND}::test_accumulation_parity[device]",),
     ),
     Mutation(
-        "gpu_tail_uses_the_default_eps", "hf_superoffload/runtime/engine.py",
+        "gpu_tail_uses_the_default_eps", "hf_superoffload/runtime/device_tail.py",
         "beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=verdict.grad_scale,",
         "beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=wd, grad_scale=verdict.grad_scale,",
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
-        "speculative_weights_uploaded_after_skip", "hf_superoffload/runtime/host_step.py", _SKIP_UNDO,
+        "speculative_weights_uploaded_after_skip", "hf_superoffload/runtime/host_pass.py", _SKIP_UNDO,
         _SKIP_UNDO.replace("                self._undo(b, ctx)\n",
                            "                if b.staging is not None:\n"
+                           "                    from ..triton_kernels import scatter_flat_\n"
                            "                    scatter_flat_(b.staging, b.params)\n"
                            "                self._undo(b, ctx)\n"),
         (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-double_buffer]",),
     ),
     Mutation(
         "step_count_advanced_on_a_skipped_step", "hf_superoffload/runtime/engine.py",
-        "        if verdict.kind is not StepVerdict.SKIP:\n            self._cur = ctx.dst",
-        "        if True:\n            self._cur = ctx.dst if verdict.kind is not StepVerdict.SKIP else self._cur",
+        "        if verdict.kind is not StepVerdict.SKIP:\n            self.layout.cur = ctx.dst",
+        "        if True:\n            self.layout.cur = ctx.dst if verdict.kind is not StepVerdict.SKIP else self.layout.cur",
         (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-double_buffer]",),
     ),
     Mutation(
@@ -150,7 +151,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{BIND}::test_lr_change_after_backward_redoes",),
     ),
     Mutation(
-        "double_buffer_drops_the_state_of_parameters_without_gradient", "hf_superoffload/runtime/host_step.py",
+        "double_buffer_drops_the_state_of_parameters_without_gradient", "hf_superoffload/runtime/host_pass.py",
         "        if ctx.dst != ctx.src:  # parameters without a gradient keep their state in the new copy too",
         "        if False:  # parameters without a gradient keep their state in the new copy too",
         (f"{BIND}::test_parameters_without_gradient_parity",),
@@ -163,9 +164,9 @@ MUTATIONS: tuple[Mutation, ...] = (
          "test_two_swapped_blocks_in_the_file_are_detected_naming_file_arena_and_parameters",),
     ),
     Mutation(
-        "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/host_step.py",
+        "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/upload.py",
         "source = b.staging if b.staging is not None else b.pmv[copy][0]",
-        "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self._copies][0]",
+        "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self.layout.copies][0]",
         (f"{BIND}::test_gpu_cast_parity",),
     ),
 )

@@ -74,7 +74,7 @@ def _trained(rel: Any) -> tuple[nn.Module, Any]:
 
 def _locate(opt: Any, name: str) -> tuple[str, int, int]:
     eng = opt.engine
-    p = dict(eng._roots[0].named_parameters())[name]
+    p = dict(eng.hooks.roots[0].named_parameters())[name]
     i = next(k for k, q in enumerate(eng.params) if q is p)
     pl, off = eng.param_location(i)
     return ("host" if pl.value == "host" else "device"), off, p.numel()

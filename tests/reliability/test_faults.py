@@ -20,7 +20,7 @@ import torch
 
 from hf_superoffload import SuperOffloadOptimizer
 from hf_superoffload import ops as ops_module
-from hf_superoffload.runtime import engine as engine_module
+from hf_superoffload.runtime import device_tail
 from hf_superoffload.runtime.cpu_worker import WorkerError
 from hf_superoffload.testing import tiny_llama
 
@@ -322,7 +322,7 @@ def test_keyboard_interrupt_in_step_after_validation_is_undone_or_blocks_checkpo
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine_module, "adamw_flat_", interrupted)
+    monkeypatch.setattr(device_tail, "adamw_flat_", interrupted)
     ids = rel.batches(1, seed=9)[0]
     model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises((KeyboardInterrupt, WorkerError)):

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import hf_superoffload.runtime.engine as engine_module
+import hf_superoffload.runtime.commit as commit_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.plan import MasterDeferral
 from hf_superoffload.testing import tiny_llama
@@ -54,7 +54,7 @@ def test_a_share_moving_every_step_is_bitwise_the_run_without_deferred_stores(mo
     n = len(opt.engine.host_buckets)
     assert n >= 4
     shares = itertools.cycle([0, 1, n // 2, n, 2, n - 1])
-    monkeypatch.setattr(engine_module, "next_share", lambda numels, count, obs: next(shares))
+    monkeypatch.setattr(commit_module, "next_share", lambda numels, count, obs: next(shares))
     eager_model, eager = build(defer_moments=False)
     seen = []
     for ids in batches(12):
@@ -75,7 +75,7 @@ def test_commits_that_finish_early_grow_the_share_to_every_bucket():
     for ids in data[:-1]:
         step(model, opt, ids)
         opt.synchronize()  # the commits finish long before the next verdict: slack
-        shares.append(opt.engine._master_count)
+        shares.append(opt.engine.commits.master_count)
         if shares[-1] == n:
             break
     assert shares[-1] == n, f"the share never reached every bucket: {shares}"
@@ -88,5 +88,5 @@ def test_commits_still_pending_at_the_verdict_keep_the_share_at_none():
     opt.engine.commit_when_idle = False  # every commit waits for the bucket's next task: pending at each verdict
     for ids in batches(6):
         step(model, opt, ids)
-    assert opt.engine._master_count == 0
+    assert opt.engine.commits.master_count == 0
     assert opt.last_step_stats.master_deferred_buckets == 0

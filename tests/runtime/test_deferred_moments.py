@@ -156,7 +156,7 @@ def test_30_steps_match_the_reference_and_the_eager_stores_bitwise(rollback: str
     ref = Run(None, clip=clip)
     assert lazy.opt.plan.defer_moments and not eager.opt.plan.defer_moments
     assert lazy.opt.plan.defer_master is MODES[master]
-    assert len(lazy.opt.engine._arenas["landing1"].tensor) == lazy.opt.plan.host_numel
+    assert len(lazy.opt.engine.layout.arenas["landing1"].tensor) == lazy.opt.plan.host_numel
     pending_seen, commit_s = 0, 0.0
     for ids in data:
         lazy.train([ids])
@@ -294,7 +294,7 @@ def test_state_dict_with_pending_commits_equals_the_eager_run_mid_training() -> 
     stats = lazy.opt.last_step_stats
     # the last step's CPU pass runs after its step() was called: it is counted in that step's stats if the worker
     # finished it before step() closed the window, else in the window now open (telemetry runs step() to step())
-    assert stats.commit_s >= 0 and stats.cpu_s + lazy.opt.engine._acc.cpu_s > 0
+    assert stats.commit_s >= 0 and stats.cpu_s + lazy.opt.engine.telemetry.current.cpu_s > 0
 
 
 def fail_first_commit(monkeypatch) -> Callable[[], None]:

@@ -255,7 +255,7 @@ def test_no_accumulated_gradient_stays_on_the_device(dtype):
 
     data = batches(4 * ACCUM)
     stats = []
-    train(model, opt, data, after_backward=after_backward, before_step=lambda s: stats.append(eng._acc.d2h_bytes))
+    train(model, opt, data, after_backward=after_backward, before_step=lambda s: stats.append(eng.telemetry.current.d2h_bytes))
     host_bytes = sum(b.landing.numel() * b.landing.element_size() for b in eng.host_buckets)
     assert all(s == ACCUM * host_bytes for s in stats), (stats, host_bytes)
     assert max(seen) <= 2

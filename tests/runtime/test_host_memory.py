@@ -81,10 +81,10 @@ def test_engine_statistics_copy_does_not_block_the_host() -> None:
     model = tiny_llama().to("cuda", torch.bfloat16)
     opt = SuperOffloadOptimizer(model, lr=1e-3, config=SuperOffloadConfig(gpu_resident_buckets=0))
     try:
-        rows = opt.engine._grad_stats_host
+        rows = opt.engine.layout.grad_stats_host
         # (``rows.is_pinned()`` is False: torch asks about the storage's first byte, and the registered pages
         # start after it; the copy below is what matters)
-        assert opt.engine._grad_stats_buf.pinned
+        assert opt.engine.layout.grad_stats_buf.pinned
         src = torch.ones(rows.shape[1:], device="cuda")  # one bucket's spread statistics rows
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())  # src is written on the current stream

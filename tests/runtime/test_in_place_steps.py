@@ -32,7 +32,7 @@ def trace(run: Run, data: list[torch.Tensor], nan_at: frozenset[int] = frozenset
         run.train([ids], nan=k in nan_at)
         st = run.opt.last_step_stats
         run.opt.synchronize()
-        out.append((bool(st.speculative), str(st.verdict), run.opt.engine._cur))
+        out.append((bool(st.speculative), str(st.verdict), run.opt.engine.layout.cur))
     return out
 
 

@@ -236,25 +236,26 @@ def test_cuda_parity_with_injected_delays(delay, tail, cast_side, lead, monkeypa
     import time
 
     from hf_superoffload import ops
-    from hf_superoffload.runtime import engine as engine_mod
+    from hf_superoffload.runtime import device_tail, flush, layout
 
     cycles = 20_000_000  # ~10 ms at H200 clocks
     if delay == "compute_before_flush":
-        real = engine_mod.flatten_grads_with_stats_
+        real = flush.flatten_grads_with_stats_
 
         def slow_flatten(*a, **k):
             torch.cuda._sleep(cycles)
             return real(*a, **k)
 
-        monkeypatch.setattr(engine_mod, "flatten_grads_with_stats_", slow_flatten)
+        monkeypatch.setattr(flush, "flatten_grads_with_stats_", slow_flatten)
     elif delay == "h2d_before_scatter":
-        real_scatter = engine_mod.scatter_flat_
+        real_scatter = layout.scatter_flat_
 
         def slow_scatter(*a, **k):
             torch.cuda._sleep(cycles)
             return real_scatter(*a, **k)
 
-        monkeypatch.setattr(engine_mod, "scatter_flat_", slow_scatter)
+        for mod in (layout, device_tail):  # the engine's own scatters: loaded state and the device tail
+            monkeypatch.setattr(mod, "scatter_flat_", slow_scatter)
     elif delay == "slow_cpu":
         real_step = ops.cpu_adamw_step_
 

@@ -41,7 +41,7 @@ def train(loss_fn, *, slow_head, sync_each_step, steps=4, device="cpu", config=C
     eng = opt.engine
     head = {b.index for b in eng.host_buckets if any(p is model.lm_head.weight for p in b.params)}
     assert head
-    finish = eng._finish
+    finish = eng.host_pass._finish
 
     def slow_finish(b, ctx, verdict, *, speculated):
         if b.index in head:
@@ -52,7 +52,7 @@ def train(loss_fn, *, slow_head, sync_each_step, steps=4, device="cpu", config=C
         finish(b, ctx, verdict, speculated=speculated)
 
     if slow_head:
-        eng._finish = slow_finish
+        eng.host_pass._finish = slow_finish
     losses = []
     for ids in batches(steps, device=device):
         loss = loss_fn(model, ids)
@@ -78,11 +78,11 @@ def test_a_read_without_the_module_waits_for_the_update(guarded, device, caplog)
     synced, _ = train(loss_fn, slow_head=False, sync_each_step=True, device=device)
     assert racy == synced
     if guarded:  # module_weights marks the read as guarded: no lesson, no early wait
-        assert not warned and not eng._early_waits
+        assert not warned and not eng.hooks.early_waits
     else:
         assert len(warned) == 1 and "lm_head.weight" in warned[0] and "module_weights" in warned[0]
-        assert [b.index for b in eng._early_waits] == sorted(
-            {b.index for b in eng.host_buckets if any(p is eng.params[i] for p in b.params for i in eng._unhooked)})
+        assert [b.index for b in eng.hooks.early_waits] == sorted(
+            {b.index for b in eng.host_buckets if any(p is eng.params[i] for p in b.params for i in eng.hooks.unhooked)})
 
 
 @pytest.mark.parametrize("placement", ["stationary", "flow"])
@@ -107,5 +107,5 @@ def test_module_calls_learn_nothing(caplog):
 
     with caplog.at_level(logging.WARNING, logger="hf_superoffload"):
         _, eng = train(loss_fn, slow_head=False, sync_each_step=False, steps=2)
-    assert eng._hooked is None and not eng._unhooked and not eng._early_waits
+    assert eng.hooks.hooked is None and not eng.hooks.unhooked and not eng.hooks.early_waits
     assert not [r for r in caplog.records if "never ran" in r.getMessage()]

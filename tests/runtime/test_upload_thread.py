@@ -18,7 +18,7 @@ import torch
 
 import hf_superoffload.optimizer as optimizer_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
-from hf_superoffload.runtime import host_step
+from hf_superoffload.runtime import upload
 from hf_superoffload.runtime.cpu_worker import WorkerError
 from hf_superoffload.testing import tiny_llama
 
@@ -75,24 +75,24 @@ def test_runs_with_and_without_the_upload_thread_are_bitwise_equal(name: str, mo
     clip = 0.05 if name == "clip_every_step_defer_master" else 1.0  # 0.05: clipping fires on every step
     config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, worker_timeout_s=60, **CONFIGS[name])
     model_a, opt_a = build(config.with_overrides(upload_thread=False), clip)
-    assert opt_a.engine._uploader is None
+    assert opt_a.engine.uploads.thread is None
     losses_a = train(model_a, opt_a, 6)
     state_a = snapshot(model_a, opt_a)
     opt_a.close()
 
     uploads: list[tuple[Any, str]] = []
-    real_upload = host_step.HostStepMixin._upload
+    real_upload = upload.Uploads.upload
 
     def recording_upload(self: Any, b: Any, copy: int) -> None:
         uploads.append((self, threading.current_thread().name))  # any engine still alive in this process
         real_upload(self, b, copy)
 
-    monkeypatch.setattr(host_step.HostStepMixin, "_upload", recording_upload)
+    monkeypatch.setattr(upload.Uploads, "upload", recording_upload)
     real = optimizer_module.make_plan
     monkeypatch.setattr(optimizer_module, "make_plan",
                         lambda *a, **k: dataclasses.replace(real(*a, **k), upload_thread=True))
     model_b, opt_b = build(config, clip)
-    assert opt_b.engine._uploader is not None
+    assert opt_b.engine.uploads.thread is not None
     losses_b = train(model_b, opt_b, 6)
     state_b = snapshot(model_b, opt_b)
     opt_b.close()
@@ -101,7 +101,7 @@ def test_runs_with_and_without_the_upload_thread_are_bitwise_equal(name: str, mo
     assert state_a.keys() == state_b.keys()
     for k in state_a:
         assert torch.equal(state_a[k], state_b[k]), f"{k} differs with the upload thread"
-    threads = [name for eng, name in uploads if eng is opt_b.engine]
+    threads = [name for up, name in uploads if up is opt_b.engine.uploads]
     assert threads and set(threads) == {"superoffload-upload"}, f"uploads ran on {sorted(set(threads))}"
     assert len(threads) == 6 * len(opt_b.engine.host_buckets)
 
@@ -111,14 +111,14 @@ def test_a_failed_upload_reaches_the_training_thread_and_marks_the_state_inconsi
     config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, worker_timeout_s=60)
     model, opt = build(config, None)
     train(model, opt, 2)
-    real_upload = host_step.HostStepMixin._upload
+    real_upload = upload.Uploads.upload
 
     def failing_upload(self: Any, b: Any, copy: int) -> None:
         if threading.current_thread().name == "superoffload-upload":
             raise RuntimeError("injected H2D failure")
         real_upload(self, b, copy)
 
-    monkeypatch.setattr(host_step.HostStepMixin, "_upload", failing_upload)
+    monkeypatch.setattr(upload.Uploads, "upload", failing_upload)
     with pytest.raises(WorkerError, match="upload of") as info:
         train(model, opt, 2)  # the step queues the uploads; the next forward (or step) meets the failure
     assert isinstance(info.value.__cause__, RuntimeError)

@@ -1,0 +1,261 @@
+"""The plan made concrete: the host and device arenas, the buckets viewing them, the gradient statistics.
+
+The first stage of the data flow (plan -> hooks -> buckets -> host pass -> commit -> upload): everything here is
+allocated once, at construction, from the frozen :class:`OffloadPlan`; later stages only read and write views.
+[Note: casts] and [Note: spread statistics] in docs/design.md say why the arenas look the way they do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..planning.plan import (
+    CastSide,
+    HostAccumulation,
+    MasterDeferral,
+    OffloadPlan,
+    Placement,
+    Rollback,
+    WeightMode,
+)
+from ..triton_kernels import scatter_flat_, spread_stats_rows
+from .bucket import DeviceBucket, HostBucket
+from .host_memory import HostBuffer
+
+__all__ = ["BucketLayout", "check_plan"]
+
+
+def check_plan(plan: OffloadPlan, *, data_parallel: bool) -> None:
+    """Refuse a hand-built plan whose switches the runtime cannot combine (``make_plan`` never builds one)."""
+    if plan.defer_moments and (data_parallel or plan.host_accumulation is not HostAccumulation.OFF):
+        raise ValueError("deferred moment stores are single-process and without host accumulation (the planner "
+                         "turns them off otherwise); build the plan with make_plan")
+    if plan.defer_master is not MasterDeferral.OFF and not (plan.defer_moments and plan.cast_side is CastSide.CPU):
+        raise ValueError("deferred master stores need deferred moment stores and the CPU cast (the GPU cast "
+                         "uploads the master itself); build the plan with make_plan")
+    if plan.upload_thread and (data_parallel or plan.weight_mode is WeightMode.FLOW):
+        raise ValueError("the upload thread is single-process with stationary weights (the planner turns it off "
+                         "otherwise); build the plan with make_plan")
+    if plan.d2h_gate and data_parallel:
+        raise ValueError("the D2H gate is single-process (the planner turns it off otherwise); build the plan "
+                         "with make_plan")
+    if plan.host_accumulation is not HostAccumulation.OFF and data_parallel:
+        raise ValueError("host gradient accumulation is single-process only (the planner refuses it with "
+                         "data parallelism); build the plan with make_plan")
+    if plan.weight_mode is WeightMode.FLOW and plan.cast_side is not CastSide.CPU:
+        raise ValueError("weight flow streams the bf16 staging arena: it needs CastSide.CPU (the planner "
+                         "ensures it; build the plan with make_plan)")
+
+
+class BucketLayout:
+    """Owns the arenas and the buckets of one engine, and which host state copy is committed.
+
+    Attributes:
+        arenas: every host arena by name (``master{k}``/``exp_avg{k}``/``exp_avg_sq{k}`` per state copy ``k``,
+            ``landing`` (+ ``landing1``), ``staging``, ``weights``, ``accumulation{k}``); kept for their page
+            registration and for ``pinned_bytes``.
+        copies: host state copies (2: double buffer, 1: in place / inverse undo).
+        cur: the host state copy that holds the committed state.
+        cast_on_cpu: [Note: casts]: the CPU Adam writes bf16 staging (else the fp32 master is the upload source).
+        full_home: weight flow with data parallelism: each rank keeps the whole bf16 weights of the host buckets.
+        dev_master, dev_exp_avg, dev_exp_avg_sq: fp32 ``[device_numel]`` arenas of the GPU-resident tail.
+        grad_stats: ``[buckets, rows, 2]`` fp32 on the device: per-bucket (sum of squares, non-finite count)
+            spread over rows, one per flatten program ([Note: spread statistics]).
+        grad_stats_host: the host buckets' rows as the CPU worker reads them (a pinned mirror on CUDA).
+    """
+
+    plan: OffloadPlan
+    params: list[torch.nn.Parameter]
+    device: torch.device
+    dtype: torch.dtype
+    arenas: dict[str, HostBuffer]
+    copies: int
+    cur: int
+    cast_on_cpu: bool
+    full_home: bool
+    dev_master: torch.Tensor
+    dev_exp_avg: torch.Tensor
+    dev_exp_avg_sq: torch.Tensor
+    host_buckets: list[HostBucket]
+    device_buckets: list[DeviceBucket]
+    buckets: list[HostBucket | DeviceBucket]
+    bucket_of: list[HostBucket | DeviceBucket]
+    """The bucket of each parameter (by index into ``params``)."""
+    host_rank: dict[int, int]
+    """A bucket's position among the host buckets: the master share's order and the idle commits' priority."""
+    grad_stats: torch.Tensor
+    grad_stats_buf: HostBuffer
+    grad_stats_host: torch.Tensor
+
+    def __init__(self, *, plan: OffloadPlan, params: Sequence[torch.nn.Parameter], is_cuda: bool,
+                 data_parallel: bool) -> None:
+        self.plan, self.params = plan, list(params)
+        self.device, self.dtype = self.params[0].device, self.params[0].dtype
+        dev = self.device
+        pin = plan.pin_memory and dev.type == "cuda"
+        n_host, n_dev = plan.host_numel, plan.device_numel
+        # [Note: casts]: gradients always cross in the model dtype (the fused CPU Adam upcasts in registers).
+        # CPU cast -> a bf16 staging arena written by the Adam pass; GPU cast -> the fp32 master itself is the
+        # (pinned) upload source, and the GPU casts: no staging arena (2 B/param less host RAM).
+        self.cast_on_cpu = plan.cast_side is CastSide.CPU
+        copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
+        self.arenas = {}
+        for k in range(copies):
+            self.arenas[f"master{k}"] = HostBuffer(n_host, torch.float32, pin=pin and not self.cast_on_cpu,
+                                                   name=f"fp32 master (copy {k})")
+            self.arenas[f"exp_avg{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg (copy {k})")
+            self.arenas[f"exp_avg_sq{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg_sq (copy {k})")
+        self.arenas["landing"] = HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing")
+        if plan.defer_moments:  # a deferred step's gradient outlives the next step's D2H ([Note: deferred moments])
+            self.arenas["landing1"] = HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing (second)")
+        if self.cast_on_cpu:
+            self.arenas["staging"] = HostBuffer(n_host, self.dtype, pin=pin, name="weight staging")
+        # weight flow + data parallel: staging holds this rank's shard only; the streamed weights need every
+        # rank's, so each rank keeps the whole bf16 weights of the host buckets ([Note: data parallel sharding])
+        self.full_home = plan.weight_mode is WeightMode.FLOW and data_parallel
+        if self.full_home:
+            full = sum(spec.numel for spec in plan.host_buckets)
+            self.arenas["weights"] = HostBuffer(full, self.dtype, pin=pin, name="bf16 weights (weight flow)")
+        self.copies = copies
+        self.cur = 0
+        self.dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
+        self.dev_exp_avg = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        self.dev_exp_avg_sq = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        a = {k: v.tensor for k, v in self.arenas.items()}
+        for k in range(copies):
+            a[f"exp_avg{k}"].zero_()
+            a[f"exp_avg_sq{k}"].zero_()
+
+        self.host_buckets, self.device_buckets, self.buckets = [], [], []
+        home_offset = 0
+        self.bucket_of = [None] * len(self.params)  # type: ignore[list-item]
+        for spec in plan.buckets:
+            ps = [self.params[i] for i in spec.param_indices]
+            sl = slice(spec.offset, spec.offset + spec.shard)
+            b: HostBucket | DeviceBucket
+            if spec.placement is Placement.HOST:
+                b = HostBucket(spec, ps)
+                b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(copies)]
+                b.landings = tuple(a[k][sl] for k in ("landing", "landing1") if k in a)
+                b.landing = b.landings[0]
+                b.grad = b.landing
+                b.staging = a["staging"][sl] if self.cast_on_cpu else None
+                b.home = b.staging
+                if self.full_home:
+                    b.home = a["weights"][home_offset : home_offset + spec.numel]
+                    home_offset += spec.numel
+                self.host_buckets.append(b)
+            else:
+                b = DeviceBucket(spec, ps)
+                b.master = self.dev_master[sl]
+                b.exp_avg, b.exp_avg_sq = self.dev_exp_avg[sl], self.dev_exp_avg_sq[sl]
+                self.device_buckets.append(b)
+            self.buckets.append(b)
+            for i in spec.param_indices:
+                self.bucket_of[i] = b
+        self.host_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
+        # A bucket's statistics are its rows' column sums. Host buckets' rows are also copied to the host with
+        # their gradients so the worker can refuse to speculate on a non-finite bucket.
+        rows = max(spread_stats_rows(self.device, b.sizes) for b in self.buckets) if self.buckets else 1
+        self.grad_stats = torch.zeros(len(self.buckets), rows, 2, dtype=torch.float32, device=self.device)
+        # The HostBuffer is kept: its page registration ends with it (a pageable row makes every flush's
+        # non-blocking copy synchronous).
+        self.grad_stats_buf = HostBuffer(len(self.buckets) * rows * 2, torch.float32, pin=pin,
+                                         name="gradient statistics")  # fmt: skip
+        self.grad_stats_host = self.grad_stats_buf.tensor.view(-1, rows, 2) if is_cuda else self.grad_stats
+        with torch.no_grad():
+            self.load_masters_from_params()
+
+    def need_order(self, b: HostBucket | DeviceBucket) -> int:
+        """Priority: the next forward needs the last-arriving bucket first."""
+        return len(self.buckets) - 1 - b.index
+
+    def advance_steps(self, param_steps: list[int]) -> None:
+        """A validated step: each parameter that got a gradient takes its run's step count."""
+        for b in self.buckets:
+            for r in b.bucket_runs:
+                offset = 0
+                for i, n in zip(b.spec.param_indices, b.sizes):
+                    if r.start <= offset < r.end:
+                        param_steps[i] = r.step
+                    offset += n
+
+    def master(self, b: HostBucket | DeviceBucket, copy: int | None = None) -> torch.Tensor:
+        """The fp32 master of ``b`` (host buckets: in state copy ``copy``, default the committed one)."""
+        if isinstance(b, DeviceBucket):
+            return b.master
+        return b.pmv[self.cur if copy is None else copy][0]
+
+    def load_masters_from_params(self) -> None:
+        """fp32 master := the parameters' current values (exact for fp32 models); staging := bf16 of it."""
+        for b in self.buckets:
+            master = self.master(b)
+            if b.spec.length < b.spec.shard:
+                master[b.spec.length :].zero_()  # padding of the last rank's shard: never stepped
+            for k, start, end, at in b.pieces():
+                master[at : at + end - start].copy_(b.params[k].detach().reshape(-1)[start:end])
+            if isinstance(b, HostBucket) and b.staging is not None:
+                b.staging.copy_(master)
+            if isinstance(b, HostBucket) and b.home is not None and b.home is not b.staging:
+                offset = 0
+                for p, n in zip(b.params, b.sizes):
+                    b.home[offset : offset + n].copy_(p.detach().reshape(-1))
+                    offset += n
+
+    @torch.no_grad()
+    def write_weights(self, *, gather: Callable[[HostBucket | DeviceBucket, torch.Tensor], torch.Tensor | None] | None,
+                      streamed: bool) -> None:
+        """staging := bf16(master) and parameters := bf16(master), from the committed masters. ``gather`` (data
+        parallel): every rank's shards, or ``None`` where it wrote the bucket's weight-flow home itself;
+        ``streamed`` (weight flow): host parameters are fetched from staging, not written."""
+        for b in self.buckets:
+            master = self.master(b)
+            if isinstance(b, HostBucket) and b.staging is not None:
+                b.staging.copy_(master)
+            if gather is not None:
+                full = gather(b, master)
+                if full is not None:
+                    scatter_flat_(full, b.params)
+            elif not streamed or isinstance(b, DeviceBucket):  # weight flow: staging is their home
+                scatter_flat_(master, b.params)
+
+    def weight_sources(self) -> dict[int, tuple[torch.nn.Parameter, torch.Tensor, HostBucket]]:
+        """Weight flow: each host parameter's bf16 home (by ``id``) and its bucket, for the streamer."""
+        sources: dict[int, tuple[torch.nn.Parameter, torch.Tensor, HostBucket]] = {}
+        for b in self.host_buckets:
+            assert b.home is not None
+            offset = 0
+            for p, n in zip(b.params, b.sizes):
+                sources[id(p)] = (p, b.home[offset : offset + n], b)
+                offset += n
+        return sources
+
+    def flat_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The live flat arenas of the committed state (callers store pending deferred moments first)."""
+        return {
+            "host": {k: self.arenas[f"{k}{self.cur}"].tensor for k in ("master", "exp_avg", "exp_avg_sq")},
+            "device": {"master": self.dev_master, "exp_avg": self.dev_exp_avg, "exp_avg_sq": self.dev_exp_avg_sq},
+        }
+
+    def param_location(self, i: int) -> tuple[Placement, int]:
+        """(placement, element offset in that placement's arenas) of parameter ``i`` (whole, one process)."""
+        b = self.bucket_of[i]
+        offset = b.spec.offset
+        for j, n in zip(b.spec.param_indices, b.sizes):
+            if j == i:
+                return b.spec.placement, offset
+            offset += n
+        raise AssertionError(i)
+
+    def param_pieces(self, i: int) -> list[tuple[Placement, int, int, int]]:
+        """``(placement, arena offset, start, end)``: elements ``[start, end)`` of parameter ``i`` (flattened)
+        that this rank holds, at that offset of its placement's arenas (the whole parameter on one process)."""
+        b = self.bucket_of[i]
+        k = b.spec.param_indices.index(i)
+        return [(b.spec.placement, b.spec.offset + at, start, end) for kk, start, end, at in b.pieces() if kk == k]
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arenas.values() if a.pinned)

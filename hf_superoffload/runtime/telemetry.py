@@ -1,0 +1,96 @@
+"""Step telemetry: :class:`StepStats` of one iteration and the :class:`Telemetry` every stage adds to.
+
+Any thread adds (the training thread, the CPU worker, the upload and gather threads); ``step()`` takes the
+iteration's totals. The counters have their own lock: adding to them never waits for a bucket's state.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, fields
+
+__all__ = ["StepStats", "Telemetry"]
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Telemetry of one training iteration (from one ``step()`` to the next, host clock)."""
+
+    grad_norm: float = float("nan")
+    verdict: str = ""
+    clip_coef: float = 1.0
+    speculative: bool = False
+    cpu_s: float = 0.0
+    """Seconds the CPU worker spent in Adam (incl. undo/redo) during this iteration: the critical passes."""
+    commit_s: float = 0.0
+    """Seconds spent storing deferred moments ([Note: deferred moments]) during this iteration (off the critical
+    path: when the worker is idle, at a bucket's next CPU task, or when a reader such as ``state_dict`` needs them)."""
+    wait_s: float = 0.0
+    """Seconds the training thread blocked on buckets during this iteration (the GPU waiting for the CPU)."""
+    iteration_s: float = 0.0
+    """Wall time of the iteration."""
+    d2h_bytes: int = 0
+    h2d_bytes: int = 0
+    speculated_buckets: int = 0
+    """Host buckets stepped before validation."""
+    wasted_buckets: int = 0
+    """Speculated buckets that had to be undone (redo or skip)."""
+    master_deferred_buckets: int = 0
+    """The share in force for this step: how many host buckets' verdict-known passes leave the fp32 master to the
+    commit ([Note: adaptive master deferral]; 0 without deferred moments)."""
+    pass_s: float = 0.0
+    """Wall seconds of the host pass that ran in this iteration: from the previous ``step()``'s verdict until the CPU
+    worker had finished every host bucket of that step (pending commits it had to store first, undo and redo, Adam,
+    handing over the uploads). The next forward overlaps it; ``wait_s`` is what it could not hide. The share of that
+    pass is the previous step's ``master_deferred_buckets``. 0 after a skipped step, on the first step, and when the
+    pass had not finished by this ``step()``."""
+
+    @property
+    def overlap(self) -> float:
+        """Share of the CPU Adam time hidden behind GPU work (1.0: fully hidden)."""
+        return 1.0 - min(self.wait_s, self.cpu_s) / self.cpu_s if self.cpu_s > 0 else 1.0
+
+    def as_log(self, prefix: str = "superoffload/") -> dict[str, float]:
+        return {
+            f"{prefix}cpu_adam_s": round(self.cpu_s, 4),
+            f"{prefix}moment_commit_s": round(self.commit_s, 4),
+            f"{prefix}gpu_wait_s": round(self.wait_s, 4),
+            f"{prefix}overlap": round(self.overlap, 4),
+            f"{prefix}link_gb": round((self.d2h_bytes + self.h2d_bytes) / 1e9, 6),
+            f"{prefix}clip_coef": round(self.clip_coef, 6),
+            f"{prefix}speculative": float(self.speculative),
+            f"{prefix}master_deferred_buckets": float(self.master_deferred_buckets),
+            f"{prefix}pass_s": round(self.pass_s, 4),
+        }
+
+
+_COUNTERS = frozenset(f.name for f in fields(StepStats))
+
+
+class Telemetry:
+    """The counters of the iteration in progress (from the last ``step()`` on)."""
+
+    _lock: threading.Lock
+    _current: StepStats
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current = StepStats()
+
+    def add(self, **deltas: float) -> None:
+        """``current.<name> += value`` for each keyword (any thread)."""
+        assert _COUNTERS.issuperset(deltas), deltas
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self._current, name, getattr(self._current, name) + value)
+
+    @property
+    def current(self) -> StepStats:
+        """The running totals (a live object: read them, do not keep it across ``take``)."""
+        return self._current
+
+    def take(self) -> StepStats:
+        """The iteration's totals; the counters start again from zero."""
+        with self._lock:
+            taken, self._current = self._current, StepStats()
+        return taken
