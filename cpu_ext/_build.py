@@ -14,6 +14,18 @@ there is stale and removes it before loading. Concurrent ranks queue on the ``fl
 polling); the first builds, the others then find the library built. Where ``fcntl`` is missing (Windows)
 only a lock older than ``_STALE_LOCK_S`` is taken for stale.
 
+[Note: one libstdc++ per process]
+The library must use the libstdc++ that torch already loaded, never a private copy. A toolchain whose driver
+links libstdc++ statically by default (seen on the H200 box: ``CXX=/opt/gcc/bin/g++`` gave a library with no
+``libstdc++.so.6`` dependency that defined some 4,400 ``std::`` symbols) puts a second copy in the process. The
+dynamic linker then binds part of the library's calls to torch's copy and leaves the rest in the private one, so
+an ``ostream`` built by one copy looks its number facet up in the other's locale: formatting an integer or a
+double into a ``TORCH_CHECK`` message crashed (SIGSEGV on the box; with GCC 12 and ``-static-libstdc++`` the message stopped at the number), while
+messages made of strings alone went through. Naming the shared ``-lstdc++`` before the driver's implicit
+libraries resolves every ``std::`` reference there, so the static archive contributes nothing; with an ordinary
+driver the flag changes nothing. ``tests/cpu_ext/test_cpu_adam_linkage.py`` builds with ``-static-libstdc++``
+to stand in for such a toolchain.
+
 No ``-march`` flag: each SIMD path carries its own target attribute and the library dispatches on the CPU
 it runs on, so a cached build is safe on any machine of the same architecture.
 
@@ -63,7 +75,8 @@ _CFLAGS = (
     "-Wno-uninitialized",  # GCC 12 false positives inside avx512fintrin.h
     "-Wno-maybe-uninitialized",
 )
-_LDFLAGS = ("-fopenmp",)
+# The shared libstdc++ goes on the link line ahead of everything else: see [Note: one libstdc++ per process].
+_LDFLAGS = ("-fopenmp", "-Wl,--push-state,-Bdynamic,-lstdc++,--pop-state")
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,9 @@ class _Terminal(io.StringIO):
 
 @pytest.fixture
 def no_fakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The process's one real load first: made under the patch, it would be cached with no fake kernels registered
+    # and the later FakeTensor tests of the session would fail.
+    _build.load_state()
     monkeypatch.setattr(_fake, "register_fakes", lambda: None)
 
 

@@ -59,6 +59,50 @@ def test_contract_violations_raise(compiled: None, mutate, match: str) -> None: 
         ops.cpu_adamw_step_(*ts, step=1, **HYPER)
 
 
+_N = 2**16 + 3  # large enough for several threads and the SIMD body, so a check behind the kernel would show
+
+
+def _violations() -> list[tuple[str, dict, str]]:
+    """(op, what to change in its arguments, the whole first line of the error): every numeric message."""
+    n = _N
+    return [
+        ("step", {"grad": torch.randn(n + 1).bfloat16()}, f"grad has {n + 1} elements, expected {n} (as param)"),
+        ("step", {"param_bf16_out": torch.zeros(n - 1, dtype=torch.bfloat16)},
+         f"param_bf16_out has {n - 1} elements, expected {n} (as param)"),
+        ("step", {"source": (torch.randn(n), torch.randn(n), torch.rand(n + 1))},
+         f"src_exp_avg_sq has {n + 1} elements, expected {n} (as param)"),
+        ("step", {"step": 0}, "step must be >= 1 (the count after this update), got 0"),
+        ("step", {"beta2": 1.5}, "betas must lie in (0, 1), got 0.9, 1.5"),
+        ("undo", {"exp_avg": torch.randn(n + 1)}, f"exp_avg has {n + 1} elements, expected {n} (as param)"),
+        ("moments", {"exp_avg_sq": torch.rand(n + 1)}, f"exp_avg_sq has {n + 1} elements, expected {n} (as param)"),
+        ("moments", {"beta1": 1.0}, "betas must lie in (0, 1), got 1, 0.999"),
+    ]
+
+
+@pytest.mark.parametrize(("op", "change", "message"), _violations(),
+                         ids=[f"{op}-{next(iter(change))}" for op, change, _ in _violations()])
+def test_rejected_call_writes_nothing_and_names_the_numbers(isa: str, op: str, change: dict, message: str) -> None:
+    """Every contract check runs before any kernel work, on every SIMD path; the message keeps its numbers (the
+    H200 box crashed formatting them: [Note: one libstdc++ per process] in cpu_ext/_build.py)."""
+    p, g, m, v = _tensors(_N)
+    args = {"param": p, "grad": g, "exp_avg": m, "exp_avg_sq": v, "param_bf16_out": torch.zeros(_N, dtype=torch.bfloat16),
+            "step": 2, **HYPER, "num_threads": 2, **change}
+    outputs = [args["param"], args["exp_avg"], args["exp_avg_sq"], args["param_bf16_out"]]
+    before = [t.clone() for t in outputs]
+    with pytest.raises(RuntimeError) as info:
+        if op == "step":
+            ops.cpu_adamw_step_(args.pop("param"), args.pop("grad"), args.pop("exp_avg"), args.pop("exp_avg_sq"), **args)
+        elif op == "undo":
+            ops.cpu_adamw_undo_(args.pop("param"), args.pop("grad"), args.pop("exp_avg"), args.pop("exp_avg_sq"), **args)
+        else:
+            ops.cpu_adamw_moments_(args["grad"], args["exp_avg"], args["exp_avg_sq"], beta1=args["beta1"],
+                                   beta2=args["beta2"], num_threads=2)
+    assert str(info.value).splitlines()[0] == message
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outputs, before)), (
+        "a rejected call wrote an output"
+    )
+
+
 def test_step_zero_raises(compiled: None) -> None:
     with pytest.raises(RuntimeError, match="step must be >= 1"):
         ops.cpu_adamw_step_(*_tensors(16), step=0, **HYPER)
