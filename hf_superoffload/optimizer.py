@@ -66,9 +66,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         workload: the training step's shape (model config, batch, sequence length, checkpointing, sequence
             parallelism), when known: the planner then keeps the GPU-resident tail small enough for the
             activations (long sequences) and weighs weight flow with the memory model. ``None`` (default) on a
-            GPU, one process, with a transformers model: read from the first training batch, and the engine is
-            planned and built then ([Note: workload from the first batch] in docs/design.md); ``plan`` is
-            provisional until then (``planned``).
+            GPU with a transformers model, one process or plain data parallel: read from the first training batch
+            (under data parallel the largest over the ranks), and the engine is planned and built then ([Note:
+            workload from the first batch] in docs/design.md); ``plan`` is provisional until then (``planned``).
     """
 
     def __init__(
@@ -147,6 +147,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._batch_hook: Any = None
         self._fp32_values: list[torch.Tensor | None] | None = None
         infer = profile_read and not converted and self._infers_workload()
+        if comm is not None:
+            # a rank that plans now would never join the others' agreement at the first batch: all or none wait
+            infer = _agreed_max(comm, self.device, [not infer])[0] == 0
         # a plan that cannot fit raises here, before the parameters are broadcast, converted or hooked
         plan = None if infer else self._make_plan(workload, profile)
         if comm is not None:
@@ -170,9 +173,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def _infers_workload(self) -> bool:
         """Whether the plan waits for the first training batch. Only where the inference is sound: the profile read
         from a device that reports its free memory, no workload given, the tail and the weight placement left to
-        the planner, one process (every rank must make the same plan), and a transformers config the memory model
-        reads ([Note: workload from the first batch])."""
-        if self.workload is not None or self._comm is not None or self._profile.device_free_bytes is None:
+        the planner, one process or plain data parallel (the ranks agree on the batch, see ``_plan_from_batch``;
+        sequence parallelism, which divides gradients by fewer than the ranks, shards the sequence the batch
+        shows), and a transformers config the memory model reads ([Note: workload from the first batch])."""
+        if self.workload is not None or self._profile.device_free_bytes is None:
+            return False
+        if self._comm is not None and self._comm.grad_divisor != self._comm.world_size:
             return False
         if self.config.gpu_resident_buckets != "auto" or self.config.weight_placement != "auto":
             return False
@@ -191,36 +197,47 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if self._built is not None or not (torch.is_grad_enabled() and module.training):
             return  # evaluation before training (or already planned) says nothing about the training step
         shape = _batch_shape(args, kwargs)
+        # a first forward that is not an accumulation boundary shows that micro-batches accumulate
+        accumulates = self._pending_no_sync > 0 or (self._pending_predicate is not None
+                                                    and not self._pending_predicate())
+        ckpt = _checkpointing(module)
+        profile = self._profile_now() if shape is not None or self._comm is not None else None
+        if self._comm is not None:
+            # Bucket sharding follows the plan, so every rank must make the same one: the largest batch, sequence
+            # and free memory the smallest, over the ranks (every rank runs this first forward, so the collective
+            # is matched; a rank whose batch shows no shape plans with the others').
+            assert profile is not None
+            shape, accumulates, ckpt, profile = _agree_on_first_batch(self._comm, self.device, shape, accumulates,
+                                                                      ckpt, profile)
         workload = None
         if shape is not None:
-            # a first forward that is not an accumulation boundary shows that micro-batches accumulate
-            accumulates = self._pending_no_sync > 0 or (self._pending_predicate is not None
-                                                        and not self._pending_predicate())
-            workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=_checkpointing(module),
-                                accumulation=accumulates)
-        self._build(workload)
+            workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=ckpt, accumulation=accumulates)
+        self._build(workload, profile=profile)
+
+    def _profile_now(self) -> HardwareProfile:
+        """The construction-time profile with the device memory free now (the model's own weights counted as free)."""
+        profile, device = self._profile, self._ordered[0].device
+        if device.type == "cuda":
+            profile = dataclasses.replace(profile, device_free_bytes=cuda_free_bytes(device)[0])
+        return _count_own_weights_as_free(profile, self._model, device)
 
     def _make_plan(self, workload: Workload | None, profile: HardwareProfile) -> OffloadPlan:
         return make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config, profile=profile,
                          workload=workload, **self._ranks)
 
-    def _build(self, workload: Workload | None, plan: OffloadPlan | None = None) -> OffloadEngine:
+    def _build(self, workload: Workload | None, plan: OffloadPlan | None = None,
+               profile: HardwareProfile | None = None) -> OffloadEngine:
         """Build the engine (once) for ``plan``, or plan first. ``workload``: the step's shape (given, or read from
-        the first batch)."""
+        the first batch); ``profile``: the one to plan with at the first batch (default: the construction's)."""
         if self._built is not None:
             return self._built
         if self._batch_hook is not None:
             self._batch_hook.remove()
             self._batch_hook = None
         if plan is None:
-            profile = self._profile
             if workload is not None and workload is not self.workload:  # read from the first batch
                 self.workload = workload
-                device = self._ordered[0].device
-                if device.type == "cuda":  # the memory free now, not at construction
-                    profile = dataclasses.replace(profile, device_free_bytes=cuda_free_bytes(device)[0])
-                profile = _count_own_weights_as_free(profile, self._model, device)
-            plan = self._make_plan(workload, profile)
+            plan = self._make_plan(workload, profile or self._profile)
         engine = OffloadEngine(
             params=self._ordered,
             param_group=self._groups,
@@ -501,6 +518,35 @@ def _count_own_weights_as_free(profile: HardwareProfile, model: torch.nn.Module,
             own += p.numel() * p.element_size()
     cache = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return dataclasses.replace(profile, device_free_bytes=profile.device_free_bytes + own + max(0, cache))
+
+
+def _agreed_max(comm: ShardGroup, device: torch.device, values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``comm`` (one all-reduce)."""
+    import torch.distributed as dist
+
+    on = device if dist.get_backend(comm.group) != "gloo" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
+    return [int(v) for v in t.tolist()]
+
+
+def _agree_on_first_batch(
+    comm: ShardGroup, device: torch.device, shape: tuple[int, int] | None, accumulates: bool, ckpt: bool,
+    profile: HardwareProfile,
+) -> tuple[tuple[int, int] | None, bool, bool, HardwareProfile]:
+    """What every rank plans with ([Note: workload from the first batch]): the largest batch and sequence of the
+    ranks' first batches (a rank whose batch showed none takes the others'), accumulation and checkpointing if any
+    rank has them, and the smallest free device and host memory."""
+    unknown = -(2**62)  # a memory size no rank reported: loses every maximum
+    free, host = profile.device_free_bytes, profile.host_available_bytes
+    agreed = _agreed_max(comm, device, [
+        shape is not None, *(shape or (0, 0)), accumulates, ckpt,
+        unknown if free is None else -free, unknown if host is None else -host,
+    ])
+    has_shape, batch, seq, acc, ck, neg_free, neg_host = agreed
+    profile = dataclasses.replace(profile, device_free_bytes=None if neg_free == unknown else -neg_free,
+                                  host_available_bytes=None if neg_host == unknown else -neg_host)
+    return ((batch, seq) if has_shape else None), bool(acc), bool(ck), profile
 
 
 def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:
