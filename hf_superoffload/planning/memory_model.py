@@ -295,7 +295,7 @@ class MemoryEstimate:
 def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
              plan_like: PlanLike | None = None, sequence_parallel: int = 1,
              loss_chunk_tokens: int | None = None, mlp_tile_tokens: int | None = None,
-             keep_attention: bool = False) -> MemoryEstimate:
+             keep_attention: bool = False, accumulation: bool = False) -> MemoryEstimate:
     """Predict the peak GPU and host memory of one training step (see [Note: memory model]).
 
     Args:
@@ -309,6 +309,11 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             untiled.
         keep_attention: checkpointing keeps each layer's attention output and log-sum-exp
             (``enable_checkpointing_keep_attention``); only with ``grad_ckpt``.
+        accumulation: micro-batches accumulate gradients between optimizer steps. From the second micro-batch on,
+            the gradients summed on the device (the tail's; every bucket's unless the plan sums host buckets on the
+            host) are alive through the forward and the loss too, not only from the backward on (a 15B run at
+            batch 4 x 2048 ran out of memory at the second micro-batch's loss, 5 GiB past the prediction without
+            this term).
     """
     if batch_size < 1 or seq_len < 1 or sequence_parallel < 1:
         raise ValueError(f"batch_size, seq_len and sequence_parallel must be >= 1, got {batch_size}, {seq_len} "
@@ -378,7 +383,12 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         backward["autocast_weight_copies"] = 2 * s.layer_numel
         step["gradients"] = 4 * n
     elif p.optimizer == "superoffload":
+        summed = 2 * p.device_numel + (0 if p.accumulation_bytes else 2 * p.host_numel)  # on the device, bf16
         for name, d in (*phases.items(), ("step", step)):
+            if accumulation and name in ("loss", "backward_start"):
+                d["accumulated_gradients"] = summed  # the previous micro-batches' sum
+            elif accumulation and not p.accumulation_bytes and p.host_numel:
+                d["accumulated_gradients"] = 2 * p.host_numel  # host buckets summed in param.grad as well
             if name == "loss":
                 continue
             if name != "backward_start":  # the tail holds the first layers: its gradients come last

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["BucketSpec", "CastSide", "HostAccumulation", "MasterDeferral", "OffloadPlan", "Placement", "PlanError",
-           "Rollback", "WeightMode"]
+           "Rollback", "WeightMode", "landing_ring_slots"]
 
 
 class PlanError(ValueError):
@@ -71,6 +72,14 @@ class HostAccumulation(enum.Enum):
 
 # Bucket-sized pinned buffers that receive the later micro-batches' gradients in HostAccumulation.LANDING.
 LANDING_RING_SLOTS = 4
+
+
+def landing_ring_slots(host_shards: Sequence[int]) -> tuple[int, ...]:
+    """Elements of each slot of the host-accumulation landing ring: the ``LANDING_RING_SLOTS`` largest host
+    shards, largest first. Every bucket fits the first slot and all but the few largest fit any slot, so a model
+    whose LM head is one 0.78B-element bucket pays for one slot of that size, not four (6.2 GB of pinned RAM at
+    15B, the margin between fitting the host and not)."""
+    return tuple(sorted(host_shards, reverse=True)[:LANDING_RING_SLOTS])
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +197,7 @@ class OffloadPlan:
         if self.host_accumulation is HostAccumulation.FP32:
             return 4 * self.host_numel
         if self.host_accumulation is HostAccumulation.LANDING and self.host_numel:
-            return LANDING_RING_SLOTS * 2 * max(b.shard for b in self.host_buckets)
+            return 2 * sum(landing_ring_slots([b.shard for b in self.host_buckets]))
         return 0
 
     def device_bytes(self) -> int:

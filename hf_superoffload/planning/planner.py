@@ -11,7 +11,6 @@ from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
 from .memory_model import ENGINE_HOST_BYTES_PER_PARAM, ModelShape, PlanLike, bisect_largest, estimate
 from .plan import (
-    LANDING_RING_SLOTS,
     BucketSpec,
     CastSide,
     HostAccumulation,
@@ -21,6 +20,7 @@ from .plan import (
     PlanError,
     Rollback,
     WeightMode,
+    landing_ring_slots,
 )
 from .step_time import predict_step_time
 
@@ -76,7 +76,8 @@ class Workload:
         """The keyword arguments of ``memory_model.estimate`` this workload fixes."""
         return dict(batch_size=self.batch_size, seq_len=self.seq_len, grad_ckpt=self.grad_ckpt,
                     sequence_parallel=self.sequence_parallel, loss_chunk_tokens=self.loss_chunk_tokens,
-                    mlp_tile_tokens=self.mlp_tile_tokens, keep_attention=self.keep_attention)
+                    mlp_tile_tokens=self.mlp_tile_tokens, keep_attention=self.keep_attention,
+                    accumulation=self.accumulation)
 
 
 # Without a workload, "auto" streams the weights when their bf16 copy alone would take more than this share of
@@ -523,7 +524,7 @@ def _make_plan(
     # the host bytes the arenas may take (every host-RAM decision below compares against it)
     reserve = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * host_numel)
     room = None if avail is None else avail - reserve
-    largest_host = max((b.shard for b in buckets if b.placement is Placement.HOST), default=0)
+    host_shards = [b.shard for b in buckets if b.placement is Placement.HOST]
     accumulates = workload is not None and workload.accumulation
 
     def host_need(side: CastSide) -> tuple[int, HostAccumulation, str]:
@@ -534,7 +535,7 @@ def _make_plan(
         if acc is HostAccumulation.FP32:
             need += 4 * host_numel
         elif acc is HostAccumulation.LANDING:
-            need += LANDING_RING_SLOTS * largest_host * 2
+            need += 2 * sum(landing_ring_slots(host_shards))
         return need, acc, acc_note
 
     base, accumulation, accum_note = host_need(cast_side)

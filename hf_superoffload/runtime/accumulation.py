@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..planning.plan import LANDING_RING_SLOTS, HostAccumulation
+from ..planning.plan import HostAccumulation, landing_ring_slots
 from .bucket import HostBucket
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
@@ -77,10 +77,10 @@ class HostAccumulator:
             self.buffers.append(buf)
             arena = buf.tensor
         else:
-            largest = max((b.spec.shard for b in buckets), default=0)
-            buf = HostBuffer(LANDING_RING_SLOTS * largest, landing_dtype, pin=pin, name="accumulation landing ring")
+            sizes = landing_ring_slots([b.spec.shard for b in buckets])
+            buf = HostBuffer(sum(sizes), landing_dtype, pin=pin, name="accumulation landing ring")
             self.buffers.append(buf)
-            self._ring = list(buf.tensor.view(LANDING_RING_SLOTS, largest)) if largest else []
+            self._ring = list(buf.tensor.split(list(sizes))) if sizes else []
         self._sums: dict[int, _BucketSum] = {}
         for b in buckets:
             total = arena[b.spec.offset : b.spec.offset + b.spec.shard] if arena is not None else b.landing
@@ -118,13 +118,19 @@ class HostAccumulator:
         if self.mode is HostAccumulation.FP32 or s.summed == 0:
             return b.landing, None
         with self._cond:
-            ok = self._cond.wait_for(lambda: bool(self._free) or self._woken, self._timeout)
+            ok = self._cond.wait_for(lambda: self._slot_for(b) is not None or self._woken, self._timeout)
             self._worker.raise_if_failed()
-            if not ok or not self._free:
+            slot = self._slot_for(b)
+            if not ok or slot is None:
                 raise TimeoutError(f"hf_superoffload: no accumulation ring slot was freed in {self._timeout:.0f}s "
                                    f"(worker alive: {self._worker.alive})")
-            slot = self._free.pop()
+            self._free.remove(slot)
         return self._ring[slot][: b.spec.shard], slot
+
+    def _slot_for(self, b: HostBucket) -> int | None:
+        """The smallest free ring slot that holds ``b``'s shard (slots are sized by the largest host shards)."""
+        fits = [k for k in self._free if self._ring[k].numel() >= b.spec.shard]
+        return min(fits, key=lambda k: self._ring[k].numel()) if fits else None
 
     def submit(self, b: HostBucket, d2h: Handoff, slot: int | None, has: list[bool], *, final: bool) -> None:
         """Queue the add of the micro-batch that ``d2h`` carries; ``final``: also its statistics (boundary)."""

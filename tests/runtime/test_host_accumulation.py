@@ -320,3 +320,17 @@ def test_config_validation():
         SuperOffloadConfig(accumulate_on_host="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="host_accumulation_dtype"):
         SuperOffloadConfig(host_accumulation_dtype="bf16")  # type: ignore[arg-type]
+
+
+def test_the_landing_ring_pays_for_one_giant_bucket_once():
+    """The ring's slots are the few largest host shards: one LM-head-sized slot, not four of them."""
+    from hf_superoffload.planning.plan import landing_ring_slots
+
+    shards = [700_000_000] + [70_000_000] * 30 + [5_000]
+    assert landing_ring_slots(shards) == (700_000_000, 70_000_000, 70_000_000, 70_000_000)
+    assert landing_ring_slots([3, 1]) == (3, 1) and landing_ring_slots([]) == ()
+    numels = [70_000_000] * 30 + [700_000_000]  # the LM head arrives first in backward: a host bucket
+    cfg = SuperOffloadConfig(weight_placement="stationary", accumulate_on_host=True,
+                             host_accumulation_dtype="landing", rollback="inverse", gpu_resident_buckets=0)
+    plan = make_plan(numels[::-1], element_size=2, config=cfg, profile=_profile(host_gib=64))
+    assert plan.accumulation_bytes() == 2 * (700_000_000 + 3 * 70_000_000)

@@ -279,3 +279,19 @@ def test_planner_workload_with_tiled_mlp_leaves_room_for_a_bigger_tail():
              for tile in (None, 8192)]
     assert plans[1].device_numel > plans[0].device_numel
     assert "MLP tiles of 8192 tokens" in " ".join(plans[1].notes)
+
+
+def test_accumulation_keeps_the_summed_gradients_alive_through_the_loss():
+    """15.0B, batch 4 x 2048, 8 micro-batches, 7.15B of optimizer state on the GPU, host accumulation (2026-12-04,
+    fb4df27): the second micro-batch's loss asked for 4.64 GiB with 133.5 GiB allocated, so its peak was at least
+    138.1 GiB; without the accumulated tail gradients the model said 126 GiB."""
+    cfg = dict(PRESETS["14b"], num_hidden_layers=49)
+    plan = PlanLike(device_numel=7_146_280_960, host_numel=7_898_670_080, cast_side="gpu",
+                    bucket_bytes=754_974_720, accumulation_bytes=6_228_541_440, d2h_lead_buckets=4)
+    one = estimate(cfg, batch_size=4, seq_len=2048, grad_ckpt=True, plan_like=plan)
+    acc = estimate(cfg, batch_size=4, seq_len=2048, grad_ckpt=True, plan_like=plan, accumulation=True)
+    assert one.gpu_peak_bytes / GiB < 138.1 <= acc.gpu_peak_bytes / GiB
+    assert acc.gpu_phases["loss"]["accumulated_gradients"] == 2 * plan.device_numel  # host buckets: summed on host
+    on_device = estimate(cfg, batch_size=4, seq_len=2048, grad_ckpt=True, accumulation=True,
+                         plan_like=dataclasses.replace(plan, accumulation_bytes=0))
+    assert on_device.gpu_phases["loss"]["accumulated_gradients"] == 2 * (plan.device_numel + plan.host_numel)
