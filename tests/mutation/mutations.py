@@ -91,7 +91,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "no_sync_micro_batch_dropped", "hf_superoffload/runtime/flush.py",
         "        if not sync and (self._accum is None or isinstance(b, DeviceBucket)):\n            return",
         "        if not sync and (self._accum is None or isinstance(b, DeviceBucket)):\n"
-        "            self.params[i].grad = None\n            return",
+        "            self.layout.params[i].grad = None\n            return",
         (f"{BIND}::test_accumulation_parity[device]",),
     ),
     Mutation(
