@@ -21,9 +21,12 @@ links libstdc++ statically by default (seen on the H200 box: ``CXX=/opt/gcc/bin/
 dynamic linker then binds part of the library's calls to torch's copy and leaves the rest in the private one, so
 an ``ostream`` built by one copy looks its number facet up in the other's locale: formatting an integer or a
 double into a ``TORCH_CHECK`` message crashed (SIGSEGV on the box; with GCC 12 and ``-static-libstdc++`` the message stopped at the number), while
-messages made of strings alone went through. Naming the shared ``-lstdc++`` before the driver's implicit
-libraries resolves every ``std::`` reference there, so the static archive contributes nothing; with an ordinary
-driver the flag changes nothing. ``tests/cpu_ext/test_cpu_adam_linkage.py`` builds with ``-static-libstdc++``
+messages made of strings alone went through. That driver finds only its static ``libstdc++.a`` (there is no
+``libstdc++.so`` beside it), so ``-Bdynamic -lstdc++`` did not help. The link line therefore names the very file
+this process has loaded (``/proc/self/maps``, e.g. ``/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33``) ahead of the
+driver's implicit libraries: it resolves every ``std::`` reference, the static archive contributes nothing, and the
+library records ``libstdc++.so.6`` as needed. With an ordinary driver this changes nothing. The path joins the
+extension's hash, so a process with another libstdc++ builds its own library. ``tests/cpu_ext/test_cpu_adam_linkage.py`` builds with ``-static-libstdc++``
 to stand in for such a toolchain.
 
 No ``-march`` flag: each SIMD path carries its own target attribute and the library dispatches on the CPU
@@ -75,8 +78,21 @@ _CFLAGS = (
     "-Wno-uninitialized",  # GCC 12 false positives inside avx512fintrin.h
     "-Wno-maybe-uninitialized",
 )
-# The shared libstdc++ goes on the link line ahead of everything else: see [Note: one libstdc++ per process].
-_LDFLAGS = ("-fopenmp", "-Wl,--push-state,-Bdynamic,-lstdc++,--pop-state")
+_LDFLAGS = ("-fopenmp",)
+
+
+def _loaded_libstdcxx() -> tuple[str, ...]:
+    """The libstdc++ this process (torch) has loaded, as a link input: see [Note: one libstdc++ per process]."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libstdc++.so" in line}
+    except OSError:  # not Linux
+        return ()
+    return (min(paths),) if paths else ()
+
+
+def _ldflags() -> tuple[str, ...]:
+    return (*_LDFLAGS, *_loaded_libstdcxx())
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +115,7 @@ def _extension_name() -> str:
         if path.suffix in (".h", ".cpp") and path.name != "test_kernels.cpp":
             h.update(path.name.encode())
             h.update(path.read_bytes())
-    h.update(repr((_CFLAGS, _LDFLAGS, torch.__version__)).encode())
+    h.update(repr((_CFLAGS, _ldflags(), torch.__version__)).encode())
     return f"hf_superoffload_cpu_adam_{h.hexdigest()[:16]}"
 
 
@@ -212,7 +228,7 @@ def _build() -> LoadState:
                 sources=[str(CSRC / s) for s in _SOURCES],
                 extra_include_paths=[str(CSRC)],
                 extra_cflags=list(_CFLAGS),
-                extra_ldflags=list(_LDFLAGS),
+                extra_ldflags=list(_ldflags()),
                 is_python_module=False,
                 verbose=False,
             )

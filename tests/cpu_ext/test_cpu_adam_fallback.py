@@ -6,6 +6,7 @@ import importlib
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,9 @@ for w in runtime:
 
 def _run(env_extra: dict[str, str]) -> list[str]:
     env = {**os.environ, **env_extra}
-    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    # cwd: a checkout's root would shadow the installed (or staged) package, which alone holds cpu_ext
+    res = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tempfile.gettempdir())
     assert res.returncode == 0, res.stderr
     return res.stdout.strip().splitlines()
 

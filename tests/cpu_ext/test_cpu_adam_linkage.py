@@ -37,12 +37,13 @@ def test_library_needs_the_shared_libstdcxx(compiled: None) -> None:
     )
 
 
-# Runs in a fresh process with an empty extension cache: builds the library with the box toolchain's default
-# (-static-libstdc++) on top of our flags, then formats a number into a contract message.
+# Runs in a fresh process with an empty extension cache: builds the library as the box's toolchain does (it links
+# libstdc++ statically and finds only libstdc++.a: a -L folder holding nothing else comes first), then formats a
+# number into a contract message. argv[1]: that folder.
 _STATIC_TOOLCHAIN = """
 import sys, torch
 from hf_superoffload.cpu_ext import _build
-_build._LDFLAGS = _build._LDFLAGS + ("-static-libstdc++",)
+_build._LDFLAGS = _build._LDFLAGS + ("-static-libstdc++", "-L" + sys.argv[1])
 state = _build._build()
 if not state.loaded:
     print("NOT LOADED", state.reason)
@@ -58,11 +59,18 @@ print("LIBRARY", [p for p in torch.ops.loaded_libraries if "hf_superoffload_cpu_
 
 @pytest.mark.skipif(shutil.which("readelf") is None, reason="readelf (binutils) is not installed")
 def test_a_static_libstdcxx_toolchain_still_links_the_shared_one(compiled: None, tmp_path: Path) -> None:
+    cxx = os.environ.get("CXX", "c++")
+    archive = subprocess.run([cxx, "-print-file-name=libstdc++.a"], capture_output=True, text=True).stdout.strip()
+    if not os.path.isabs(archive):
+        pytest.skip(f"{cxx} has no static libstdc++ to link")
+    static_only = tmp_path / "static_only"
+    static_only.mkdir()
+    (static_only / "libstdc++.a").symlink_to(archive)
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     env.pop(_build.DISABLE_ENV, None)
     # cwd: the checkout's root would shadow the installed (or staged) package, which alone holds cpu_ext
-    r = subprocess.run([sys.executable, "-c", _STATIC_TOOLCHAIN], env=env, cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", _STATIC_TOOLCHAIN, str(static_only)], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
     if r.returncode == 3:
         pytest.skip(f"this compiler cannot link libstdc++ statically: {r.stdout.strip()[-300:]}")
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"

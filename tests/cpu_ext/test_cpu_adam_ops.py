@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -213,7 +214,9 @@ def test_default_threads_ignore_omp_num_threads(compiled: None) -> None:
         " torch.ops.hf_superoffload._cpu_adam_default_threads(), ops.default_num_threads())"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    # cwd: a checkout's root would shadow the installed (or staged) package, which alone holds cpu_ext
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         cwd=tempfile.gettempdir())
     team, cpp_default, py_default = map(int, res.stdout.split())
     assert team == 3
     assert cpp_default == py_default == max(1, len(os.sched_getaffinity(0)) - 1)
