@@ -15,19 +15,20 @@ polling); the first builds, the others then find the library built. Where ``fcnt
 only a lock older than ``_STALE_LOCK_S`` is taken for stale.
 
 [Note: one libstdc++ per process]
-The library must use the libstdc++ that torch already loaded, never a private copy. A toolchain whose driver
-links libstdc++ statically by default (seen on the H200 box: ``CXX=/opt/gcc/bin/g++`` gave a library with no
+The library must use the libstdc++ that torch already loaded, never a private copy. A toolchain whose driver links
+libstdc++ statically by default (seen on the H200 box: ``CXX=/opt/gcc/bin/g++`` gave a library with no
 ``libstdc++.so.6`` dependency that defined some 4,400 ``std::`` symbols) puts a second copy in the process. The
-dynamic linker then binds part of the library's calls to torch's copy and leaves the rest in the private one, so
-an ``ostream`` built by one copy looks its number facet up in the other's locale: formatting an integer or a
-double into a ``TORCH_CHECK`` message crashed (SIGSEGV on the box; with GCC 12 and ``-static-libstdc++`` the
-message stopped at the number), while messages made of strings alone went through. That driver finds only its static ``libstdc++.a`` (there is no
-``libstdc++.so`` beside it), so ``-Bdynamic -lstdc++`` did not help. The link line therefore names the very file
-this process has loaded (``/proc/self/maps``, e.g. ``/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33``) ahead of the
-driver's implicit libraries: it resolves every ``std::`` reference, the static archive contributes nothing, and the
-library records ``libstdc++.so.6`` as needed. With an ordinary driver this changes nothing. The path joins the
-extension's hash, so a process with another libstdc++ builds its own library. ``tests/cpu_ext/test_cpu_adam_linkage.py``
-stands in for such a toolchain: ``-static-libstdc++`` and a folder holding only ``libstdc++.a`` first in the search.
+dynamic linker then binds part of the library's calls to torch's copy and leaves the rest in the private one, so an
+``ostream`` built by one copy looks its number facet up in the other's locale: formatting an integer or a double
+into a ``TORCH_CHECK`` message crashed (SIGSEGV on the box; with GCC 12 and ``-static-libstdc++`` the message
+stopped at the number), while messages made of strings alone went through. That driver finds only its static
+``libstdc++.a`` (there is no ``libstdc++.so`` beside it), so ``-Bdynamic -lstdc++`` did not help. The link line
+therefore names the very file this process has loaded (``/proc/self/maps``, e.g.
+``/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.33``) ahead of the driver's implicit libraries: it resolves every
+``std::`` reference, the static archive contributes nothing, and the library records ``libstdc++.so.6`` as needed.
+With an ordinary driver this changes nothing. The path joins the extension's hash, so a process with another
+libstdc++ builds its own library. ``tests/cpu_ext/test_cpu_adam_linkage.py`` stands in for such a toolchain:
+``-static-libstdc++`` and a folder holding only ``libstdc++.a`` first in the search.
 
 No ``-march`` flag: each SIMD path carries its own target attribute and the library dispatches on the CPU
 it runs on, so a cached build is safe on any machine of the same architecture.
