@@ -146,7 +146,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
         return rec
     _finish(rec, times, batch, accum, seq, n, cfg, device)
     if system in OURS:
-        _describe(rec, opt, model, batch, seq)
+        _describe(rec, opt, model, batch, seq, accum)
         if cuda:  # one more step, phase by phase (each phase waits for the GPU): where the time goes
             phases: dict[str, float] = {}
             t = time.perf_counter()
@@ -166,7 +166,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     return rec
 
 
-def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int) -> None:
+def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int, accum: int) -> None:
     plan = opt.plan
     rec["plan"] = {"host_params": plan.host_numel, "device_params": plan.device_numel,
                    "host_state_gb": plan.host_bytes() / 1e9, "weight_mode": plan.weight_mode.value,
@@ -177,7 +177,7 @@ def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int) -
     st = opt.last_step_stats
     rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
                                                     "speculated_buckets", "wasted_buckets", "verdict")}
-    rec["predicted"] = _predicted(opt, model, batch, seq)
+    rec["predicted"] = _predicted(opt, model, batch, seq, accum)
     rec["pinned_gb"] = opt.engine.pinned_bytes / 1e9
 
 
@@ -216,7 +216,7 @@ def _run_trainer(rec: dict[str, Any], model: Any, batches: list[Any], batch: int
             return rec
         times = [b - a for a, b in itertools.pairwise(stamps)][warmup:]
         _finish(rec, times, batch, accum, seq, n, model.config, device)
-        _describe(rec, trainer.superoffload_optimizer, model, batch, seq)
+        _describe(rec, trainer.superoffload_optimizer, model, batch, seq, accum)
         trainer.superoffload_optimizer.close()
     return rec
 
@@ -234,7 +234,7 @@ def _finish(rec: dict[str, Any], times: list[float], batch: int, accum: int, seq
                host_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
 
 
-def _predicted(opt: Any, model: Any, batch: int, seq: int) -> dict[str, Any]:
+def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int) -> dict[str, Any]:
     """The planner's predictions for the plan it made, on the shipped profile of this box when it is an H200."""
     from hf_superoffload.planning.hardware import HardwareProfile
     from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
@@ -242,12 +242,15 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int) -> dict[str, Any]:
 
     shape = ModelShape.from_config(model.config)
     plan_like = PlanLike.from_plan(opt.plan)
-    est = estimate(shape, plan_like=plan_like, batch_size=batch, seq_len=seq, grad_ckpt=True)
+    run = opt.workload.estimate_kwargs() if opt.workload is not None else dict(batch_size=batch, seq_len=seq,
+                                                                               grad_ckpt=True)
+    est = estimate(shape, plan_like=plan_like, **run)
     step = predict_step_time(shape, plan_like, HardwareProfile.h200_pcie(), batch_size=batch, seq_len=seq,
                              grad_ckpt=True, clipping_every_step=True)  # clipping at 1.0 fires on this random data
     return {"gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": est.host_expected_bytes / 1e9,
             # one micro-batch's step; with accumulation the GPU part repeats per micro-batch
-            "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s}
+            "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s,
+            "optimizer_step_s": None if step is None else step.step_s + (accum - 1) * step.gpu_s}
 
 
 def parse_row(spec: str) -> tuple[str, int, int, int | None]:

@@ -260,6 +260,14 @@ class SuperOffloadConfig:
     """After this many consecutive skipped (non-finite) steps, ``step()`` raises a ``RuntimeError`` naming the count
     and the last gradient norms (the optimizer state is left as it was before the skips): a run whose every step is
     skipped trains nothing while looking alive. ``0``: never raise."""
+    chunked_loss: bool = field(default=True, metadata=_meta(
+        "Give transformers causal-LM models a chunked loss with the same value and a third of the logits' memory.",
+        valid=_is_bool, fix="use True or False"))
+    """Replace transformers' default ``ForCausalLMLoss`` (all logits upcast to fp32, 12 B per logit element at its
+    peak) by :func:`~hf_superoffload.causal_lm_loss.chunked_causal_lm_loss` (the same loss value, logit gradients
+    equal to bf16 rounding, 4 B per element) on the models inside the optimized module that use the default loss and
+    set none of their own. The planner counts the memory it saves as room for optimizer state on the GPU. ``False``:
+    leave the model's loss as it is. [Note: chunked causal-LM loss] in hf_superoffload/causal_lm_loss.py."""
     accumulate_on_host: bool | Literal["auto"] = field(default="auto", metadata=_meta(
         "'auto', true or false: sum gradient-accumulation micro-batches on the host (each micro-batch's "
         "gradients are offloaded) instead of on the device; 'auto': on in weight-flow mode.",

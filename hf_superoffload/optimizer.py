@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .causal_lm_loss import install_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile, cuda_free_bytes
 from .planning.plan import OffloadPlan
@@ -120,6 +121,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
         ordered, groups = self._arrival_order(model)
+        # [Note: chunked causal-LM loss]: the plan counts the logits memory of the loss the model will run
+        self._chunked_loss = self.config.chunked_loss and uses_default_causal_lm_loss(model)
         self._check_params(ordered)
         converted = sum(p.dtype == torch.float32 for p in ordered)
         self.last_grad_norm: float = float("nan")
@@ -135,7 +138,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             profile = HardwareProfile.read(ordered[0].device)
             if workload is not None:
                 profile = _count_own_weights_as_free(profile, model, ordered[0].device)
-        self.workload: Workload | None = workload
+        if workload is not None and self._chunked_loss:
+            workload = dataclasses.replace(workload, chunked_loss=True)
+        self.workload: Workload | None = workload  # what the plan is made for (read from the first batch, or given)
         self._ordered, self._groups, self._model, self._comm = ordered, groups, model, comm
         self._profile, self._ranks, self._log_plan = profile, ranks, log_plan
         self._built: OffloadEngine | None = None
@@ -152,6 +157,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             infer = _agreed_max(comm, self.device, [not infer])[0] == 0
         # a plan that cannot fit raises here, before the parameters are broadcast, converted or hooked
         plan = None if infer else self._make_plan(workload, profile)
+        if self._chunked_loss:
+            install_chunked_loss(model)  # [Note: chunked causal-LM loss]; the plan above counted its memory
         if comm is not None:
             _broadcast_params(ordered, comm)
         if converted:
@@ -211,7 +218,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                                                                       ckpt, profile)
         workload = None
         if shape is not None:
-            workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=ckpt, accumulation=accumulates)
+            workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=ckpt, accumulation=accumulates,
+                                chunked_loss=self._chunked_loss)
         self._build(workload, profile=profile)
 
     def _profile_now(self) -> HardwareProfile:

@@ -224,8 +224,9 @@ def main_plan(args: argparse.Namespace) -> int:
     run = dict(batch_size=args.batch_size, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
     sp = args.sequence_parallel
     chunk = args.loss_chunk if args.loss_chunk is not None else (4096 if sp > 1 else None)
+    # a transformers decoder trains with the chunked causal-LM loss the optimizer installs (unless configured off)
     sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk, mlp_tile_tokens=args.tiled_mlp or None,
-                 keep_attention=args.keep_attention)
+                 keep_attention=args.keep_attention, chunked_loss=cfg.chunked_loss)
     workload = Workload(shape, **run, **sp_kw)
     ranks: dict[str, Any] = {}
     if sp > 1:  # one rank per GPU of this host; the profile's cores are split between them

@@ -90,7 +90,9 @@ __all__ = ["MemoryEstimate", "ModelShape", "PlanLike", "bisect_largest", "check_
 GiB = 1024**3
 RUNTIME_HOST_BYTES = int(1.7e9)  # host RSS of a GPU-only training process (measured at 3.6B)
 ENGINE_HOST_BYTES_PER_PARAM = 0.6  # host RSS per host parameter beyond the arenas (fitted; see the table)
-LOGITS_BYTES_PER_ELEMENT = 12
+LOGITS_BYTES_PER_ELEMENT = 12  # transformers' ForCausalLMLoss at its peak: fp32 log_softmax, its gradient, the logits'
+CHUNKED_LOGITS_BYTES_PER_ELEMENT = 4  # causal_lm_loss.py: the bf16 logits it saves and their bf16 gradient
+LOSS_CHUNK_TOKENS = 2048  # causal_lm_loss.CHUNK_TOKENS: two fp32 chunks of logits at a time
 INFLIGHT_BUCKETS = 3  # on the GPU at once: one filling, one waiting for its D2H, one upload buffer
 FLOW_RESIDENT_LAYERS = 2  # weight-flow keeps the layer being computed and the one being prefetched
 
@@ -295,7 +297,8 @@ class MemoryEstimate:
 def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: bool,
              plan_like: PlanLike | None = None, sequence_parallel: int = 1,
              loss_chunk_tokens: int | None = None, mlp_tile_tokens: int | None = None,
-             keep_attention: bool = False, accumulation: bool = False) -> MemoryEstimate:
+             keep_attention: bool = False, accumulation: bool = False,
+             chunked_loss: bool = False) -> MemoryEstimate:
     """Predict the peak GPU and host memory of one training step (see [Note: memory model]).
 
     Args:
@@ -314,6 +317,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             host) are alive through the forward and the loss too, not only from the backward on (a 15B run at
             batch 4 x 2048 ran out of memory at the second micro-batch's loss, 5 GiB past the prediction without
             this term).
+        chunked_loss: transformers' causal-LM loss is the chunked one of ``causal_lm_loss.py`` (the optimizer
+            installs it by default): 4 B per logit element and two fp32 chunks instead of 12 B per element.
     """
     if batch_size < 1 or seq_len < 1 or sequence_parallel < 1:
         raise ValueError(f"batch_size, seq_len and sequence_parallel must be >= 1, got {batch_size}, {seq_len} "
@@ -353,7 +358,10 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         tile_sums = (4 + (4 if autocast else 2)) * s.mlp_numel if tokens > mlp_tile_tokens else 0
     loss = dict(resident, activations=s.num_layers * (tokens * h * (4 if autocast else 2) if grad_ckpt else layer_act))
     loss["final_norm"] = (14 if autocast else 8) * h * tokens
-    loss["logits"] = LOGITS_BYTES_PER_ELEMENT * min(tokens, loss_chunk_tokens or tokens) * s.vocab_size
+    if loss_chunk_tokens is None and chunked_loss:
+        loss["logits"] = (CHUNKED_LOGITS_BYTES_PER_ELEMENT * tokens + 8 * min(tokens, LOSS_CHUNK_TOKENS)) * s.vocab_size
+    else:
+        loss["logits"] = LOGITS_BYTES_PER_ELEMENT * min(tokens, loss_chunk_tokens or tokens) * s.vocab_size
     if autocast:
         loss["autocast_weight_copies"] = 2 * s.embedding_numel  # the LM head's bf16 copy, saved for backward
 

@@ -71,13 +71,15 @@ class Workload:
     accumulation: bool = False
     """Micro-batches accumulate gradients between optimizer steps (``no_sync`` or a sync predicate): host buckets'
     gradients are then summed on the host, so the device never holds a second copy of them."""
+    chunked_loss: bool = False
+    """The model's causal-LM loss is the chunked one (``causal_lm_loss.py``), not transformers' full-logits one."""
 
     def estimate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``memory_model.estimate`` this workload fixes."""
         return dict(batch_size=self.batch_size, seq_len=self.seq_len, grad_ckpt=self.grad_ckpt,
                     sequence_parallel=self.sequence_parallel, loss_chunk_tokens=self.loss_chunk_tokens,
                     mlp_tile_tokens=self.mlp_tile_tokens, keep_attention=self.keep_attention,
-                    accumulation=self.accumulation)
+                    accumulation=self.accumulation, chunked_loss=self.chunked_loss)
 
 
 # Without a workload, "auto" streams the weights when their bf16 copy alone would take more than this share of

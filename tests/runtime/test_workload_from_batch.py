@@ -99,7 +99,7 @@ def test_plans_at_the_first_training_forward_like_a_given_workload(device_budget
     data = _batches(6, batch, seq)
     _train(opt, model, data[:1])
     assert opt.planned
-    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=False)
+    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=False, chunked_loss=True)
     tail = opt.plan.device_numel
     assert 0 < tail < sum(p.numel() for p in model.parameters()), "the budget should leave a partial tail"
 
@@ -145,7 +145,7 @@ def test_checkpointing_and_accumulation_from_the_first_micro_batch(device_budget
     assert not opt.planned
     data = _batches(4, batch, seq)
     _train(opt, model, data, accum=2)  # the first forward runs inside no_sync
-    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=True, accumulation=True)
+    assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=True, accumulation=True, chunked_loss=True)
     assert opt.plan.host_accumulation.value != "off"  # the accumulated gradients of host buckets live on the host
 
     ref_model = _model(ckpt=True)

@@ -80,7 +80,7 @@ def test_does_not_fit_exits_1_with_the_reason(capsys):
 def test_overrides_decide_fit(capsys):
     argv = ("--model", model("llama_3p6b"), "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt",
             "--profile", "h200")
-    assert plan(capsys, *argv, "--gpu-mem", "20")[0] == EXIT_DOES_NOT_FIT
+    assert plan(capsys, *argv, "--gpu-mem", "12")[0] == EXIT_DOES_NOT_FIT  # weights + activations alone
     rc, data = plan_json(capsys, *argv, "--host-mem", "80", "--offload-config", '{"gpu_resident_buckets": 0}')
     assert rc == EXIT_FITS and data["plan"]["rollback"] == "inverse"  # 28 B/param would not fit in 80 GiB
     assert data["profile"]["host_available_bytes"] == 80 * 1024**3
@@ -100,16 +100,16 @@ def test_gh200_and_a_workstation_card_get_different_plans(capsys):
 
 def test_profile_from_a_json_file_and_presets(capsys, tmp_path):
     path = tmp_path / "box.json"
-    dataclasses.replace(HardwareProfile.h200_pcie(), device_free_bytes=6 * 1024**3).save(path)
+    dataclasses.replace(HardwareProfile.h200_pcie(), device_free_bytes=3 * 1024**3).save(path)
     rc, data = plan_json(capsys, "--model", "1b", "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt",
                          "--profile", str(path))
     assert rc == EXIT_DOES_NOT_FIT and data["model"]["hidden_size"] == 2048
 
 
 def test_weight_flow_makes_it_fit_when_stationary_weights_do_not(capsys):
-    # 1B at 8 x 2048: ~10.3 GiB with stationary weights, ~8.7 GiB streaming them (docs/weight_flow.md)
+    # 1B at 8 x 2048 with the chunked loss: 6 GiB hold it only with the weights streamed (docs/weight_flow.md)
     args = ("--model", "1b", "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt", "--profile", "h200")
-    rc, data = plan_json(capsys, *args, "--gpu-mem", "10")
+    rc, data = plan_json(capsys, *args, "--gpu-mem", "6")
     assert rc == EXIT_FITS and data["plan"]["weight_mode"] == "flow"
     assert data["plan"]["device_numel"] == 0 and data["memory_gib"]["gpu"]["weights"] < 0.5
     rc, data = plan_json(capsys, *args, "--gpu-mem", "40")
@@ -176,7 +176,7 @@ def test_step_time_roofline_on_the_anchor():
 
 def test_sequence_parallel_reports_the_longest_sequence(capsys):
     """8B on two H200 with Ulysses: the run measured at 262,144 tokens (126.5 GB peak, 2026-11-30) is predicted to fit,
-    close to the predicted limit; one GPU per sequence fits far less."""
+    close to the predicted limit; one GPU per sequence fits about half of it."""
     rc, two = plan_json(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "262144", "--grad-ckpt",
                         "--profile", "h200", "--sequence-parallel", "2")
     assert rc == EXIT_FITS, two["reason"]
@@ -186,7 +186,7 @@ def test_sequence_parallel_reports_the_longest_sequence(capsys):
     assert any("sequence parallel: 2 ranks" in n for n in two["notes"])
     rc, one = plan_json(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "262144", "--grad-ckpt",
                         "--profile", "h200")
-    assert rc == EXIT_DOES_NOT_FIT and one["longest_sequence"]["tokens"] < longest / 2
+    assert rc == EXIT_DOES_NOT_FIT and one["longest_sequence"]["tokens"] < 0.6 * longest
     rc, out, _ = plan(capsys, "--model", "8b", "--batch-size", "1", "--seq-len", "65536", "--grad-ckpt",
                       "--profile", "h200", "--sequence-parallel", "2")
     assert "longest sequence that fits at batch 1:" in out

@@ -1,0 +1,93 @@
+"""One figure of what the defaults do, from the JSONL records of ``benchmarks/defaults.py``.
+
+    python benchmarks/plot_defaults.py $OUT/defaults.jsonl [more.jsonl ...] --out docs/benchmarks_defaults.png
+
+Left: tokens/s of the README snippet over the best GPU-only tokens/s of the same model (the fastest baseline at
+any batch in the same files; a model no GPU-only run fits has no bar). Right: the planner's predicted seconds per
+optimizer step against the measured median, every snippet and Trainer row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+BASELINES = ("gpu_fp32", "gpu_bf16")
+OURS = ("snippet", "trainer", "host0", "host0_inverse")
+
+
+def _records(paths: list[Path]) -> list[dict[str, Any]]:
+    return [json.loads(line) for p in paths for line in p.read_text().splitlines() if line.strip()]
+
+
+def predicted_step_s(rec: dict[str, Any]) -> float | None:
+    """The planner's seconds per optimizer step (its micro-batch step, plus the GPU part of each further one)."""
+    p = rec.get("predicted") or {}
+    if p.get("optimizer_step_s") is not None:
+        return float(p["optimizer_step_s"])
+    if p.get("step_s") is None or p.get("gpu_s") is None:
+        return None
+    return float(p["step_s"]) + (rec.get("accum", 1) - 1) * float(p["gpu_s"])
+
+
+def summarize(recs: list[dict[str, Any]]) -> tuple[list[tuple[str, float]], list[tuple[str, float, float]]]:
+    """(label, ratio to the best GPU-only tokens/s) per snippet row, and (label, predicted, measured) per row."""
+    best: dict[str, float] = defaultdict(float)
+    for r in recs:
+        if r.get("status") == "ok" and r["system"] in BASELINES:
+            best[r["preset"]] = max(best[r["preset"]], r["tokens_per_s"])
+    ratios, points = [], []
+    for r in recs:
+        if r.get("status") != "ok" or r["system"] not in OURS:
+            continue
+        label = f"{r['preset']} bs{r['batch']}" + (f"x{r['accum']}" if r.get("accum", 1) > 1 else "")
+        if r["system"] == "snippet" and best.get(r["preset"]):
+            ratios.append((label, r["tokens_per_s"] / best[r["preset"]]))
+        pred = predicted_step_s(r)
+        if pred is not None:
+            points.append((f"{label} {r['system']}", pred, r["step_s"]["median"]))
+    return ratios, points
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("jsonl", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios, points = summarize(_records(args.jsonl))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.bar([lbl for lbl, _ in ratios], [r for _, r in ratios], color="tab:blue")
+    left.axhline(1.0, color="grey", lw=1, ls="--")
+    left.set_ylabel("tokens/s vs best GPU-only tokens/s")
+    left.set_title("README snippet, no settings")
+    for k, (_, r) in enumerate(ratios):
+        left.text(k, r + 0.01, f"{r:.2f}x", ha="center", va="bottom", fontsize=9)
+    top = max([p for _, p, _ in points] + [m for _, _, m in points] + [1.0]) * 1.1
+    right.plot([0, top], [0, top], color="grey", lw=1, ls="--")
+    right.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.15, label="+-10%")
+    for lbl, pred, meas in points:
+        right.scatter(meas, pred, s=25)
+        right.annotate(lbl, (meas, pred), fontsize=8, xytext=(4, -10), textcoords="offset points")
+    right.set_xlim(0, top)
+    right.set_ylim(0, top)
+    right.set_xlabel("measured s/optimizer step (median)")
+    right.set_ylabel("planner's prediction (clipping on every step)")
+    right.set_title("predicted vs measured")
+    right.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""The causal-LM loss over the model's logits in chunks: HF's value, a third of its memory.
+
+[Note: chunked causal-LM loss]
+transformers' ``ForCausalLMLoss`` upcasts all ``[tokens, vocab]`` logits to fp32 and runs ``cross_entropy``,
+which saves an fp32 ``log_softmax`` for backward; backward then holds that, the fp32 gradient of it and the fp32
+gradient of the logits. That is 12 B per logit element at its peak: 13.9 GiB for 4 x 2048 tokens of a
+152,064-token vocabulary, as much device memory as 1B parameters of GPU-resident optimizer state.
+
+:func:`chunked_causal_lm_loss` takes the same arguments and returns the same loss. Its forward keeps the model's
+bf16 logits (alive anyway: the LM head made them) and one fp32 log-sum-exp per token; its backward writes the
+bf16 logit gradient chunk by chunk (softmax minus the one-hot target, scaled), holding one fp32 chunk at a time:
+4 B per logit element plus two fp32 chunks. HF's path also ends in a bf16 logit gradient (the upcast's backward
+casts it down), so the gradients agree to bf16 rounding; the loss value differs from HF's only in the fp32 order
+of its sum.
+
+``SuperOffloadOptimizer`` installs it (``SuperOffloadConfig.chunked_loss``, on by default) on every
+transformers model in the optimized module whose loss is HF's default ``ForCausalLMLoss`` and that has no loss of
+its own set: the memory model plans with it, and a 15B accumulation run fits one H200 only with it. The model's
+``logits`` output is unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["CHUNK_TOKENS", "chunked_causal_lm_loss", "install_chunked_loss", "uses_default_causal_lm_loss"]
+
+CHUNK_TOKENS = 2048  # NOTE: 2048 x 152,064 fp32 = 1.2 GB, the largest transient of the loss
+
+
+class _ChunkedLogitsCrossEntropy(torch.autograd.Function):
+    """Sum over valid tokens of ``logsumexp(logits) - logits[target]``, in fp32, from ``[N, V]`` logits."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, chunk: int) -> torch.Tensor:
+        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], chunk):
+            x = logits[start : start + chunk].float()
+            y = target[start : start + chunk]
+            valid = y != ignore_index
+            picked = x.gather(1, torch.where(valid, y, 0)[:, None]).squeeze(1)
+            lse[start : start + chunk] = torch.logsumexp(x, dim=-1)
+            total += torch.where(valid, lse[start : start + chunk] - picked, 0.0).sum()
+            del x
+        ctx.save_for_backward(logits, target, lse)
+        ctx.ignore_index, ctx.chunk = ignore_index, chunk
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.chunk):
+            y = target[start : start + ctx.chunk]
+            valid = y != ctx.ignore_index
+            p = logits[start : start + ctx.chunk].float().sub_(lse[start : start + ctx.chunk, None]).exp_()
+            rows = torch.arange(p.shape[0], device=p.device)
+            p[rows, torch.where(valid, y, 0)] -= 1.0
+            p.mul_((valid.to(p.dtype) * grad_out)[:, None])
+            grad[start : start + ctx.chunk] = p
+            del p
+        return grad, None, None, None
+
+
+def chunked_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
+                           num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+                           shift_labels: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` (same arguments, same value) with a third of its memory
+    ([Note: chunked causal-LM loss]): mean over the label tokens, or their sum over ``num_items_in_batch``."""
+    if shift_labels is None:
+        assert labels is not None, "chunked_causal_lm_loss needs labels or shift_labels"
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    flat = logits.reshape(-1, vocab_size)
+    target = shift_labels.reshape(-1).to(flat.device)
+    total = _ChunkedLogitsCrossEntropy.apply(flat, target, ignore_index, CHUNK_TOKENS)
+    if num_items_in_batch is None:
+        return total / (target != ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def _default_loss_models(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformers causal-LM models inside ``model`` whose loss is HF's default ``ForCausalLMLoss`` and that
+    set no loss of their own."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # a transformers without the loss registry: nothing to replace
+        return []
+    # the name first: reading ``loss_function`` of a model without a causal-LM loss logs a warning
+    return [m for m in model.modules()
+            if isinstance(m, PreTrainedModel) and type(m).__name__.endswith("ForCausalLM")
+            and getattr(m, "_loss_function", None) is None and m.loss_function is ForCausalLMLoss]
+
+
+def uses_default_causal_lm_loss(model: torch.nn.Module) -> bool:
+    """Whether :func:`install_chunked_loss` would change ``model``."""
+    return bool(_default_loss_models(model))
+
+
+def install_chunked_loss(model: torch.nn.Module) -> int:
+    """Give every transformers causal-LM model inside ``model`` whose loss is HF's default ``ForCausalLMLoss`` (and
+    that has no loss of its own set) :func:`chunked_causal_lm_loss`. Returns how many it changed."""
+    found = _default_loss_models(model)
+    for m in found:
+        m.loss_function = chunked_causal_lm_loss
+    return len(found)
