@@ -18,7 +18,7 @@ from .causal_lm_loss import install_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile, cuda_free_bytes
 from .planning.plan import OffloadPlan
-from .planning.planner import Workload, make_plan
+from .planning.planner import Workload, device_holds, make_plan
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.validation import Hyper, SpeculationGovernor, StepVerdict
@@ -150,6 +150,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.plan_listeners: list[Callable[[OffloadPlan], None]] = []
         """Called once with the plan when the engine is built (integrations log it on the main process)."""
         self._batch_hook: Any = None
+        self._growth_hook: Any = None
+        self._fitted_tokens = 0  # the most tokens per training batch checked against the plan's device memory
         self._fp32_values: list[torch.Tensor | None] | None = None
         infer = profile_read and not converted and self._infers_workload()
         if comm is not None:
@@ -266,11 +268,40 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._fp32_values = None
         self._built = engine
         self._provisional = None
+        if self.workload is not None and self._comm is None:
+            # [Note: workload from the first batch]: a later, larger batch is checked against this plan's memory
+            budget = profile or self._profile
+            if budget.device_free_bytes is not None:
+                self._fitted_tokens = self.workload.batch_size * self.workload.seq_len
+                self._growth_hook = self._model.register_forward_pre_hook(
+                    lambda m, a, k: self._check_batch(m, a, k, budget), with_kwargs=True, prepend=True)
         if self._log_plan:
             logger.info("%s", plan.summary())
         for listener in self.plan_listeners:
             listener(plan)
         return engine
+
+    def _check_batch(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     budget: HardwareProfile) -> None:
+        """Forward pre-hook once planned: a training batch with more tokens than any checked so far must fit the
+        plan's device memory by the memory model, or it is refused here, before its forward allocates anything
+        (a CUDA out-of-memory error mid-step would leave a half-done step; this leaves everything as it was)."""
+        if not (torch.is_grad_enabled() and module.training) or self.workload is None:
+            return
+        shape = _batch_shape(args, kwargs)
+        if shape is None or shape[0] * shape[1] <= self._fitted_tokens:
+            return
+        larger = dataclasses.replace(self.workload, batch_size=shape[0], seq_len=shape[1])
+        ok, why = device_holds(self.plan, larger, budget, 1)
+        if not ok:
+            w = self.workload
+            raise RuntimeError(
+                f"hf_superoffload: this training batch ({shape[0]} x {shape[1]} tokens) does not fit the plan made "
+                f"for {w.batch_size} x {w.seq_len} ({why}); nothing was run or changed. Plan for the longest batch: "
+                f"SuperOffloadOptimizer(..., workload=Workload(model.config, batch_size={shape[0]}, "
+                f"seq_len={shape[1]}, grad_ckpt={w.grad_ckpt})), or superoffload_max_seq_len with the Trainer; or cap "
+                "the batches' length")
+        self._fitted_tokens = shape[0] * shape[1]
 
     @property
     def _engine(self) -> OffloadEngine:
@@ -503,6 +534,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if self._batch_hook is not None:
             self._batch_hook.remove()
             self._batch_hook = None
+        if self._growth_hook is not None:
+            self._growth_hook.remove()
+            self._growth_hook = None
         if self._built is not None:
             self._built.close()
 

@@ -24,8 +24,8 @@ from .plan import (
 )
 from .step_time import predict_step_time
 
-__all__ = ["AUTO_D2H_LEAD", "PlanError", "Workload", "d2h_lead", "make_plan", "partition_buckets", "share_count",
-           "split_cores"]
+__all__ = ["AUTO_D2H_LEAD", "PlanError", "Workload", "d2h_lead", "device_holds", "make_plan", "partition_buckets",
+           "share_count", "split_cores"]
 
 AUTO_D2H_LEAD = 4
 """``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state ([Note: D2H lead] in docs/design.md)."""
@@ -332,7 +332,7 @@ def make_plan(
         note = (f"device tail: {lo} bucket(s) = {first.device_numel / max(sum(numels), 1):.0%} of parameters (auto: "
                 "the fewest with which the host RAM holds the rest)")
         return dataclasses.replace(first, notes=(note, *first.notes[1:]))
-    ok, why = _device_holds(first, workload, profile, world_size)
+    ok, why = device_holds(first, workload, profile, world_size)
     if not ok:
         if lo == 0:
             return first  # nothing fits beside the activations even with no tail: the verdict says so
@@ -340,11 +340,11 @@ def make_plan(
                         f"{first.device_numel * _DEVICE_BYTES_PER_PARAM / gib:.1f} GiB of optimizer state and gradients) "
                         f"does not fit the device either: {why}. Add host RAM, use weight_placement='flow', a "
                         "shorter sequence or a smaller batch, or more GPUs.") from None
-    most = bisect_largest_int(lo, n_buckets, lambda n: _device_holds(plan_at(n), workload, profile, world_size)[0])
+    most = bisect_largest_int(lo, n_buckets, lambda n: device_holds(plan_at(n), workload, profile, world_size)[0])
     best, predicted = _fastest_tail(lo, most, plan_at, workload, profile)
     plan = plan_at(best)
     assert plan is not None
-    _, why = _device_holds(plan, workload, profile, world_size)
+    _, why = device_holds(plan, workload, profile, world_size)
     grown = " grown until the host RAM holds the rest, then" if host_error is not None else ""
     run = f"{workload.batch_size} x {workload.seq_len} tokens{_workload_note(workload)}"
     if best == most:
@@ -425,7 +425,7 @@ def _bucket_numel(numels: Sequence[int], config: SuperOffloadConfig, element_siz
     return min(bucket_numel, max(1, -(-sum(numels) // _MIN_BUCKETS)))
 
 
-def _device_holds(plan: OffloadPlan | None, workload: Workload, profile: HardwareProfile,
+def device_holds(plan: OffloadPlan | None, workload: Workload, profile: HardwareProfile,
                   world_size: int) -> tuple[bool, str]:
     """Whether the memory model says ``plan`` fits the device (less ``_DEVICE_MARGIN``) and the host, with the
     plan's own cast side, rollback and buffers (the figures ``hf-superoffload plan`` prints), and why in words."""

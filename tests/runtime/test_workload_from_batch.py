@@ -180,3 +180,27 @@ def test_a_given_profile_or_setting_plans_at_construction(device_budget) -> None
 
     assert SuperOffloadOptimizer(_model(), lr=1e-2, log_plan=False,
                                  config=SuperOffloadConfig(gpu_resident_buckets=0)).planned
+
+
+def test_a_later_batch_too_large_for_the_plan_is_refused_before_its_forward(device_budget) -> None:
+    """The plan fills the device memory the first batch leaves; a longer batch later would run out of it mid-step.
+    It is refused before its forward touches anything, in one line naming the fix; shorter batches, and longer
+    ones that still fit, train on."""
+    batch, seq = 2, 24
+    model = _model()
+    device_budget(_budget_for_half_tail(model, batch, seq))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    data = _batches(3, batch, seq)
+    _train(opt, model, data[:1])
+    assert opt.plan.device_numel > 0
+    _train(opt, model, [data[1][:, :16]])  # fewer tokens: nothing to check
+    before = _snapshot(opt, model)
+    long = torch.randint(0, 128, (batch, 40 * seq), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(RuntimeError, match=r"2 x 960 tokens\) does not fit the plan made for 2 x 24") as e:
+        model(input_ids=long, labels=long)
+    assert "\n" not in str(e.value) and "Workload(model.config, batch_size=2, seq_len=960" in str(e.value)
+    after = _snapshot(opt, model)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    _train(opt, model, data[2:3])  # the run goes on
+    assert opt.last_step_stats.verdict in ("commit", "redo")
+    opt.close()

@@ -77,7 +77,7 @@ def test_host_fit_is_monotone_in_the_tail(preset: str, layers: int | None, profi
 def test_auto_tail_is_the_fastest_both_memories_hold(preset: str, layers: int | None, profile_name: str) -> None:
     """The auto tail is one both memories hold and no walked tail they hold is predicted faster (worst case:
     clipping on every step); a PlanError only when no tail fits both."""
-    from hf_superoffload.planning.planner import _TAIL_TIME_TIE, _device_holds
+    from hf_superoffload.planning.planner import _TAIL_TIME_TIE, device_holds
 
     cfg = _cfg(preset, layers)
     numels = arrival_numels(cfg)
@@ -97,14 +97,14 @@ def test_auto_tail_is_the_fastest_both_memories_hold(preset: str, layers: int | 
                            profile=profile, workload=workload)
         except _HostRoomError:
             continue
-        if _device_holds(p, workload, profile, 1)[0]:
+        if device_holds(p, workload, profile, 1)[0]:
             both[n] = _worst_case_s(cfg, p, profile)
     if plan is None:
         assert not both, f"PlanError, but tails {sorted(both)[:5]}... fit both memories"
         return
     if plan.weight_mode.value == "flow":
         return  # weight flow leaves the device to activations: no tail search
-    assert _device_holds(plan, workload, profile, 1)[0]
+    assert device_holds(plan, workload, profile, 1)[0]
     if both:
         chosen, fastest = _worst_case_s(cfg, plan, profile), min(both.values())
         assert chosen <= fastest * (1 + _TAIL_TIME_TIE) + 1e-9, (chosen, fastest, both)
