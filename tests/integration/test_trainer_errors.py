@@ -130,7 +130,8 @@ def test_max_seq_len_gives_the_planner_the_batch_shape(hf: Any, tmp_path: Any) -
     trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=hf.TokenDataset(4))
     trainer.create_optimizer()
     w = trainer.superoffload_optimizer.workload
-    assert w == Workload(model.config, 2, 16, True, sequence_parallel=1, loss_chunk_tokens=None)
+    assert w == Workload(model.config, 2, 16, True, sequence_parallel=1, loss_chunk_tokens=None,
+                         chunked_loss=True)  # tiny_llama uses HF's default loss: the chunked one replaces it
     plain = SuperOffloadTrainer(model=tiny_llama(seed=0), args=_args(tmp_path / "plain"), train_dataset=hf.TokenDataset(4))
     plain.create_optimizer()
     assert plain.superoffload_optimizer.workload is None
