@@ -40,3 +40,24 @@ def test_lora_trains_only_the_adapters(hf: Any, tmp_path: Any) -> None:
 
     trainer.save_model(str(tmp_path / "adapter"))
     assert os.path.isfile(tmp_path / "adapter" / "adapter_model.safetensors")
+
+
+def test_lora_adapter_masters_are_the_fp32_adapters_bit_for_bit() -> None:
+    """peft makes the adapters fp32 on a bf16 base (autocast_adapter_dtype): their exact fp32 values become the
+    host masters, and the model keeps bf16 copies (not bf16-rounded masters)."""
+    from hf_superoffload import SuperOffloadOptimizer
+
+    base = tiny_llama(seed=0).to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0, init_lora_weights="gaussian"))
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert all(p.dtype == torch.float32 for p in adapters.values())
+    init = {n: p.detach().clone() for n, p in adapters.items()}
+    opt = SuperOffloadOptimizer(model, lr=1e-3, log_plan=False)
+    sd = opt.state_dict()["superoffload"]
+    for name, numel, shape, (where, off) in zip(sd["names"], sd["numels"], sd["shapes"], sd["locations"], strict=True):
+        master = sd[where]["master"][off : off + numel].view(shape)
+        want = init[name]
+        assert master.dtype == torch.float32 and torch.equal(master, want), name
+        assert torch.equal(adapters[name].detach(), want.to(torch.bfloat16)), name
+    opt.close()
