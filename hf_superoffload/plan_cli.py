@@ -36,9 +36,9 @@ from .planning.memory_model import (
 )
 from .planning.plan import OffloadPlan
 from .planning.planner import PlanError, Workload, make_plan
-from .planning.step_time import predict_step_time
+from .planning.step_time import PEER_GBPS_ASSUMED, predict_step_time
 
-__all__ = ["add_plan_parser", "arrival_numels", "load_model_config", "main", "main_plan"]
+__all__ = ["add_plan_parser", "arrival_numels", "check_ranks", "load_model_config", "main", "main_plan", "rank_share"]
 
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 MAX_LAYERS = 2048  # the search limit of largest_model_that_fits
@@ -116,20 +116,22 @@ def _numels_by_layers(config: Any, numels: list[int]) -> Any:
 
 
 def _largest_by_plan(shape: ModelShape, layered: Any, cfg: SuperOffloadConfig, profile: HardwareProfile,
-                     workload: Workload) -> tuple[int, MemoryEstimate] | None:
+                     workload: Workload, ranks: dict[str, Any]) -> tuple[int, MemoryEstimate] | None:
     """The most layers of this width for which the planner's own search finds a plan that fits: the same search,
-    and the same check, as the verdict (so a model below the frontier always fits)."""
+    and the same check, as the verdict (so a model below the frontier always fits). ``ranks``: ``make_plan``'s
+    rank arguments (empty for one process); the fit is checked against one rank's share of the host."""
     run = workload.estimate_kwargs()
+    share = rank_share(profile, ranks.get("local_world_size", 1))
 
     def est_for(layers: int) -> MemoryEstimate | None:
         s = shape.with_layers(layers)
         try:
             plan = make_plan(layered(layers), element_size=2, config=cfg, profile=profile,
-                             workload=dataclasses.replace(workload, model=s))
+                             workload=dataclasses.replace(workload, model=s), **ranks)
         except PlanError:
             return None
         est = estimate(s, plan_like=PlanLike.from_plan(plan), **run)
-        return est if fits(est, profile) else None
+        return est if fits(est, share) else None
 
     best = bisect_largest(1, MAX_LAYERS, lambda layers: est_for(layers) is not None)
     if best is None:
@@ -137,6 +139,25 @@ def _largest_by_plan(shape: ModelShape, layered: Any, cfg: SuperOffloadConfig, p
     est = est_for(best)
     assert est is not None
     return best, est
+
+
+def rank_share(profile: HardwareProfile, ranks_per_host: int) -> HardwareProfile:
+    """One rank's view of a host that ``ranks_per_host`` ranks share: its 1/n of the available RAM (the planner
+    sizes each rank's arenas from the same share); the GPU is the rank's own."""
+    if ranks_per_host <= 1 or profile.host_available_bytes is None:
+        return profile
+    return dataclasses.replace(profile, host_available_bytes=profile.host_available_bytes // ranks_per_host)
+
+
+def check_ranks(data_parallel: int, sequence_parallel: int, profile: HardwareProfile) -> int:
+    """The ranks on this host (``data_parallel x sequence_parallel``, every one on this host); raises
+    :class:`InputError` when the host cannot give each one a core for its CPU Adam."""
+    world = data_parallel * sequence_parallel
+    if profile.cpu_cores is not None and world > profile.cpu_cores:
+        raise InputError(f"--data-parallel {data_parallel} x --sequence-parallel {sequence_parallel} = {world} ranks "
+                         f"on one host, but the profile has {profile.cpu_cores} cores (each rank needs at least one): "
+                         "use fewer ranks")
+    return world
 
 
 def resolve_profile(spec: str, *, gpu_mem_gb: float | None, host_mem_gb: float | None) -> HardwareProfile:
@@ -181,6 +202,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", type=int_in(1, 4096), default=1, metavar="P",
                    help="Ulysses ranks per sequence (one GPU each): activations per GPU are 1/P, the loss is chunked, "
                         "the optimizer state is sharded over the P ranks; also prints the longest sequence that fits")
+    p.add_argument("--data-parallel", type=int_in(1, 4096), default=1, metavar="D",
+                   help="data-parallel replicas, all on this host: D x P ranks (one GPU each) share its cores and RAM, "
+                        "each trains --batch-size sequences, the optimizer state is sharded over the D x P ranks; "
+                        "memory and step time are one rank's")
     p.add_argument("--loss-chunk", type=int_in(1, MAX_SEQ), default=None, metavar="TOKENS",
                    help="LM head + loss over chunks of this many tokens (default: 4096 with --sequence-parallel > 1, "
                         "else HF's loss over all logits)")
@@ -192,6 +217,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "(sequence_parallel.enable_checkpointing_keep_attention)")
     p.set_defaults(func=main_plan)
     return p
+
+
+def _peer_source(profile: HardwareProfile) -> str:
+    if profile.peer_gbps is not None:
+        return f"{profile.peer_gbps:g} GB/s between GPUs, from the profile"
+    return f"{PEER_GBPS_ASSUMED:g} GB/s between GPUs assumed (NVLink 4; the profile has no peer_gbps)"
 
 
 def _mem(d: dict[str, int]) -> dict[str, float]:
@@ -207,8 +238,8 @@ def main_plan(args: argparse.Namespace) -> int:
     try:
         if args.batch_size < 1 or args.seq_len < 1:
             raise InputError("--batch-size and --seq-len must be >= 1")
-        if args.sequence_parallel < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
-            raise InputError("--sequence-parallel and --loss-chunk must be >= 1")
+        if min(args.sequence_parallel, args.data_parallel) < 1 or (args.loss_chunk is not None and args.loss_chunk < 1):
+            raise InputError("--sequence-parallel, --data-parallel and --loss-chunk must be >= 1")
         if args.tiled_mlp < 0:
             raise InputError("--tiled-mlp must be >= 0 (0: untiled)")
         if args.keep_attention and not args.grad_ckpt:
@@ -216,22 +247,24 @@ def main_plan(args: argparse.Namespace) -> int:
         config = load_model_config(args.model)
         shape = ModelShape.from_config(config)
         profile = resolve_profile(args.profile, gpu_mem_gb=args.gpu_mem, host_mem_gb=args.host_mem)
+        world = check_ranks(args.data_parallel, args.sequence_parallel, profile)
         cfg = SuperOffloadConfig(**json.loads(args.offload_config)) if args.offload_config else SuperOffloadConfig()
         numels = arrival_numels(config)
     except (InputError, ValueError, TypeError) as e:
         print(f"hf-superoffload plan: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     run = dict(batch_size=args.batch_size, seq_len=args.seq_len, grad_ckpt=args.grad_ckpt)
-    sp = args.sequence_parallel
+    sp, dp = args.sequence_parallel, args.data_parallel
     chunk = args.loss_chunk if args.loss_chunk is not None else (4096 if sp > 1 else None)
     # a transformers decoder trains with the chunked causal-LM loss the optimizer installs (unless configured off)
     sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk, mlp_tile_tokens=args.tiled_mlp or None,
                  keep_attention=args.keep_attention, chunked_loss=cfg.chunked_loss)
     workload = Workload(shape, **run, **sp_kw)
     ranks: dict[str, Any] = {}
-    if sp > 1:  # one rank per GPU of this host; the profile's cores are split between them
+    if world > 1:  # one rank per GPU of this host; the profile's cores are split between them
         cores = list(range(profile.cpu_cores)) if profile.cpu_cores else None
-        ranks = dict(world_size=sp, rank=0, local_world_size=sp, local_rank=0, cores=cores)
+        ranks = dict(world_size=world, rank=0, local_world_size=world, local_rank=0, cores=cores)
+    share = rank_share(profile, world)  # what one rank's memory is checked against
     notes: list[str] = []
     reasons: list[str] = []
     plan: OffloadPlan | None = None
@@ -239,7 +272,7 @@ def main_plan(args: argparse.Namespace) -> int:
         plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload, **ranks)
         plan_like = PlanLike.from_plan(plan)  # the planner already sized the tail for this workload's activations
         host_est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
-        over = profile.host_available_bytes is not None and host_est.host_peak_bytes > profile.host_available_bytes
+        over = share.host_available_bytes is not None and host_est.host_peak_bytes > share.host_available_bytes
         if over and cfg.rollback == "auto" and plan.rollback.value != "inverse":
             plan = make_plan(numels, element_size=2, config=cfg.replace(rollback="inverse"), profile=profile,
                              workload=workload, **ranks)
@@ -248,16 +281,16 @@ def main_plan(args: argparse.Namespace) -> int:
     except PlanError as e:  # show the numbers of the leanest plan: every state on the host, inverse rollback
         reasons.append(f"the planner refuses: {e}")
         plan, plan_like = None, PlanLike.all_host(sum(numels))
-    step = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp,
+    step = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp, data_parallel=dp,
                              mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention)
-    clipped = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp,
+    clipped = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp, data_parallel=dp,
                                 mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention,
                                 clipping_every_step=True)
     if step is not None and plan is not None and plan.rollback.value == "snapshot":
         plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
     est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
     try:
-        check_fits(est, profile)
+        check_fits(est, share)
     except PlanError as e:
         reasons.append(str(e))
     reason = "\n".join(reasons) or None
@@ -270,9 +303,9 @@ def main_plan(args: argparse.Namespace) -> int:
     if profile.device_free_bytes is not None:
         layered = _numels_by_layers(config, numels)
         if layered is not None and sp == 1:
-            largest = _largest_by_plan(shape, layered, cfg, profile, workload)
-        else:  # not a plain stack of identical layers (or several ranks): the memory model's own search
-            largest = largest_model_that_fits(shape, profile=profile, host_bytes_per_param=plan_like.host_bytes_per_param,
+            largest = _largest_by_plan(shape, layered, cfg, profile, workload, ranks)
+        else:  # not a plain stack of identical layers (or Ulysses ranks): the memory model's own search
+            largest = largest_model_that_fits(shape, profile=share, host_bytes_per_param=plan_like.host_bytes_per_param,
                                               max_layers=MAX_LAYERS, weight_mode=plan_like.weight_mode,
                                               bucket_bytes=plan_like.bucket_bytes, **run)
     longest = None
@@ -290,6 +323,11 @@ def main_plan(args: argparse.Namespace) -> int:
         notes.append(f"sequence parallel: {sp} ranks per sequence, {-(-args.seq_len // sp)} tokens of each sequence "
                      f"per GPU; loss over chunks of {chunk} tokens; optimizer state sharded over the {sp} ranks "
                      "(the step time is one rank's; the largest-model search assumes one rank)")
+    if world > 1:
+        notes.append(f"{dp} data-parallel x {sp} sequence-parallel = {world} ranks on this host, one GPU each: each "
+                     f"has 1/{world} of the host's cores and RAM and 1/{world} of every bucket's optimizer state; "
+                     f"gradients reduce-scattered and divided by {dp}, weights all-gathered ({_peer_source(profile)}); "
+                     f"memory and step time are one rank's")
     out = {
         "fits": reason is None, "reason": reason,
         "longest_sequence": None if longest is None else {"tokens": longest, "sequence_parallel": sp,
@@ -308,6 +346,19 @@ def main_plan(args: argparse.Namespace) -> int:
             "host_peak": round(est.host_peak_bytes / GiB, 2), "host_expected": round(est.host_expected_bytes / GiB, 2)},
         "step_time_s": None if step is None else {k: round(v, 4) for k, v in dataclasses.asdict(step).items()},
         "step_time_clipping_every_step_s": None if clipped is None else round(clipped.step_s, 4),
+        "ranks": {
+            "data_parallel": dp, "sequence_parallel": sp, "world_size": world, "ranks_per_host": world,
+            "gradient_divisor": dp, "tokens_per_step": dp * args.batch_size * args.seq_len,
+            "host_available_per_rank_gib": (None if share.host_available_bytes is None
+                                            else round(share.host_available_bytes / GiB, 2)),
+            "per_rank": {"gpu_peak_gib": round(est.gpu_peak_bytes / GiB, 2),
+                         "gpu_required_gib": round(est.gpu_required_bytes / GiB, 2),
+                         "host_peak_gib": round(est.host_peak_bytes / GiB, 2),
+                         "host_optimizer_numel": plan_like.host_numel,
+                         "step_s": None if step is None else round(step.step_s, 4),
+                         "collectives_s": None if step is None else round(step.collectives_s, 4),
+                         "collectives_exposed_s": None if step is None else round(step.collectives_exposed_s, 4)},
+            "host_peak_all_ranks_gib": round(world * est.host_peak_bytes / GiB, 2)},
         "gpu_adamw_baseline_gib": {"gpu_required": round(baseline.gpu_required_bytes / GiB, 2),
                                    "fits": fits(baseline, profile)},
         "largest_fitting": None if largest is None else {
@@ -341,6 +392,15 @@ def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfil
                      f"against a {st['backward_window_s']:.3f} s backward, exposed {st['exposed_s']:.3f}, device tail "
                      f"{st['tail_s']:.3f}; {st['speculated_fraction']:.0%} of host buckets speculated); "
                      f"{out['step_time_clipping_every_step_s']:.3f} s while clipping fires every step")
+    rk = out["ranks"]
+    if rk["world_size"] > 1:
+        pr = rk["per_rank"]
+        coll = "" if st is None else (f"; collectives {pr['collectives_s']:.3f} s (reduce-scatter + all-gather), "
+                                      f"{pr['collectives_exposed_s']:.3f} s of it exposed")
+        lines.append(f"ranks: {rk['data_parallel']} data-parallel x {rk['sequence_parallel']} sequence-parallel = "
+                     f"{rk['world_size']} on this host; per rank {pr['gpu_required_gib']:.1f} GiB GPU required, "
+                     f"{pr['host_peak_gib']:.1f} GiB host peak (all ranks {rk['host_peak_all_ranks_gib']:.1f})"
+                     f"{coll}")
     b = out["gpu_adamw_baseline_gib"]
     lines.append(f"plain GPU AdamW would need {b['gpu_required']:.1f} GiB ({'fits' if b['fits'] else 'does not fit'})")
     lg = out["largest_fitting"]

@@ -118,6 +118,9 @@ class HardwareProfile:
         host_memory_gbps: host memory bandwidth for in-place streaming (the CPU Adam's roofline).
         matmul_tflops: dense bf16 GEMM rate actually reached (not the datasheet peak).
         device_memory_gbps: device memory bandwidth (the GPU-tail AdamW's roofline).
+        peer_gbps: NCCL bus bandwidth of a reduce-scatter or all-gather between this host's GPUs (NVLink; PCIe
+            peer-to-peer where they have none): the data-parallel collectives' rate. Not measured (one GPU cannot);
+            ``None``: the step-time roofline assumes NVLink 4 (``step_time.PEER_GBPS_ASSUMED``).
         notes: where the numbers come from.
     """
 
@@ -138,6 +141,7 @@ class HardwareProfile:
     host_memory_gbps: float | None = None
     matmul_tflops: float | None = None
     device_memory_gbps: float | None = None
+    peer_gbps: float | None = None
     notes: tuple[str, ...] = ()
 
     # ---------------------------------------------------------------------------------------------

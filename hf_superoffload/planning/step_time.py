@@ -26,6 +26,21 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   before their backward. ``h2d_s`` is then the forward's fetch (the step's uploads are gone: staging is the
   weights' home), and the backward's fetch shares the backward window with the gradients' D2H, each at the
   concurrent rate: ``max(0, max(d2h_s', fetch_s') - W_b)`` replaces the D2H term.
+* data parallel (ZeRO): the engine shards every bucket over all W = D x P ranks (D data-parallel replicas, P
+  Ulysses ranks each), so a rank's ``H`` is its 1/W shard, and the W ranks of the host split its Adam rate and
+  memory bandwidth as above; each rank computes its own batch (D leaves ``gpu_s`` alone). Per step every bucket's
+  bf16 gradients are reduce-scattered and its updated bf16 weights all-gathered: a ring moves ``(W - 1) / W`` of
+  the 2 B/param of all ``W (H + G)`` parameters (G: the rank's device-tail shard) each way, at the profile's
+  ``peer_gbps`` (NCCL bus bandwidth between the host's GPUs) or, without one, ``PEER_GBPS_ASSUMED`` = 350 GB/s
+  (NVLink 4 on H100/H200 HGX: 450 GB/s per direction nominal, nccl-tests report 350-370 GB/s bus bandwidth for
+  both collectives; assumed, not measured here). ``rs_s = ag_s = (W - 1) / W x 2 W (H + G) / peer``. Overlap
+  follows the mechanism ([Note: data parallel sharding]): a bucket's D2H waits for its reduce-scatter, so the
+  two pipeline through the backward, ``max(d2h_s, rs_s)`` replacing ``d2h_s`` above; the last bucket's
+  reduce-scatter lands after the backward (one bucket's ``rs``, exposed); a bucket's all-gather waits for its
+  upload, so ``ag_s`` joins ``max(rem, h2d_s, ag_s)`` against the next forward, and the first bucket's all-gather
+  is exposed before the forward's first layer. ``collectives_s = rs_s + ag_s``, ``collectives_exposed_s`` the
+  share of ``exposed`` that only the collectives cause. Not modelled: NCCL's SMs slowing the backward's GEMMs,
+  and Ulysses' all-to-alls (inside ``gpu_s``' efficiency). Modelled from the mechanism, not yet calibrated.
 * ``step_s = gpu_s + tail_s + exposed``. While clipping fires on every step, speculation pauses: nothing is
   stepped in the backward, and the whole pass (``H / R``, no DMA contention; 20/28 of it with deferred moment
   stores) is ``rem``, overlapping only the next forward (3.6B all-host, batch 8: 1.30 s predicted, 1.274
@@ -39,10 +54,14 @@ from dataclasses import dataclass
 from .hardware import HardwareProfile
 from .memory_model import ModelShape, PlanLike
 
-__all__ = ["ATTENTION_EFFICIENCY", "GEMM_EFFICIENCY", "StepTime", "predict_step_time"]
+__all__ = ["ATTENTION_EFFICIENCY", "GEMM_EFFICIENCY", "PEER_GBPS_ASSUMED", "StepTime", "collective_seconds",
+           "predict_step_time"]
 
 GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate
 ATTENTION_EFFICIENCY = 0.6  # ... and of the causal attention term (fitted where it dominates: 8B at 256k tokens)
+# NCCL bus bandwidth between GPUs of one host when the profile has no ``peer_gbps``: NVLink 4 (H100/H200 HGX),
+# 450 GB/s per direction nominal, 350-370 GB/s reached by nccl-tests' reduce-scatter and all-gather. Assumed.
+PEER_GBPS_ASSUMED = 350.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +78,29 @@ class StepTime:
     exposed_s: float
     step_s: float
     speculated_fraction: float
+    collectives_s: float = 0.0
+    collectives_exposed_s: float = 0.0
+
+
+def collective_seconds(numel: int, world_size: int, peer_gbps: float) -> float:
+    """Seconds of one ring reduce-scatter (or all-gather) of ``numel`` bf16 elements over ``world_size`` ranks:
+    each rank sends and receives ``(W - 1) / W`` of the buffer at the bus bandwidth ``peer_gbps``."""
+    if world_size <= 1:
+        return 0.0
+    return (world_size - 1) / world_size * 2 * numel / (peer_gbps * 1e9)
 
 
 def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareProfile, *, batch_size: int,
-                      seq_len: int, grad_ckpt: bool, sequence_parallel: int = 1,
+                      seq_len: int, grad_ckpt: bool, sequence_parallel: int = 1, data_parallel: int = 1,
                       mlp_tile_tokens: int | None = None, keep_attention: bool = False,
                       clipping_every_step: bool = False) -> StepTime | None:
     """The roofline of [Note: step-time roofline] for one rank; ``None`` when the profile lacks a rate it needs.
 
     ``sequence_parallel`` P: each of the P ranks on this host computes 1/P of every layer (its tokens outside
     attention, 1/P of the heads inside), and they share the host's cores and memory bandwidth; ``plan_like`` is
-    one rank's plan (its shard of the optimizer state). ``mlp_tile_tokens`` below the tokens per rank: the tiled
+    one rank's plan (its shard of the optimizer state). ``data_parallel`` D: D replicas of the P ranks, all on this
+    host: each computes its own ``batch_size``, the D x P ranks split the host, and the step adds the reduce-scatter
+    and all-gather over all D x P ranks (the engine's shards). ``mlp_tile_tokens`` below the tokens per rank: the tiled
     MLP's backward runs one more MLP forward (2 FLOPs per MLP weight and token). ``keep_attention``: checkpointing
     keeps attention's outputs, so attention runs forward once (6 instead of 8 FLOPs per attention "parameter").
     ``clipping_every_step``: speculation pauses (every verdict is a redo), so the whole CPU pass starts at the
@@ -90,24 +121,34 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     w_b = gpu_s * (0.75 if grad_ckpt else 2 / 3)
     w_f = gpu_s - w_b
     e = 4 if plan_like.cast_side == "gpu" else 2  # bytes per parameter up (the fp32 master or bf16); down: always 2
-    rate = p.cpu_adam_gparams * 1e9 / sequence_parallel
-    host_bw = (p.host_memory_gbps or 28 * p.cpu_adam_gparams) * 1e9 / sequence_parallel
+    ranks = sequence_parallel * data_parallel  # all on this host: they split its cores and memory bandwidth
+    rate = p.cpu_adam_gparams * 1e9 / ranks
+    host_bw = (p.host_memory_gbps or 28 * p.cpu_adam_gparams) * 1e9 / ranks
     rate_eff = rate * max(0.2, 1 - (e * host / w_b) / host_bw)
     cpu_s = host / rate_eff
     d2h_s, h2d_s = 2 * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
-    bucket = plan_like.bucket_bytes / e
-    latency = bucket / rate_eff + plan_like.bucket_bytes / (p.h2d_gbps * 1e9) if host else 0.0
+    bucket = plan_like.bucket_bytes / e  # a whole bucket's elements (what the collectives move) ...
+    shard = bucket / ranks  # ... of which a rank steps and uploads its 1/W
+    latency = shard / rate_eff + e * shard / (p.h2d_gbps * 1e9) if host else 0.0
     spec = min(cpu_s, max(0.0, w_b - latency))
     rem = cpu_s - spec
     if clipping_every_step:
         spec = 0.0
         rem = host / rate * (20 / 28 if plan_like.deferred_landing_bytes else 1.0)
-    backward_link = max(0.0, d2h_s - w_b)
+    peer = p.peer_gbps or PEER_GBPS_ASSUMED
+    rs_s = ag_s = collective_seconds(ranks * (host + plan_like.device_numel), ranks, peer)
+    one_bucket = collective_seconds(int(bucket), ranks, peer)  # the last reduce-scatter, the first all-gather
+    down = d2h_s
     if plan_like.weight_mode == "flow":
         h2d_s = 2 * host / (p.h2d_gbps * 1e9)  # the forward's fetch
         d2h_c, h2d_c = (p.d2h_concurrent_gbps or p.d2h_gbps) * 1e9, (p.h2d_concurrent_gbps or p.h2d_gbps) * 1e9
-        backward_link = max(0.0, max(2 * host / d2h_c, 2 * host / h2d_c) - w_b)
-    exposed = backward_link + max(0.0, max(rem, h2d_s) - w_f) + (latency if rem > 0 else 0.0)
+        down = max(2 * host / d2h_c, 2 * host / h2d_c)
+
+    def exposed_s(rs: float, ag: float, edge: float) -> float:
+        backward_link = max(0.0, max(down, rs) - w_b)
+        return backward_link + max(0.0, max(rem, h2d_s, ag) - w_f) + (latency if rem > 0 else 0.0) + edge
+
+    exposed = exposed_s(rs_s, ag_s, 2 * one_bucket)
     tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
     return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed, gpu_s + tail_s + exposed,
-                    spec / cpu_s if cpu_s > 0 else 1.0)
+                    spec / cpu_s if cpu_s > 0 else 1.0, rs_s + ag_s, exposed - exposed_s(0.0, 0.0, 0.0))
