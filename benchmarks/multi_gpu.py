@@ -192,7 +192,7 @@ def worker(row: dict[str, Any], *, device_type: str, warmup: int, steps: int, wo
            "per_rank": per_rank, "plan": {"summary": plan.summary(), "weight_mode": plan.weight_mode.value,
                                           "rollback": plan.rollback.value, "buckets": len(plan.buckets),
                                           "device_buckets": len(plan.device_buckets)},
-           "predicted": _predicted(plan, cfg, batch, seq, sp_size, groups is not None)}
+           "predicted": _predicted(plan, cfg, batch, seq, sp_size, dp_size, groups is not None)}
     opt.close()
     dist.barrier()
     if groups is not None:
@@ -201,7 +201,8 @@ def worker(row: dict[str, Any], *, device_type: str, warmup: int, steps: int, wo
     return rec
 
 
-def _predicted(plan: Any, cfg: Any, batch: int, seq: int, sp_size: int, chunked_loss: bool) -> dict[str, Any]:
+def _predicted(plan: Any, cfg: Any, batch: int, seq: int, sp_size: int, dp_size: int,
+               chunked_loss: bool) -> dict[str, Any]:
     """The planner's predictions for rank 0's plan, on the shipped H200 profile (the box's)."""
     from hf_superoffload.planning.hardware import HardwareProfile
     from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
@@ -213,9 +214,8 @@ def _predicted(plan: Any, cfg: Any, batch: int, seq: int, sp_size: int, chunked_
     est = estimate(shape, plan_like=plan_like, batch_size=batch, seq_len=seq, grad_ckpt=True,
                    sequence_parallel=sp_size, loss_chunk_tokens=DEFAULT_CHUNK if chunked_loss else None)
     step = predict_step_time(shape, plan_like, HardwareProfile.h200_pcie(), batch_size=batch, seq_len=seq,
-                             grad_ckpt=True, sequence_parallel=sp_size, clipping_every_step=True)
-    # NOTE: the step-time model knows Ulysses ranks on one host, not the data-parallel collectives; the memory
-    # model is per rank in both.
+                             grad_ckpt=True, sequence_parallel=sp_size, data_parallel=dp_size,
+                             clipping_every_step=True)  # one rank's step; the memory model is per rank too
     return {"gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": est.host_expected_bytes / 1e9,
             "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s}
 

@@ -341,7 +341,7 @@ def make_plan(
                         f"does not fit the device either: {why}. Add host RAM, use weight_placement='flow', a "
                         "shorter sequence or a smaller batch, or more GPUs.") from None
     most = bisect_largest_int(lo, n_buckets, lambda n: device_holds(plan_at(n), workload, profile, world_size)[0])
-    best, predicted = _fastest_tail(lo, most, plan_at, workload, profile)
+    best, predicted = _fastest_tail(lo, most, plan_at, workload, profile, world_size)
     plan = plan_at(best)
     assert plan is not None
     _, why = device_holds(plan, workload, profile, world_size)
@@ -363,7 +363,8 @@ _TAIL_TIME_TIE = 0.01
 _TAIL_PROBES = 48
 
 
-def _fastest_tail(lo: int, hi: int, plan_at: Any, workload: Workload, profile: HardwareProfile) -> tuple[int, float]:
+def _fastest_tail(lo: int, hi: int, plan_at: Any, workload: Workload, profile: HardwareProfile,
+                  world_size: int = 1) -> tuple[int, float]:
     """[Note: tail from both memories]: among the tails in [lo, hi] (both memories hold each), the one with the
     fastest predicted step when clipping fires on every step (the worst case: speculation pauses and the whole
     host pass is exposed). Ties, and profiles without the rates the roofline needs, take the largest tail."""
@@ -375,8 +376,10 @@ def _fastest_tail(lo: int, hi: int, plan_at: Any, workload: Workload, profile: H
             return None
         t = predict_step_time(shape, PlanLike.from_plan(plan), profile, batch_size=workload.batch_size,
                               seq_len=workload.seq_len, grad_ckpt=workload.grad_ckpt,
-                              sequence_parallel=workload.sequence_parallel, mlp_tile_tokens=workload.mlp_tile_tokens,
-                              keep_attention=workload.keep_attention, clipping_every_step=True)
+                              sequence_parallel=workload.sequence_parallel,
+                              data_parallel=max(1, world_size // workload.sequence_parallel),
+                              mlp_tile_tokens=workload.mlp_tile_tokens, keep_attention=workload.keep_attention,
+                              clipping_every_step=True)
         return None if t is None else t.step_s
 
     top = predicted(hi)
