@@ -19,10 +19,8 @@ Schedule of one optimizer step:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -32,14 +30,14 @@ from .. import ops
 from ..planning.plan import HostAccumulation, OffloadPlan, Placement, WeightMode
 from . import registry
 from .accumulation import HostAccumulator
-from .bucket import BucketState, DeviceBucket, HostBucket
+from .bucket import DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .commit import MomentCommits
 from .cpu_worker import CpuWorker
 from .device_tail import step_device_tail
 from .flush import GradFlush
 from .hooks import Hooks
-from .host_pass import HostPass, StepContext
+from .host_pass import HostPass
 from .layout import BucketLayout, check_plan
 from .registry import module_weights
 from .sharding import Sharding
@@ -70,8 +68,8 @@ class OffloadEngine:
     consistent: bool
     """False once a worker failure left a validated step half applied (the state must not be saved)."""
     commit_when_idle: bool
-    """[Note: deferred moments]: after a step's pass the worker stores the moments whenever it has nothing more
-    urgent. ``False``: only at the bucket's next CPU task or a reader's request (white-box tests use it)."""
+    """``False``: deferred moments are stored only at the bucket's next CPU task or a reader's request, never when
+    the worker is idle (white-box tests use it)."""
     sync_predicate: Callable[[], bool] | None
     max_grad_norm_fn: Callable[[], float | None]
     layout: BucketLayout
@@ -86,12 +84,11 @@ class OffloadEngine:
     _accum: HostAccumulator | None
     _flow: WeightStreamer | None
     _lock: threading.Lock
-    """The bucket-state lock: every host bucket transition and the current StepContext's verdict."""
-    _ctx: StepContext | None
-    _pass_ctx: StepContext | None
-    """The last validated step's context: its pass runs until the next ``step()`` (StepStats.pass_s)."""
+    """The bucket-state lock (see :class:`HostPass`)."""
     _div: float
-    """Gradients are summed over the ranks and divided by this (folded into the Adam's grad scale)."""
+    """Gradients are summed over the ranks and divided by this."""
+    _no_sync_depth: int
+    _closed: bool
 
     def __init__(self, *, params: Sequence[torch.nn.Parameter], param_group: Sequence[int],
                  hyper_fn: Callable[[], Hyper], plan: OffloadPlan, modules: Sequence[torch.nn.Module],
@@ -110,30 +107,18 @@ class OffloadEngine:
         self.param_steps = [0] * len(self.params)
         self.plan, self.hyper_fn, self.check_finite, self.timeout_s = plan, hyper_fn, check_finite, timeout_s
         self.governor, self.comm = governor, comm
-        ranks = (comm.world_size, comm.rank) if comm else (1, 0)
-        if ranks != (plan.world_size, plan.rank):
-            raise ValueError(f"the plan is for rank {plan.rank} of {plan.world_size} but the process group says "
-                             f"{(comm.rank, comm.world_size) if comm else (0, 1)}")
+        check_plan(plan, comm=comm)
         self._div = comm.grad_divisor if comm else 1.0
         self.device, self.dtype = self.params[0].device, self.params[0].dtype
         self.streams = StreamSet.create(self.device)  # every stream of the engine, created here once
-        self._lock = threading.Lock()
-        self._ctx = self._pass_ctx = None
-        self._no_sync_depth = 0
-        self.sync_predicate = None
-        self.max_grad_norm_fn = lambda: None
-        self.stats = StepStats()
-        self.telemetry = Telemetry()
-        self._last_step_t = time.perf_counter()
-        self._closed = False
-        self.consistent = True
-        self.commit_when_idle = True
+        self._lock, self.stats, self.telemetry = threading.Lock(), StepStats(), Telemetry()
+        self.sync_predicate, self.max_grad_norm_fn = None, lambda: None
+        self._no_sync_depth, self._closed, self.consistent, self.commit_when_idle = 0, False, True, True
 
         registry.close_earlier(self.params)
         if plan.host_numel:
             # Build/load the CPU Adam library now, not inside the first step (a first JIT build takes ~15 s).
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), plan.cpu_threads)
-        check_plan(plan, data_parallel=comm is not None)
 
         # plan -> hooks -> buckets -> host pass -> commit -> upload: built in reverse, each given what it calls
         self.layout = layout = BucketLayout(plan=plan, params=self.params, is_cuda=self.streams.is_cuda,
@@ -146,14 +131,14 @@ class OffloadEngine:
                 mode=plan.host_accumulation, buckets=layout.host_buckets, host_numel=plan.host_numel,
                 landing_dtype=layout.arenas["landing"].tensor.dtype, pin=plan.pin_memory and self.streams.is_cuda,
                 worker=self._worker, timeout_s=timeout_s, num_threads=plan.cpu_threads)
-            for k, buf in enumerate(self._accum.buffers):
-                layout.arenas[f"accumulation{k}"] = buf
+            layout.arenas.update((f"accumulation{k}", buf) for k, buf in enumerate(self._accum.buffers))
         self.sharding = (Sharding(comm=comm, layout=layout, streams=self.streams, lock=self._lock, timeout_s=timeout_s,
                                   raise_if_worker_failed=self._worker.raise_if_failed, on_error=self._wake_all)
                          if comm is not None else None)
+        gatherer = self.sharding.gatherer if self.sharding else None
         flow = plan.weight_mode is WeightMode.FLOW
         self.uploads = Uploads(layout=layout, streams=self.streams, lock=self._lock, telemetry=self.telemetry,
-                               worker=self._worker, gatherer=self.sharding.gatherer if self.sharding else None,
+                               worker=self._worker, gatherer=gatherer,
                                streamed=flow, upload_thread=plan.upload_thread, timeout_s=timeout_s,
                                mark_inconsistent=self._mark_inconsistent, on_error=self._wake_all)
         self.commits = MomentCommits(plan=plan, layout=layout, worker=self._worker, telemetry=self.telemetry,
@@ -161,20 +146,20 @@ class OffloadEngine:
         self.host_pass = HostPass(plan=plan, layout=layout, lock=self._lock, worker=self._worker,
                                   timeout_s=timeout_s, telemetry=self.telemetry,
                                   commits=self.commits, uploads=self.uploads, accum=self._accum,
-                                  grad_divisor=self._div, mark_inconsistent=self._mark_inconsistent)
+                                  grad_divisor=self._div, mark_inconsistent=self._mark_inconsistent,
+                                  governor=governor, hyper_fn=hyper_fn, gatherer=gatherer,
+                                  max_grad_norm_fn=lambda: self.max_grad_norm_fn())
         self.flush = GradFlush(plan=plan, layout=layout, streams=self.streams, param_group=self.param_group,
                                param_steps=lambda: self.param_steps, worker=self._worker, telemetry=self.telemetry,
                                uploads=self.uploads, host_pass=self.host_pass, accum=self._accum,
-                               sharding=self.sharding, begin_step=self._ensure_ctx, abort=self.abort_step)
+                               sharding=self.sharding, begin_step=self.host_pass.begin_step, abort=self.abort_step)
         self.hooks = Hooks(layout=layout, modules=modules, uploads=self.uploads, on_grad=self._on_grad,
                            wait=self.wait_bucket, track_unhooked=not flow)
-        self._flow = None
-        if flow:  # the streamer's hooks own the weights: an unhooked read finds them released
-            self._flow = WeightStreamer(root=modules[0], sources=layout.weight_sources(),
-                                        staging_final=lambda b, block: self.uploads.staging_final(
-                                            b, block=block, mid_step=self._mid_step()),
-                                        stream=self.streams.weights,
-                                        on_h2d=lambda n: self.telemetry.add(h2d_bytes=n), synchronize=self.synchronize)
+        # weight flow: the streamer's hooks own the weights (an unhooked read finds them released)
+        self._flow = None if not flow else WeightStreamer(
+            root=modules[0], sources=layout.weight_sources(), stream=self.streams.weights,
+            staging_final=lambda b, block: self.uploads.staging_final(b, block=block, mid_step=self._mid_step()),
+            on_h2d=lambda n: self.telemetry.add(h2d_bytes=n), synchronize=self.synchronize)
         registry.claim(self)
 
     # -- the host buckets, as the integrations and tests read them ------------------------------------
@@ -198,7 +183,7 @@ class OffloadEngine:
     @property
     def step_in_progress(self) -> bool:
         """Between the first offloaded gradient of a step and its ``step()``."""
-        return self._ctx is not None
+        return self.host_pass.ctx is not None
 
     def _mark_inconsistent(self) -> None:
         self.consistent = False
@@ -234,33 +219,15 @@ class OffloadEngine:
         sync = not self._no_sync_depth and (self.sync_predicate() if self.sync_predicate is not None else True)
         self.flush.on_grad(i, sync=sync)
 
-    def _ensure_ctx(self) -> StepContext:
-        if self._ctx is None:
-            self._worker.raise_if_failed()
-            if self.sharding is not None:  # the last step's all-gathers precede this step's reduce-scatters
-                self.sharding.gatherer.drain(self.timeout_s)
-            self.layout.grad_stats.zero_()
-            speculative = self.plan.speculation and self.governor.speculate_next()
-            # [Note: speculation and rollback]: a step that speculates nothing is never undone, so with the plan's
-            # consent it updates the committed copy in place (less host traffic than writing the other copy)
-            in_place = not speculative and self.plan.nonspeculative_in_place
-            cur = self.layout.cur
-            self._ctx = StepContext(speculative=speculative, spec_hyper=self.hyper_fn(),
-                                    max_grad_norm=self.max_grad_norm_fn(), src=cur,
-                                    dst=cur if in_place else (cur + 1) % self.layout.copies)
-        return self._ctx
-
     # -- step ------------------------------------------------------------------------------------------
     def step(self, max_grad_norm: float | None) -> StepStats:
         """Validate this step's gradients and finish the update. Returns the step's telemetry."""
         self._worker.raise_if_failed()
         if self.uploads.thread is not None:
             self.uploads.thread.raise_if_failed()
-        ctx = self._ensure_ctx()
+        ctx = self.host_pass.begin_step()
         layout = self.layout
-        for b in layout.buckets:
-            if not self.flush.flushed[b.index]:
-                self.flush.flush(b)
+        self.flush.flush_rest()  # buckets with parameters that received no gradient
         with torch.profiler.record_function("superoffload::validate"):
             if self.sharding is None:
                 sumsq, nonfinite = self.flush.step_stats()  # the one host sync of the step
@@ -271,27 +238,10 @@ class OffloadEngine:
         if self.commits.adaptive and verdict.kind is not StepVerdict.SKIP:
             # before the verdict is published: a worker task that sees it finishes with this step's share
             self.commits.adapt_share()
-        with self._lock:
-            failed = ctx.failed
-            if not failed:
-                ctx.verdict_at = time.perf_counter()
-                ctx.verdict = verdict
-            pending = [b for b in layout.host_buckets if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
-            states = {b.index: b.state for b in pending}
-        if failed:  # a CPU task failed before validation: wait until the worker records it, then raise it
-            with contextlib.suppress(TimeoutError):
-                self._worker.drain(self.timeout_s)
-            self._worker.raise_if_failed()
-            raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
-        pending.sort(key=layout.need_order)  # the worker may start on the first one before the rest are queued
+        pending = self.host_pass.publish(ctx, verdict)  # raises if a CPU task of this step failed
         self.flush.release_lead()
-        if self.plan.d2h_lead_buckets:  # first tasks still waiting: the next forward's need order from now on
-            self._worker.reprioritize(lambda b: layout.need_order(b) if isinstance(b, HostBucket) else None)
         try:
-            for b in pending:
-                self._worker.submit(layout.need_order(b), f"finishing {b.describe()}",
-                                    lambda b=b: self.host_pass.finish_task(b, ctx, verdict,
-                                                                           states[b.index] is BucketState.SPECULATED))
+            self.host_pass.queue_finishes(ctx, verdict, pending)
             step_device_tail(layout.device_buckets, verdict, self.sharding)
             if self.sharding is not None and verdict.kind is not StepVerdict.SKIP:
                 self.sharding.queue_gathers()
@@ -305,47 +255,25 @@ class OffloadEngine:
             self.layout.cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             layout.advance_steps(self.param_steps)
         self.governor.record(speculated=ctx.speculative, verdict=verdict.kind)
-        now = time.perf_counter()
-        st = self.telemetry.take()
-        with self._lock:
-            prev, self._pass_ctx = self._pass_ctx, (ctx if verdict.kind is not StepVerdict.SKIP else None)
-            if prev is not None and prev.pass_done_at is not None:
-                st.pass_s = prev.pass_done_at - prev.verdict_at
-        st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, ctx.speculative
-        st.master_deferred_buckets = self.commits.master_count if self.commits.enabled else 0
-        st.clip_coef, st.iteration_s = verdict.grad_scale * self._div, now - self._last_step_t
-        self._last_step_t = now
-        self.stats = st
-        self._ctx = None
+        self.stats = self.telemetry.end_iteration(
+            verdict=verdict, speculative=ctx.speculative, grad_divisor=self._div,
+            master_deferred_buckets=self.commits.master_count if self.commits.enabled else 0,
+            pass_s=self.host_pass.end_step(verdict))
         self.flush.reset()
         self.hooks.learn_unhooked_reads()
-        return st
+        return self.stats
 
     def abort_step(self) -> None:
         """Drop a step in progress (after an error): speculative updates are undone, nothing is applied.
 
         If the worker itself failed, the undo runs here, in the calling thread (``HostPass.abort``).
         """
-        ctx = self._ctx
-        if ctx is None:
+        if self.host_pass.ctx is None:
             return
         self.flush.release_lead()
-        if ctx.verdict is not None:
-            # step() already published its verdict and queued the buckets with it: let them finish, undo nothing
-            # (step() marked the engine inconsistent unless the verdict was SKIP)
-            with contextlib.suppress(BaseException):
-                self._worker.drain(self.timeout_s)
-            for b in self.layout.device_buckets:
-                b.grad = None
-            self._ctx = None
-            self.flush.reset()
-            return
-        self.host_pass.abort(ctx)
+        self.host_pass.abort()
         for b in self.layout.device_buckets:
             b.grad = None
-        if self._accum is not None and not self._worker.failed:
-            self._worker.drain(self.timeout_s)  # accumulation adds still in flight
-        self._ctx = None
         self.flush.reset()
 
     # -- training thread: waits ------------------------------------------------------------------------
@@ -360,7 +288,8 @@ class OffloadEngine:
 
     def _mid_step(self) -> bool:
         """Gradients of this step were offloaded and its verdict is not known yet."""
-        return self._ctx is not None and self._ctx.verdict is None
+        ctx = self.host_pass.ctx
+        return ctx is not None and ctx.verdict is None
 
     def synchronize(self) -> None:
         """Wait until every bucket's parameters on the device are final (before saving or reading weights).
@@ -453,13 +382,8 @@ class OffloadEngine:
 
     def seed_masters(self, values: Sequence[torch.Tensor | None]) -> None:
         """Overwrite the masters of parameters with exact values (fp32 models), then refresh the weights."""
-        flat = self.flat_state()
-        with torch.no_grad():
-            for i, v in enumerate(values):
-                if v is not None:
-                    for pl, off, start, end in self.param_pieces(i):
-                        side = "host" if pl is Placement.HOST else "device"
-                        flat[side]["master"][off : off + end - start].copy_(v.reshape(-1)[start:end])
+        self.commit_moments()
+        self.layout.seed_masters(values)
         self.refresh_params_from_masters()
 
     def refresh_params_from_masters(self) -> None:

@@ -79,6 +79,12 @@ class GradFlush:
         self.arrived, self.flushed, self.present = [], [], []
         self.reset()
 
+    def flush_rest(self) -> None:
+        """Flush every bucket not flushed yet in this step (``step()``: parameters that received no gradient)."""
+        for b in self.layout.buckets:
+            if not self.flushed[b.index]:
+                self.flush(b)
+
     def reset(self) -> None:
         """A new optimizer step: no bucket has gradients yet (no accumulation add may be in flight)."""
         n = len(self.layout.buckets)

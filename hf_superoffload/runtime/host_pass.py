@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -26,7 +27,7 @@ from .cpu_worker import CpuWorker
 from .layout import BucketLayout
 from .telemetry import Telemetry
 from .upload import Uploads
-from .validation import Hyper, StepVerdict, Verdict
+from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict
 
 __all__ = ["HostPass", "StepContext"]
 
@@ -64,12 +65,23 @@ class HostPass:
     """Owns the CPU Adam of the host buckets: the speculative step, the verdict's finish (commit, redo or undo).
 
     Every bucket transition happens under ``lock``, the engine's bucket-state lock, which also guards the
-    :class:`StepContext` the training thread publishes its verdict in.
+    :class:`StepContext` the training thread publishes its verdict in. The training thread opens a step's context
+    (``begin_step``), publishes its verdict and queues the finishes (``publish``, ``queue_finishes``) and closes it
+    (``end_step``); the worker runs the tasks.
     """
 
     layout: BucketLayout
     lock: threading.Lock
+    ctx: StepContext | None
+    """The step in progress: from its first offloaded gradient until its ``step()`` (or abort)."""
+    _pass_ctx: StepContext | None
+    """The last validated step's context: its pass runs until the next ``step()`` (StepStats.pass_s)."""
     _plan: OffloadPlan
+    _gatherer: CpuWorker | None
+    """Data parallel: the thread of the last step's all-gathers (they precede this step's reduce-scatters)."""
+    _governor: SpeculationGovernor
+    _hyper_fn: Callable[[], Hyper]
+    _max_grad_norm_fn: Callable[[], float | None]
     _worker: CpuWorker
     _timeout_s: float
     _telemetry: Telemetry
@@ -82,13 +94,79 @@ class HostPass:
 
     def __init__(self, *, plan: OffloadPlan, layout: BucketLayout, lock: threading.Lock, worker: CpuWorker,
                  timeout_s: float, telemetry: Telemetry, commits: MomentCommits, uploads: Uploads,
-                 accum: HostAccumulator | None, grad_divisor: float, mark_inconsistent: Callable[[], None]) -> None:
+                 accum: HostAccumulator | None, grad_divisor: float, mark_inconsistent: Callable[[], None],
+                 governor: SpeculationGovernor, hyper_fn: Callable[[], Hyper],
+                 max_grad_norm_fn: Callable[[], float | None], gatherer: CpuWorker | None) -> None:
+        """
+        Args:
+            hyper_fn: the live per-group hyper-parameters, read when a step opens (its speculation uses them).
+            max_grad_norm_fn: the clipping threshold, read when a step opens (a partial norm above it stops
+                speculating).
+        """
         self._plan, self.layout, self.lock = plan, layout, lock
+        self.ctx = self._pass_ctx = None
+        self._governor, self._hyper_fn, self._max_grad_norm_fn = governor, hyper_fn, max_grad_norm_fn
+        self._gatherer = gatherer
         self._worker, self._timeout_s = worker, timeout_s
         self._telemetry, self._commits, self._uploads, self._accum = telemetry, commits, uploads, accum
         self._div = grad_divisor
         self._mark_inconsistent = mark_inconsistent
 
+    # -- training thread: the step's context -------------------------------------------------------------
+    def begin_step(self) -> StepContext:
+        """The current step's context, opened by the step's first flush (or by ``step()`` if nothing flushed)."""
+        if self.ctx is None:
+            self._worker.raise_if_failed()
+            if self._gatherer is not None:  # the last step's all-gathers precede this step's reduce-scatters
+                self._gatherer.drain(self._timeout_s)
+            self.layout.grad_stats.zero_()
+            speculative = self._plan.speculation and self._governor.speculate_next()
+            # [Note: speculation and rollback]: a step that speculates nothing is never undone, so with the plan's
+            # consent it updates the committed copy in place (less host traffic than writing the other copy)
+            in_place = not speculative and self._plan.nonspeculative_in_place
+            cur = self.layout.cur
+            self.ctx = StepContext(speculative=speculative, spec_hyper=self._hyper_fn(),
+                                   max_grad_norm=self._max_grad_norm_fn(), src=cur,
+                                   dst=cur if in_place else (cur + 1) % self.layout.copies)
+        return self.ctx
+
+    def publish(self, ctx: StepContext, verdict: Verdict) -> list[tuple[HostBucket, bool]]:
+        """Publish ``verdict`` to the step's tasks; returns the buckets still to finish, in need order, each with
+        whether it speculated. Raises if a CPU task of the step failed before the verdict (nothing published)."""
+        with self.lock:
+            failed = ctx.failed
+            if not failed:
+                ctx.verdict_at = time.perf_counter()
+                ctx.verdict = verdict
+            pending = [(b, b.state is BucketState.SPECULATED) for b in self.layout.host_buckets
+                       if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
+        if failed:  # wait until the worker records the failure, then raise it
+            with contextlib.suppress(TimeoutError):
+                self._worker.drain(self._timeout_s)
+            self._worker.raise_if_failed()
+            raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
+        pending.sort(key=lambda e: self.layout.need_order(e[0]))  # the worker may start on the first one early
+        return pending
+
+    def queue_finishes(self, ctx: StepContext, verdict: Verdict, pending: list[tuple[HostBucket, bool]]) -> None:
+        """Queue each pending bucket's ``finish_task`` (``pending`` from :meth:`publish`)."""
+        if self._plan.d2h_lead_buckets:  # first tasks still waiting: the next forward's need order from now on
+            self._worker.reprioritize(lambda b: self.layout.need_order(b) if isinstance(b, HostBucket) else None)
+        for b, speculated in pending:
+            self._worker.submit(self.layout.need_order(b), f"finishing {b.describe()}",
+                                lambda b=b, s=speculated: self.finish_task(b, ctx, verdict, s))
+
+    def end_step(self, verdict: Verdict) -> float:
+        """Close the step in progress; returns the wall seconds of the previous validated step's pass (0 if it
+        had not finished)."""
+        ctx, self.ctx = self.ctx, None
+        with self.lock:
+            prev, self._pass_ctx = self._pass_ctx, (ctx if verdict.kind is not StepVerdict.SKIP else None)
+            if prev is not None and prev.pass_done_at is not None:
+                return prev.pass_done_at - prev.verdict_at
+        return 0.0
+
+    # -- CPU worker: a bucket's tasks ------------------------------------------------------------------
     def run(self, b: HostBucket, ctx: StepContext) -> None:
         """The first CPU task of ``b`` in a step: speculate, or defer until the verdict."""
         try:
@@ -133,12 +211,24 @@ class HostPass:
                 return
         self._finish(b, ctx, verdict, speculated=True)
 
-    def abort(self, ctx: StepContext) -> None:
-        """Finish the step of ``ctx`` as SKIP before any verdict was published: speculative updates are undone.
+    def abort(self) -> None:
+        """Drop the step in progress. Before its verdict: finish it as SKIP, speculative updates are undone; after
+        (``step()`` failed once it had queued the buckets): let them finish with it, undo nothing.
 
         If the worker itself failed, the undo runs here, in the calling thread. A bucket whose CPU step raised
         part-way (state RUNNING) cannot be restored and is named in the log.
         """
+        ctx, self.ctx = self.ctx, None
+        assert ctx is not None
+        if ctx.verdict is not None:  # step() marked the engine inconsistent unless the verdict was SKIP
+            with contextlib.suppress(BaseException):
+                self._worker.drain(self._timeout_s)
+            return
+        self._undo_unpublished(ctx)
+        if self._accum is not None and not self._worker.failed:
+            self._worker.drain(self._timeout_s)  # accumulation adds still in flight
+
+    def _undo_unpublished(self, ctx: StepContext) -> None:
         skip = Verdict(StepVerdict.SKIP, 1.0, ctx.spec_hyper, float("nan"))
         with self.lock:
             ctx.verdict = skip

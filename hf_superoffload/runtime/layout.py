@@ -22,13 +22,19 @@ from ..planning.plan import (
 )
 from ..triton_kernels import scatter_flat_, spread_stats_rows
 from .bucket import DeviceBucket, HostBucket
+from .collectives import ShardGroup
 from .host_memory import HostBuffer
 
 __all__ = ["BucketLayout", "check_plan"]
 
 
-def check_plan(plan: OffloadPlan, *, data_parallel: bool) -> None:
-    """Refuse a hand-built plan whose switches the runtime cannot combine (``make_plan`` never builds one)."""
+def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
+    """Refuse a plan for another rank, or a hand-built plan whose switches the runtime cannot combine (``make_plan``
+    never builds one). ``comm``: the data-parallel group, if any."""
+    if ((comm.world_size, comm.rank) if comm else (1, 0)) != (plan.world_size, plan.rank):
+        raise ValueError(f"the plan is for rank {plan.rank} of {plan.world_size} but the process group says "
+                         f"{(comm.rank, comm.world_size) if comm else (0, 1)}")
+    data_parallel = comm is not None
     if plan.defer_moments and (data_parallel or plan.host_accumulation is not HostAccumulation.OFF):
         raise ValueError("deferred moment stores are single-process and without host accumulation (the planner "
                          "turns them off otherwise); build the plan with make_plan")
@@ -255,6 +261,17 @@ class BucketLayout:
         b = self.bucket_of[i]
         k = b.spec.param_indices.index(i)
         return [(b.spec.placement, b.spec.offset + at, start, end) for kk, start, end, at in b.pieces() if kk == k]
+
+    def seed_masters(self, values: Sequence[torch.Tensor | None]) -> None:
+        """Overwrite the committed masters of the parameters with a value (``None``: keep), this rank's pieces
+        (callers store pending deferred moments first and refresh the weights after)."""
+        flat = self.flat_state()
+        with torch.no_grad():
+            for i, v in enumerate(values):
+                if v is not None:
+                    for pl, off, start, end in self.param_pieces(i):
+                        side = "host" if pl is Placement.HOST else "device"
+                        flat[side]["master"][off : off + end - start].copy_(v.reshape(-1)[start:end])
 
     @property
     def pinned_bytes(self) -> int:

@@ -7,7 +7,10 @@ iteration's totals. The counters have their own lock: adding to them never waits
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, fields
+
+from .validation import Verdict
 
 __all__ = ["StepStats", "Telemetry"]
 
@@ -72,10 +75,13 @@ class Telemetry:
 
     _lock: threading.Lock
     _current: StepStats
+    _last_step_t: float
+    """Host clock at the last ``step()`` (or at construction): where the iteration in progress began."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._current = StepStats()
+        self._last_step_t = time.perf_counter()
 
     def add(self, **deltas: float) -> None:
         """``current.<name> += value`` for each keyword (any thread)."""
@@ -94,3 +100,14 @@ class Telemetry:
         with self._lock:
             taken, self._current = self._current, StepStats()
         return taken
+
+    def end_iteration(self, *, verdict: Verdict, speculative: bool, grad_divisor: float,
+                      master_deferred_buckets: int, pass_s: float) -> StepStats:
+        """The iteration's :class:`StepStats` at its ``step()``: the counters (``take``) and the verdict's numbers."""
+        now = time.perf_counter()
+        st = self.take()
+        st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, speculative
+        st.master_deferred_buckets, st.pass_s = master_deferred_buckets, pass_s
+        st.clip_coef, st.iteration_s = verdict.grad_scale * grad_divisor, now - self._last_step_t
+        self._last_step_t = now
+        return st
