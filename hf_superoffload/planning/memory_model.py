@@ -409,7 +409,7 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
 
     host: dict[str, int] = {"runtime_baseline": RUNTIME_HOST_BYTES}
     untouched = 0
-    if p.optimizer == "superoffload" and p.host_numel:  # the arenas (runtime/engine.py::_build_buckets)
+    if p.optimizer == "superoffload" and p.host_numel:  # the arenas (runtime/layout.py::BucketLayout)
         host["fp32_master_adam"] = 12 * p.host_numel
         host["pinned_landing_staging"] = (4 if p.cast_side == "cpu" else 2) * p.host_numel  # GPU cast: no staging
         if p.host_bytes_per_param == 28:
