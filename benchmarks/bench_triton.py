@@ -359,7 +359,7 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
         out16.copy_(p)
 
     ops.append(Op("adamw", 28 * n,
-                  lambda _i: tk.adamw_flat_(p, g, m, v, step=10, grad_scale=1.0, param_out_bf16=out16, **kw),  # type: ignore[arg-type]
+                  lambda _i: tk.adamw_flat_(p, g, m, v, step=10, grad_scale=1.0, param_bf16_out=out16, **kw),  # type: ignore[arg-type]
                   torch_adamw))  # fmt: skip
     return ops, n_sets, len(sizes)
 

@@ -341,7 +341,7 @@ def adamw_flat_(
     eps: float,
     weight_decay: float,
     grad_scale: float | torch.Tensor = 1.0,
-    param_out_bf16: torch.Tensor | None = None,
+    param_bf16_out: torch.Tensor | None = None,
 ) -> None:
     """Fused ``torch.optim.AdamW`` step on flat fp32 device buffers, in one pass (the GPU-resident tail).
 
@@ -349,7 +349,7 @@ def adamw_flat_(
     (decoupled weight decay, bias correction, ``step`` = the 1-based count after this update); results
     agree to fp32 rounding. ``grad`` is bf16 or fp32; ``g = grad * grad_scale`` where ``grad_scale`` is a
     float or a 0-dim fp32 device tensor (e.g. a clip coefficient computed on the GPU: no host sync).
-    ``param_out_bf16`` (optional) receives the updated parameters rounded to nearest-even bf16 in the same
+    ``param_bf16_out`` (optional) receives the updated parameters rounded to nearest-even bf16 in the same
     pass.
     """
     for name, t in (("param_fp32", param_fp32), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -360,22 +360,22 @@ def adamw_flat_(
     n = param_fp32.numel()
     if not (grad.numel() == exp_avg.numel() == exp_avg_sq.numel() == n):
         raise ValueError("param, grad, exp_avg and exp_avg_sq must have the same number of elements")
-    if param_out_bf16 is not None and (param_out_bf16.dtype != torch.bfloat16 or param_out_bf16.numel() != n):
-        raise ValueError("param_out_bf16 must be a bfloat16 tensor with as many elements as param")
+    if param_bf16_out is not None and (param_bf16_out.dtype != torch.bfloat16 or param_bf16_out.numel() != n):
+        raise ValueError("param_bf16_out must be a bfloat16 tensor with as many elements as param")
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
     gs_t = grad_scale if isinstance(grad_scale, torch.Tensor) else None
     if gs_t is not None and gs_t.numel() != 1:
         raise ValueError(f"grad_scale must be a float or a one-element tensor, got shape {tuple(gs_t.shape)}")
-    backend = backend_for(param_fp32, grad, exp_avg, exp_avg_sq, param_out_bf16, gs_t)
+    backend = backend_for(param_fp32, grad, exp_avg, exp_avg_sq, param_bf16_out, gs_t)
     if backend == "triton" and not (
-        grad.is_contiguous() and (param_out_bf16 is None or param_out_bf16.is_contiguous())
+        grad.is_contiguous() and (param_bf16_out is None or param_bf16_out.is_contiguous())
     ):
         backend = "reference"
     kw = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if _record("adamw_flat_", backend) == "reference":
         _ref.adamw_flat_(param_fp32, grad, exp_avg, exp_avg_sq, grad_scale=grad_scale,
-                         param_out_bf16=param_out_bf16, **kw)  # fmt: skip
+                         param_bf16_out=param_bf16_out, **kw)  # fmt: skip
         return
     assert _kmod is not None
     if gs_t is not None and gs_t.dtype != torch.float32:
@@ -384,5 +384,5 @@ def adamw_flat_(
         _kmod.launch_adamw(
             param_fp32.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
             grad_scale=gs_t if gs_t is not None else float(grad_scale),
-            param_out_bf16=param_out_bf16.view(-1) if param_out_bf16 is not None else None, **kw,
+            param_bf16_out=param_bf16_out.view(-1) if param_bf16_out is not None else None, **kw,
         )  # fmt: skip

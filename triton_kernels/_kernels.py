@@ -1746,7 +1746,7 @@ def launch_adamw(
     eps: float,
     weight_decay: float,
     grad_scale: float | torch.Tensor,
-    param_out_bf16: torch.Tensor | None,
+    param_bf16_out: torch.Tensor | None,
 ) -> None:
     """One fused AdamW step on flat contiguous tensors (arguments checked by the public function)."""
     n = param.numel()
@@ -1766,13 +1766,13 @@ def launch_adamw(
     else:
         gmode, gval, gptr = 1, float(grad_scale), param
     decay = 1.0 - lr * weight_decay
-    out = _as_storage(param_out_bf16) if param_out_bf16 is not None else param
+    out = _as_storage(param_bf16_out) if param_bf16_out is not None else param
     block = _tile(_ADAMW_BLOCK)
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, _as_storage(grad), exp_avg, exp_avg_sq, out, gptr,
         n, gval, decay, lerp_w, beta2, 1.0 - beta2, -(lr / bc1), bc2_sqrt, eps,
         G_KIND=_KIND[grad.dtype][0], GSCALE_MODE=gmode, LERP_LOW=lerp_low, DECAY=weight_decay != 0,
-        WRITE_BF16=param_out_bf16 is not None, BLOCK=block, num_warps=_ADAMW_WARPS,
+        WRITE_BF16=param_bf16_out is not None, BLOCK=block, num_warps=_ADAMW_WARPS,
     )  # fmt: skip
 
 

@@ -176,12 +176,12 @@ def adamw_flat_(
     eps: float,
     weight_decay: float,
     grad_scale: float | torch.Tensor = 1.0,
-    param_out_bf16: torch.Tensor | None = None,
+    param_bf16_out: torch.Tensor | None = None,
 ) -> None:
     """One ``torch.optim.AdamW`` step (single-tensor path, same operation order) on flat fp32 buffers.
 
     ``g = grad * grad_scale`` (``grad_scale`` a float or a 0-dim fp32 tensor on the device, so a clip
-    coefficient needs no host sync); ``step`` is the 1-based count after this update. ``param_out_bf16``
+    coefficient needs no host sync); ``step`` is the 1-based count after this update. ``param_bf16_out``
     receives the updated parameters rounded to bf16.
     """
     # one eager AdamW for the whole package: the CPU op's twin runs on any device
@@ -197,5 +197,5 @@ def adamw_flat_(
         eps=eps,
         weight_decay=weight_decay,
         grad_scale=grad_scale,
-        param_bf16_out=param_out_bf16,
+        param_bf16_out=param_bf16_out,
     )

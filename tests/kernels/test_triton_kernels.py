@@ -1000,7 +1000,7 @@ class _KernelChecks:
             tp.grad = g.float() * scale
             opt.step()
             tk.adamw_flat_(param, g, m, v, step=step, lr=3e-3, beta1=beta1, beta2=0.999, eps=1e-8,
-                           weight_decay=weight_decay, grad_scale=scale, param_out_bf16=out_bf16)  # fmt: skip
+                           weight_decay=weight_decay, grad_scale=scale, param_bf16_out=out_bf16)  # fmt: skip
             assert tk.last_backend("adamw_flat_") == "triton"
         st = opt.state[tp]
         torch.testing.assert_close(param, tp.detach(), rtol=1e-5, atol=1e-6)
