@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from transformers import HfArgumentParser
 
 from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
 from hf_superoffload.testing import tiny_llama
@@ -71,4 +72,9 @@ def test_training_args_bin_round_trips(hf: Any, tmp_path: Any) -> None:
     assert back.to_superoffload_config() == args.to_superoffload_config()
     assert back.to_superoffload_config().gpu_resident_buckets == 0
     d = json.loads(args.to_json_string())
-    assert d["superoffload_gpu_resident_buckets"] == "0" and d["superoffload_speculation"] is False
+    assert d["superoffload_gpu_resident_buckets"] == 0 and d["superoffload_speculation"] is False
+    json_file = tmp_path / "args.json"  # the JSON form parses back to the same config (HfArgumentParser)
+    json_file.write_text(json.dumps({k: d[k] for k in ("output_dir", "superoffload_gpu_resident_buckets",
+                                                        "superoffload_speculation", "superoffload_cpu_threads")}))
+    (parsed,) = HfArgumentParser(SuperOffloadArguments).parse_json_file(str(json_file))
+    assert parsed.to_superoffload_config() == args.to_superoffload_config()
