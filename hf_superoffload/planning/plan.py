@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["BucketSpec", "CastSide", "HostAccumulation", "MasterDeferral", "OffloadPlan", "Placement", "PlanError",
-           "Rollback", "WeightMode", "landing_ring_slots"]
+           "Rollback", "WeightMode"]
 
 
 class PlanError(ValueError):
@@ -70,16 +69,6 @@ class HostAccumulation(enum.Enum):
     in a small ring of bucket-sized pinned buffers: no per-parameter host RAM."""
 
 
-# Bucket-sized pinned buffers that receive the later micro-batches' gradients in HostAccumulation.LANDING.
-LANDING_RING_SLOTS = 4
-
-
-def landing_ring_slots(host_shards: Sequence[int]) -> tuple[int, ...]:
-    """Elements of each slot of the host-accumulation landing ring: the ``LANDING_RING_SLOTS`` largest host
-    shards, largest first. Every bucket fits the first slot and all but the few largest fit any slot, so a model
-    whose LM head is one 0.78B-element bucket pays for one slot of that size, not four (6.2 GB of pinned RAM at
-    15B, the margin between fitting the host and not)."""
-    return tuple(sorted(host_shards, reverse=True)[:LANDING_RING_SLOTS])
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +123,8 @@ class OffloadPlan:
             ([Note: data parallel sharding]); 1 / 0 on a single process.
         cpu_affinity: cores this rank's CPU Adam runs on (ranks sharing a host split them); ``None``: any.
         host_accumulation: where gradient accumulation sums the host buckets' gradients.
+        landing_ring: with ``HostAccumulation.LANDING``, the elements of each pinned slot that receives a later
+            micro-batch's gradients (the planner sizes them: ``planner.landing_ring_slots``).
         defer_moments: a host bucket stepped with the verdict known stores its moments later, off the critical
             path; the landing arena is doubled ([Note: deferred moments] in docs/design.md).
         defer_master: with ``defer_moments`` (and the CPU cast), which verdict-known passes write the bf16
@@ -163,6 +154,7 @@ class OffloadPlan:
     rank: int = 0
     cpu_affinity: tuple[int, ...] | None = None
     host_accumulation: HostAccumulation = HostAccumulation.OFF
+    landing_ring: tuple[int, ...] = ()
     defer_moments: bool = False
     defer_master: MasterDeferral = MasterDeferral.OFF
     d2h_lead_buckets: int = 0
@@ -197,7 +189,7 @@ class OffloadPlan:
         if self.host_accumulation is HostAccumulation.FP32:
             return 4 * self.host_numel
         if self.host_accumulation is HostAccumulation.LANDING and self.host_numel:
-            return 2 * sum(landing_ring_slots([b.shard for b in self.host_buckets]))
+            return 2 * sum(self.landing_ring)
         return 0
 
     def device_bytes(self) -> int:

@@ -20,11 +20,11 @@ from .plan import (
     PlanError,
     Rollback,
     WeightMode,
-    landing_ring_slots,
 )
 from .step_time import predict_step_time
 
-__all__ = ["AUTO_D2H_LEAD", "PlanError", "Workload", "d2h_lead", "device_holds", "make_plan", "partition_buckets",
+__all__ = ["AUTO_D2H_LEAD", "LANDING_RING_SLOTS", "PlanError", "Workload", "d2h_lead", "device_holds",
+           "landing_ring_slots", "make_plan", "partition_buckets",
            "share_count", "split_cores"]
 
 AUTO_D2H_LEAD = 4
@@ -608,6 +608,7 @@ def _make_plan(
         rank=rank,
         cpu_affinity=affinity,
         host_accumulation=accumulation,
+        landing_ring=landing_ring_slots(host_shards) if accumulation is HostAccumulation.LANDING else (),
         defer_moments=defer,
         defer_master=master,
         master_buckets=(share_count([b.shard for b in buckets if b.placement is Placement.HOST], config.defer_master)
@@ -618,6 +619,18 @@ def _make_plan(
         upload_thread=(config.overrides.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )
+
+
+# Bucket-sized pinned buffers that receive the later micro-batches' gradients in HostAccumulation.LANDING.
+LANDING_RING_SLOTS = 4
+
+
+def landing_ring_slots(host_shards: Sequence[int]) -> tuple[int, ...]:
+    """Elements of each slot of the host-accumulation landing ring: the ``LANDING_RING_SLOTS`` largest host
+    shards, largest first. Every bucket fits the first slot and all but the few largest fit any slot, so a model
+    whose LM head is one 0.78B-element bucket pays for one slot of that size, not four (6.2 GB of pinned RAM at
+    15B, the margin between fitting the host and not)."""
+    return tuple(sorted(host_shards, reverse=True)[:LANDING_RING_SLOTS])
 
 
 def share_count(numels: Sequence[int], fraction: float) -> int:

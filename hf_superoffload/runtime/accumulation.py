@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..planning.plan import HostAccumulation, landing_ring_slots
+from ..planning.plan import HostAccumulation
 from .bucket import HostBucket
 from .cpu_worker import CpuWorker
 from .host_memory import HostBuffer
@@ -61,8 +61,9 @@ class HostAccumulator:
     """The accumulation buffers of one engine and the CPU tasks that sum into them."""
 
     def __init__(self, *, mode: HostAccumulation, buckets: Sequence[HostBucket], host_numel: int,
-                 landing_dtype: torch.dtype, pin: bool, worker: CpuWorker, timeout_s: float,
+                 ring: Sequence[int], landing_dtype: torch.dtype, pin: bool, worker: CpuWorker, timeout_s: float,
                  num_threads: int) -> None:
+        """``ring``: the plan's landing-ring slot sizes in elements (``OffloadPlan.landing_ring``, LANDING only)."""
         if mode is HostAccumulation.OFF:
             raise ValueError("HostAccumulator needs HostAccumulation.FP32 or LANDING")
         self.mode = mode
@@ -77,7 +78,7 @@ class HostAccumulator:
             self.buffers.append(buf)
             arena = buf.tensor
         else:
-            sizes = landing_ring_slots([b.spec.shard for b in buckets])
+            sizes = tuple(ring)
             buf = HostBuffer(sum(sizes), landing_dtype, pin=pin, name="accumulation landing ring")
             self.buffers.append(buf)
             self._ring = list(buf.tensor.split(list(sizes))) if sizes else []

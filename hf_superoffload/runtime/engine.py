@@ -129,6 +129,7 @@ class OffloadEngine:
         if plan.host_accumulation is not HostAccumulation.OFF:
             self._accum = HostAccumulator(
                 mode=plan.host_accumulation, buckets=layout.host_buckets, host_numel=plan.host_numel,
+                ring=plan.landing_ring,
                 landing_dtype=layout.arenas["landing"].tensor.dtype, pin=plan.pin_memory and self.streams.is_cuda,
                 worker=self._worker, timeout_s=timeout_s, num_threads=plan.cpu_threads)
             layout.arenas.update((f"accumulation{k}", buf) for k, buf in enumerate(self._accum.buffers))

@@ -35,6 +35,10 @@ def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
         raise ValueError(f"the plan is for rank {plan.rank} of {plan.world_size} but the process group says "
                          f"{(comm.rank, comm.world_size) if comm else (0, 1)}")
     data_parallel = comm is not None
+    if (plan.host_accumulation is HostAccumulation.LANDING and plan.host_numel
+            and max(plan.landing_ring, default=0) < max(b.shard for b in plan.host_buckets)):
+        raise ValueError("host accumulation in the landing buffer needs a ring slot as large as the largest host "
+                         "bucket (OffloadPlan.landing_ring); build the plan with make_plan")
     if plan.defer_moments and (data_parallel or plan.host_accumulation is not HostAccumulation.OFF):
         raise ValueError("deferred moment stores are single-process and without host accumulation (the planner "
                          "turns them off otherwise); build the plan with make_plan")

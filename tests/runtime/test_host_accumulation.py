@@ -16,8 +16,8 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.hardware import HardwareProfile
-from hf_superoffload.planning.plan import LANDING_RING_SLOTS, HostAccumulation, Placement, WeightMode
-from hf_superoffload.planning.planner import PlanError, make_plan
+from hf_superoffload.planning.plan import HostAccumulation, Placement, WeightMode
+from hf_superoffload.planning.planner import LANDING_RING_SLOTS, PlanError, make_plan
 from hf_superoffload.testing import ReferenceAdamW, tiny_llama
 
 LR = 1e-3
@@ -324,7 +324,7 @@ def test_config_validation():
 
 def test_the_landing_ring_pays_for_one_giant_bucket_once():
     """The ring's slots are the few largest host shards: one LM-head-sized slot, not four of them."""
-    from hf_superoffload.planning.plan import landing_ring_slots
+    from hf_superoffload.planning.planner import landing_ring_slots
 
     shards = [700_000_000] + [70_000_000] * 30 + [5_000]
     assert landing_ring_slots(shards) == (700_000_000, 70_000_000, 70_000_000, 70_000_000)
@@ -333,4 +333,18 @@ def test_the_landing_ring_pays_for_one_giant_bucket_once():
     cfg = SuperOffloadConfig(weight_placement="stationary", accumulate_on_host=True,
                              host_accumulation_dtype="landing", rollback="inverse", gpu_resident_buckets=0)
     plan = make_plan(numels[::-1], element_size=2, config=cfg, profile=_profile(host_gib=64))
+    assert plan.landing_ring == (700_000_000, 70_000_000, 70_000_000, 70_000_000)
     assert plan.accumulation_bytes() == 2 * (700_000_000 + 3 * 70_000_000)
+
+
+def test_a_hand_built_landing_plan_without_a_large_enough_ring_slot_is_refused():
+    import dataclasses
+
+    from hf_superoffload.runtime.layout import check_plan
+
+    cfg = SuperOffloadConfig(weight_placement="stationary", accumulate_on_host=True,
+                             host_accumulation_dtype="landing", rollback="inverse", gpu_resident_buckets=0)
+    plan = make_plan([70_000] * 4 + [700_000], element_size=2, config=cfg, profile=_profile(host_gib=64))
+    check_plan(plan, comm=None)  # the planner's own ring holds every bucket
+    with pytest.raises(ValueError, match="ring slot as large as the largest host bucket"):
+        check_plan(dataclasses.replace(plan, landing_ring=(70_000,) * 4), comm=None)
