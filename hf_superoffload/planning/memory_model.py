@@ -81,6 +81,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..causal_lm_loss import CHUNK_TOKENS  # two fp32 chunks of logits alive at a time
 from .hardware import HardwareProfile
 from .plan import CastSide, OffloadPlan, PlanError, Rollback, WeightMode
 
@@ -92,7 +93,6 @@ RUNTIME_HOST_BYTES = int(1.7e9)  # host RSS of a GPU-only training process (meas
 ENGINE_HOST_BYTES_PER_PARAM = 0.6  # host RSS per host parameter beyond the arenas (fitted; see the table)
 LOGITS_BYTES_PER_ELEMENT = 12  # transformers' ForCausalLMLoss at its peak: fp32 log_softmax, its gradient, the logits'
 CHUNKED_LOGITS_BYTES_PER_ELEMENT = 4  # causal_lm_loss.py: the bf16 logits it saves and their bf16 gradient
-LOSS_CHUNK_TOKENS = 2048  # causal_lm_loss.CHUNK_TOKENS: two fp32 chunks of logits at a time
 INFLIGHT_BUCKETS = 3  # on the GPU at once: one filling, one waiting for its D2H, one upload buffer
 FLOW_RESIDENT_LAYERS = 2  # weight-flow keeps the layer being computed and the one being prefetched
 
@@ -359,7 +359,7 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
     loss = dict(resident, activations=s.num_layers * (tokens * h * (4 if autocast else 2) if grad_ckpt else layer_act))
     loss["final_norm"] = (14 if autocast else 8) * h * tokens
     if loss_chunk_tokens is None and chunked_loss:
-        loss["logits"] = (CHUNKED_LOGITS_BYTES_PER_ELEMENT * tokens + 8 * min(tokens, LOSS_CHUNK_TOKENS)) * s.vocab_size
+        loss["logits"] = (CHUNKED_LOGITS_BYTES_PER_ELEMENT * tokens + 8 * min(tokens, CHUNK_TOKENS)) * s.vocab_size
     else:
         loss["logits"] = LOGITS_BYTES_PER_ELEMENT * min(tokens, loss_chunk_tokens or tokens) * s.vocab_size
     if autocast:
