@@ -22,6 +22,8 @@ from hf_superoffload.planning.planner import Workload, make_plan
 from hf_superoffload.state import consolidate_state_dicts
 from hf_superoffload.testing import ReferenceAdamW, tiny_llama
 
+from .test_data_parallel import masters_by_name
+
 WORKER = Path(__file__).with_name("_dp_workload_worker.py")
 STEPS = 10
 GiB = 1024**3
@@ -78,16 +80,6 @@ def _reference(w: ModuleType) -> tuple[torch.nn.Module, ReferenceAdamW, list[flo
     return model, ropt, losses
 
 
-def _masters_by_name(model: torch.nn.Module, state: dict) -> dict[str, torch.Tensor]:
-    ordered = [p for p in model.parameters() if p.requires_grad][::-1]  # the optimizer's arrival order
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {}
-    for i, p in enumerate(ordered):
-        side, off = state["locations"][i]
-        out[names[id(p)]] = state[side]["master"][off : off + p.numel()].view(p.shape)
-    return out
-
-
 def test_ranks_with_different_first_batches_agree_on_one_plan(launcher, tmp_path: Path) -> None:
     w = _worker()
     model = tiny_llama(seed=0)
@@ -107,7 +99,7 @@ def test_ranks_with_different_first_batches_agree_on_one_plan(launcher, tmp_path
         tol = 2e-5 if k < 3 else 5e-3
         assert math.isclose(a, b, rel_tol=tol, abs_tol=tol), f"step {k}: loss {a} vs reference {b}"
     assert math.isclose(res[0]["grad_norm"], ropt.last_grad_norm, rel_tol=5e-2)
-    ours = _masters_by_name(ref_model, consolidate_state_dicts([r["state"] for r in res]))
+    ours = masters_by_name(ref_model, consolidate_state_dicts([r["state"] for r in res]))
     names = {id(p): n for n, p in ref_model.named_parameters()}
     worst = max((ours[names[id(p)]] - m.detach()).abs().max().item() for p, m in ropt.pairs)
     assert worst < 8 * w.LR, f"final masters differ from the reference by {worst}"

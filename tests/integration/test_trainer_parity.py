@@ -25,7 +25,7 @@ TELEMETRY = ("cpu_adam_s", "gpu_wait_s", "overlap", "link_gb", "clip_coef", "spe
              "clipped_steps", "redo_rate", "pass_s", "moment_commit_s", "master_deferred_buckets")
 
 
-class _RefOptimizer(torch.optim.Optimizer):
+class RefOptimizer(torch.optim.Optimizer):
     """A torch ``Optimizer`` face for ReferenceAdamW (LR schedulers and Accelerate need one)."""
 
     def __init__(self, ref: ReferenceAdamW) -> None:
@@ -53,7 +53,10 @@ class _RefOptimizer(torch.optim.Optimizer):
         self.ref.opt.load_state_dict(state_dict)
 
 
-class _ReferenceTrainer(Trainer):
+class ReferenceOptimizerMixin:
+    """For a Trainer subclass (Trainer, TRL's SFTTrainer): torch AdamW on fp32 masters with the same decay groups,
+    clipping fp32 gradients inside its step (the reference of the parity tests)."""
+
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
             m = self.model
@@ -62,7 +65,7 @@ class _ReferenceTrainer(Trainer):
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
             a = self.args
-            self.optimizer = _RefOptimizer(ReferenceAdamW(m, groups, max_grad_norm=a.max_grad_norm, lr=a.learning_rate,
+            self.optimizer = RefOptimizer(ReferenceAdamW(m, groups, max_grad_norm=a.max_grad_norm, lr=a.learning_rate,
                                                           betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon))
         return self.optimizer
 
@@ -71,6 +74,10 @@ class _ReferenceTrainer(Trainer):
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> None:
         return None
+
+
+class _ReferenceTrainer(ReferenceOptimizerMixin, Trainer):
+    pass
 
 
 def _train(side: str, hf: Any, tmp: Any) -> dict[str, Any]:
@@ -107,7 +114,7 @@ def test_losses_and_final_weights_match_the_reference(runs: dict[str, dict[str, 
         tol = 2e-5 if k < 3 else 5e-3
         assert math.isclose(a, b, rel_tol=tol, abs_tol=tol), f"step {k + 1}: loss {a} vs reference {b}"
     opt = ours["trainer"].superoffload_optimizer
-    ref_opt = ref["trainer"].optimizer.optimizer  # AcceleratedOptimizer -> _RefOptimizer
+    ref_opt = ref["trainer"].optimizer.optimizer  # AcceleratedOptimizer -> RefOptimizer
     names = {id(p): n for n, p in ref["model"].named_parameters()}
     our_params = dict(ours["model"].named_parameters())
     worst = 0.0

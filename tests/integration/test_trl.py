@@ -21,7 +21,9 @@ from trl import SFTConfig, SFTTrainer
 
 from hf_superoffload.datasets_local import build_tokenizer
 from hf_superoffload.integrations.trl import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
-from hf_superoffload.testing import ReferenceAdamW, tiny_llama
+from hf_superoffload.testing import tiny_llama
+
+from .test_trainer_parity import ReferenceOptimizerMixin
 
 STEPS, ACCUM, LR = 8, 2, 1e-3
 CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}<|eos|>{% endfor %}"
@@ -56,43 +58,8 @@ def _config(cls: type, out: Any, **kw: Any) -> Any:
                gradient_checkpointing=False, **kw)
 
 
-class _RefOptimizer(torch.optim.Optimizer):
-    """A torch ``Optimizer`` face for ReferenceAdamW (Trainer's LR scheduler needs one)."""
-
-    def __init__(self, ref: ReferenceAdamW) -> None:
-        self.ref = ref
-        super().__init__([torch.zeros(1, requires_grad=True)], {})
-
-    param_groups = property(lambda self: self.ref.opt.param_groups if hasattr(self, "ref") else [],
-                            lambda self, v: None)
-    state = property(lambda self: self.ref.opt.state if hasattr(self, "ref") else {}, lambda self, v: None)
-    defaults = property(lambda self: self.ref.opt.defaults if hasattr(self, "ref") else {}, lambda self, v: None)
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        self.ref.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.ref.zero_grad()
-
-
-class _ReferenceSFTTrainer(SFTTrainer):
-    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
-        if self.optimizer is None:
-            m = self.model
-            decay = set(self.get_decay_parameter_names(m))
-            named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
-            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-            a = self.args
-            self.optimizer = _RefOptimizer(ReferenceAdamW(m, groups, max_grad_norm=a.max_grad_norm, lr=a.learning_rate,
-                                                          betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon))
-        return self.optimizer
-
-    def _clip_grad_norm(self, model: Any) -> None:  # the reference clips fp32 gradients inside step()
-        return None
-
-    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> None:
-        return None
+class _ReferenceSFTTrainer(ReferenceOptimizerMixin, SFTTrainer):
+    pass
 
 
 def _run(side: str, tok: Any, tmp: Any) -> tuple[Any, list[dict[str, float]]]:
