@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +62,18 @@ def _model(preset: str, layers: int | None, device: Any, dtype: Any) -> Any:
 
 
 def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None, seq: int, warmup: int,
-            steps: int, device_name: str) -> dict[str, Any]:
+            steps: int, device_name: str, gpu_cap_gib: float | None = None) -> dict[str, Any]:
     import torch
 
     device = torch.device(device_name)
     cuda = device.type == "cuda"
     dtype = torch.float32 if system == "gpu_fp32" else torch.bfloat16
     rec: dict[str, Any] = {"system": system, "preset": preset, "batch": batch, "accum": accum, "seq": seq}
+    if gpu_cap_gib is not None and cuda:  # a smaller GPU, as the caching allocator sees it
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_cap_gib * 1024**3 / total),
+                                                   device.index if device.index is not None else 0)
+        rec["gpu_cap_gib"] = gpu_cap_gib
     model = _model(preset, layers, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in params)
@@ -142,7 +148,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
             if k >= warmup:
                 times.append(time.perf_counter() - t)
     except torch.OutOfMemoryError as e:
-        rec.update(status="oom", error=str(e).splitlines()[0][:300])
+        where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
+        rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-6:])
         return rec
     _finish(rec, times, batch, accum, seq, n, cfg, device)
     if system in OURS:
@@ -269,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per system")
+    ap.add_argument("--gpu-cap-gib", type=float, default=None,
+                    help="cap the GPU memory every row may use (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--out", required=True, help="a .jsonl file; one record per system and row")
     ap.add_argument("--worker", nargs=5, metavar=("SYSTEM", "PRESET", "BATCH", "ACCUM", "LAYERS"),
                     help=argparse.SUPPRESS)
@@ -276,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         system, preset, batch, accum, layers = args.worker
         rec = run_one(system, preset, int(batch), int(accum), int(layers) or None, args.seq, args.warmup,
-                      args.steps, args.device)
+                      args.steps, args.device, args.gpu_cap_gib)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return 0
@@ -289,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--worker", system, preset, str(batch), str(accum), str(layers or 0),
                    "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--device", args.device, "--out", str(out)]
+            if args.gpu_cap_gib is not None:
+                cmd += ["--gpu-cap-gib", str(args.gpu_cap_gib)]
             try:
                 proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, env=os.environ)
                 status = f"rc={proc.returncode}"

@@ -161,6 +161,7 @@ class OffloadEngine:
             root=modules[0], sources=layout.weight_sources(), stream=self.streams.weights,
             staging_final=lambda b, block: self.uploads.staging_final(b, block=block, mid_step=self._mid_step()),
             on_h2d=lambda n: self.telemetry.add(h2d_bytes=n), synchronize=self.synchronize)
+        layout.allocate_device_state()  # under weight flow: now that the streamed weights left the device
         registry.claim(self)
 
     # -- the host buckets, as the integrations and tests read them ------------------------------------

@@ -105,7 +105,7 @@ class BucketLayout:
         self.device, self.dtype = self.params[0].device, self.params[0].dtype
         dev = self.device
         pin = plan.pin_memory and dev.type == "cuda"
-        n_host, n_dev = plan.host_numel, plan.device_numel
+        n_host = plan.host_numel
         # [Note: casts]: gradients always cross in the model dtype (the fused CPU Adam upcasts in registers).
         # CPU cast -> a bf16 staging arena written by the Adam pass; GPU cast -> the fp32 master itself is the
         # (pinned) upload source, and the GPU casts: no staging arena (2 B/param less host RAM).
@@ -130,9 +130,11 @@ class BucketLayout:
             self.arenas["weights"] = HostBuffer(full, self.dtype, pin=pin, name="bf16 weights (weight flow)")
         self.copies = copies
         self.cur = 0
-        self.dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
-        self.dev_exp_avg = torch.zeros(n_dev, dtype=torch.float32, device=dev)
-        self.dev_exp_avg_sq = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        # The device tail's state is allocated by allocate_device_state(): under weight flow only once the
+        # streamer has released the host buckets' weights, which the plan counted as free device memory (an 8B
+        # model under a 24 GiB cap otherwise holds all 16 GB of its bf16 weights beside the tail's 10 GB of state).
+        self.dev_master = self.dev_exp_avg = self.dev_exp_avg_sq = torch.empty(0, dtype=torch.float32, device=dev)
+        self._device_state = False
         a = {k: v.tensor for k, v in self.arenas.items()}
         for k in range(copies):
             a[f"exp_avg{k}"].zero_()
@@ -159,8 +161,6 @@ class BucketLayout:
                 self.host_buckets.append(b)
             else:
                 b = DeviceBucket(spec, ps)
-                b.master = self.dev_master[sl]
-                b.exp_avg, b.exp_avg_sq = self.dev_exp_avg[sl], self.dev_exp_avg_sq[sl]
                 self.device_buckets.append(b)
             self.buckets.append(b)
             for i in spec.param_indices:
@@ -176,7 +176,26 @@ class BucketLayout:
                                          name="gradient statistics")  # fmt: skip
         self.grad_stats_host = self.grad_stats_buf.tensor.view(-1, rows, 2) if is_cuda else self.grad_stats
         with torch.no_grad():
-            self.load_masters_from_params()
+            self.load_masters_from_params(self.host_buckets)
+        if plan.weight_mode is not WeightMode.FLOW:
+            self.allocate_device_state()
+
+    def allocate_device_state(self) -> None:
+        """Allocate the device tail's fp32 master and Adam moments and seed the masters from its parameters
+        (resident under either weight mode). Idempotent."""
+        if self._device_state:
+            return
+        self._device_state = True
+        n_dev, dev = self.plan.device_numel, self.device
+        self.dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
+        self.dev_exp_avg = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        self.dev_exp_avg_sq = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        for b in self.device_buckets:
+            sl = slice(b.spec.offset, b.spec.offset + b.spec.shard)
+            b.master = self.dev_master[sl]
+            b.exp_avg, b.exp_avg_sq = self.dev_exp_avg[sl], self.dev_exp_avg_sq[sl]
+        with torch.no_grad():
+            self.load_masters_from_params(self.device_buckets)
 
     def need_order(self, b: HostBucket | DeviceBucket) -> int:
         """Priority: the next forward needs the last-arriving bucket first."""
@@ -198,9 +217,10 @@ class BucketLayout:
             return b.master
         return b.pmv[self.cur if copy is None else copy][0]
 
-    def load_masters_from_params(self) -> None:
-        """fp32 master := the parameters' current values (exact for fp32 models); staging := bf16 of it."""
-        for b in self.buckets:
+    def load_masters_from_params(self, buckets: Sequence[HostBucket | DeviceBucket] | None = None) -> None:
+        """fp32 master := the parameters' current values (exact for fp32 models); staging := bf16 of it. Over
+        ``buckets`` (default: all)."""
+        for b in self.buckets if buckets is None else buckets:
             master = self.master(b)
             if b.spec.length < b.spec.shard:
                 master[b.spec.length :].zero_()  # padding of the last rank's shard: never stepped

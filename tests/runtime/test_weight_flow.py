@@ -214,6 +214,27 @@ def test_device_tail_keeps_its_weights_resident():
     assert_same_run(flow, stationary)
 
 
+def test_device_tail_state_is_allocated_after_the_streamed_weights_leave(monkeypatch):
+    # the plan counts the streamed weights as free device memory: the tail's fp32 state must not be allocated
+    # while they are still there (an 8B model under a 24 GiB cap ran out of memory at construction)
+    from hf_superoffload.runtime.layout import BucketLayout
+
+    seen = []
+    allocate = BucketLayout.allocate_device_state
+
+    def spy(self):
+        if not self._device_state:
+            seen.append([p.untyped_storage().nbytes() for b in self.host_buckets for p in b.params])
+        allocate(self)
+
+    monkeypatch.setattr(BucketLayout, "allocate_device_state", spy)
+    _, opt = build(FLOW.replace(gpu_resident_buckets=3))
+    assert opt.plan.device_numel > 0 and len(seen) == 1
+    assert seen[0] and all(n == 0 for n in seen[0])  # every streamed weight released first
+    assert all(b.master.numel() == b.spec.shard for b in opt.engine.device_buckets)
+    # parity of the tail's masters with stationary weights: test_device_tail_keeps_its_weights_resident
+
+
 # ------------------------------------------------------------------------------------------------ residency
 @pytest.mark.parametrize("ckpt", ["non_reentrant", None])
 def test_only_a_couple_of_units_are_on_the_device(ckpt):
