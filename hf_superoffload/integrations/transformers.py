@@ -50,6 +50,10 @@ parallelism itself (ZeRO-style sharded offload, [Note: data parallel sharding]),
 without a DDP wrapper (device placement and autocast only); each rank saves its own optimizer shard
 (``optimizer_rank{r}.pt``), and a checkpoint resumes into any number of processes (the shards are merged when
 the count changed).
+
+Preemption: inside ``train()`` a SIGTERM finishes the step in flight, saves it and returns (a second SIGTERM ends
+the process); with several processes the ranks agree at every optimizer-step boundary, so a signal that reaches
+one rank stops them all after the same step ([Note: preemption agreement] in ``_preemption.py``).
 """
 
 from __future__ import annotations
@@ -57,8 +61,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import signal
-import threading
 import warnings
 from typing import Any
 
@@ -82,6 +84,7 @@ from ._common import (
     show_plan,
     warn_if_threads_throttled,
 )
+from ._preemption import Preemption
 from .arguments import (
     SuperOffloadArguments,
     _checkpoint_kwargs,
@@ -269,7 +272,7 @@ class SuperOffloadTrainer(Trainer):
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:  # a run that raised never reaches on_train_end: SIGTERM must end the process again
-            self._callback._restore_sigterm()
+            self._callback.preemption.restore()
 
     # ---- logging -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -304,32 +307,10 @@ class _SuperOffloadCallback(TrainerCallback):
 
     def __init__(self, trainer: SuperOffloadTrainer) -> None:
         self._trainer = trainer
-        self._preempted = False
-        self._previous_sigterm: Any = None
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        """Preemption (a scheduler's SIGTERM): the step in flight finishes, a checkpoint is saved atomically and
-        ``train()`` returns. A second SIGTERM ends the process at once, as without this handler."""
-        self._preempted = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        logger.warning("hf_superoffload: SIGTERM: finishing this step, saving a checkpoint, then stopping "
-                       "(a second SIGTERM stops at once)")
-
-    def _install_sigterm(self, args: Any) -> None:
-        # one process only: every rank would have to stop at the same step (the signal reaches them at different
-        # points); never over a handler the user installed, and only from the main thread (Python's rule)
-        if (args.world_size == 1 and threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
-            self._previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _restore_sigterm(self) -> None:
-        if self._previous_sigterm is not None:
-            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        self.preemption = Preemption()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._preempted:
+        if self.preemption.agree():  # every rank, every step: [Note: preemption agreement]
             control.should_save = True
             control.should_training_stop = True
 
@@ -355,8 +336,7 @@ class _SuperOffloadCallback(TrainerCallback):
             else:  # [Note: workload from the first batch]: planned at the first training forward
                 opt.plan_listeners.append(log_plan)
         self._trainer._telemetry.reset()
-        self._preempted = False
-        self._install_sigterm(args)
+        self.preemption.install()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         opt = self._trainer.superoffload_optimizer
@@ -364,10 +344,11 @@ class _SuperOffloadCallback(TrainerCallback):
             self._trainer._telemetry.add(opt.last_step_stats)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._restore_sigterm()
-        if self._preempted:
-            logger.warning("hf_superoffload: stopped after SIGTERM at step %d; checkpoint-%d holds it (resume with "
-                           "resume_from_checkpoint=True)", state.global_step, state.global_step)
+        self.preemption.restore()
+        if self.preemption.stopping:
+            logger.warning("hf_superoffload: stopped after a SIGTERM (%s) at step %d; checkpoint-%d holds it (resume "
+                           "with resume_from_checkpoint=True)", "this process" if self.preemption.requested
+                           else "another rank", state.global_step, state.global_step)
         opt = self._trainer.superoffload_optimizer
         if opt is not None:
             opt.synchronize()  # train() returns with the last step's weights in place

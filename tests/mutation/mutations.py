@@ -143,6 +143,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/integration/test_trainer_errors.py::"
          "test_non_finite_step_is_skipped_and_the_lr_schedule_does_not_advance",),
     ),
+    Mutation(
+        "preemption_stops_only_the_signalled_rank", "hf_superoffload/integrations/_preemption.py",
+        "        if self._group is None:\n            self.stopping = self.requested",
+        "        if True:\n            self.stopping = self.requested",
+        ("tests/distributed/test_trainer_preemption.py::"
+         "test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step_with_a_complete_checkpoint_of_it",),
+    ),
     # beyond the list: the other ways a speculative step can be kept or a state copy go stale
     Mutation(
         "speculation_committed_despite_changed_hyper_parameters", "hf_superoffload/runtime/validation.py",
