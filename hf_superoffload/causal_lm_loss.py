@@ -27,7 +27,11 @@ import torch
 
 __all__ = ["CHUNK_TOKENS", "chunked_causal_lm_loss", "install_chunked_loss", "uses_default_causal_lm_loss"]
 
-CHUNK_TOKENS = 2048  # NOTE: 2048 x 152,064 fp32 = 1.2 GB, the largest transient of the loss
+CHUNK_TOKENS = 2048
+"""Tokens per chunk of every chunked cross-entropy: this loss over logits, and the sequence-parallel loss over
+hidden states and the LM head (``sequence_parallel.chunked_cross_entropy``). NOTE: one fp32 chunk of logits is
+2048 x 152,064 x 4 B = 1.2 GB (Qwen2.5's vocabulary; 1.05 GB for Llama-3's 128,256), the largest transient of
+either loss."""
 
 
 class _ChunkedLogitsCrossEntropy(torch.autograd.Function):

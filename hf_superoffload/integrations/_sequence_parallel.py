@@ -17,12 +17,9 @@ import torch
 import torch.distributed as dist
 
 from .. import sequence_parallel as sp
+from ..causal_lm_loss import CHUNK_TOKENS
 
 __all__ = ["gather_group_batches", "sequence_parallel_training_step", "setup_sequence_parallel"]
-
-
-# Tokens per chunk of the LM head + cross-entropy in the Trainer's sequence-parallel loss.
-LOSS_CHUNK_TOKENS = 2048
 
 
 def setup_sequence_parallel(model: torch.nn.Module, sp_size: int) -> sp.SequenceParallelGroups:
@@ -66,7 +63,7 @@ def gather_group_batches(inputs: dict[str, Any], groups: sp.SequenceParallelGrou
 
 
 def sequence_parallel_training_step(trainer: Any, model: torch.nn.Module, inputs: dict[str, Any],
-                                    groups: sp.SequenceParallelGroups, *, chunk_size: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+                                    groups: sp.SequenceParallelGroups, *, chunk_size: int = CHUNK_TOKENS) -> torch.Tensor:
     """``Trainer.training_step`` under sequence parallelism (module docstring). Returns the detached mean
     loss of the P batches, already divided by the gradient-accumulation steps like Trainer's."""
     model.train()

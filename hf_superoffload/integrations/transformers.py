@@ -101,13 +101,13 @@ def _workload_from_args(model: Any, args: Any) -> Any:
     """The planner's ``Workload`` when ``superoffload_max_seq_len`` declares the batch shape, else ``None``."""
     if not getattr(args, "superoffload_max_seq_len", None):
         return None
+    from ..causal_lm_loss import CHUNK_TOKENS
     from ..planning.planner import Workload
-    from ._sequence_parallel import LOSS_CHUNK_TOKENS
 
     sp = args.sequence_parallel_size
     ckpt = bool(getattr(args, "activation_checkpointing", False) or vars(args).get("gradient_checkpointing", False))
     return Workload(model.config, args.per_device_train_batch_size, args.superoffload_max_seq_len, ckpt,
-                    sequence_parallel=sp, loss_chunk_tokens=LOSS_CHUNK_TOKENS if sp > 1 else None,
+                    sequence_parallel=sp, loss_chunk_tokens=CHUNK_TOKENS if sp > 1 else None,
                     mlp_tile_tokens=args.tiled_mlp_tokens or None,
                     keep_attention=ckpt and args.keep_attention_checkpointing)
 

@@ -23,12 +23,13 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..causal_lm_loss import CHUNK_TOKENS
 from .batch import IGNORE_INDEX
 from .groups import SequenceParallelGroups
 
 __all__ = ["SequenceParallelLoss", "causal_lm_loss", "chunked_cross_entropy", "sequence_parallel_loss"]
 
-DEFAULT_CHUNK = 2048  # NOTE: 2048 x 128,256 fp32 logits = 1.05 GB, the only vocab-sized buffer alive at a time.
+DEFAULT_CHUNK = CHUNK_TOKENS  # the name benchmarks/multi_gpu.py imports
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -77,7 +78,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          chunk_size: int = DEFAULT_CHUNK, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                          chunk_size: int = CHUNK_TOKENS, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """``sum`` over tokens of ``cross_entropy(hidden @ weight.T, labels)`` in fp32, ``chunk_size`` tokens at a
     time (see [Note: chunked loss]). ``hidden [..., d]``, ``weight [V, d]``, ``labels [...]``; ignored labels
     contribute 0. Gradients flow to ``hidden`` and ``weight``."""
@@ -104,7 +105,7 @@ class SequenceParallelLoss(NamedTuple):
 
 def sequence_parallel_loss(hidden_or_logits: torch.Tensor, shift_labels: torch.Tensor,
                            groups: SequenceParallelGroups | None, *, lm_head_weight: torch.Tensor | None = None,
-                           chunk_size: int = DEFAULT_CHUNK, ignore_index: int = IGNORE_INDEX) -> SequenceParallelLoss:
+                           chunk_size: int = CHUNK_TOKENS, ignore_index: int = IGNORE_INDEX) -> SequenceParallelLoss:
     """Causal-LM loss of this rank's chunk, normalised by the SP group's label-token count.
 
     ``hidden_or_logits``: final hidden states ``[B, s, d]`` when ``lm_head_weight`` is given (chunked LM head +
@@ -128,7 +129,7 @@ def sequence_parallel_loss(hidden_or_logits: torch.Tensor, shift_labels: torch.T
 
 
 def causal_lm_loss(model: torch.nn.Module, shard: dict[str, Any], groups: SequenceParallelGroups | None, *,
-                   chunk_size: int = DEFAULT_CHUNK) -> SequenceParallelLoss:
+                   chunk_size: int = CHUNK_TOKENS) -> SequenceParallelLoss:
     """Run a transformers ``*ForCausalLM`` on a :func:`shard_batch` shard and return its SP loss.
 
     The decoder runs without computing logits (``model.get_decoder()``), then :func:`sequence_parallel_loss`
