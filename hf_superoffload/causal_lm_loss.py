@@ -34,21 +34,47 @@ hidden states and the LM head (``sequence_parallel.chunked_cross_entropy``). NOT
 either loss."""
 
 
+def cross_entropy_chunk(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, *,
+                        lse: torch.Tensor | None = None, grad_scale: torch.Tensor | float | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk of a chunked cross-entropy, in fp32: ``(loss_sum, lse, grad)``.
+
+    ``loss_sum`` is the sum over the chunk's valid tokens (``target != ignore_index``) of
+    ``logsumexp(logits) - logits[target]``; ``lse [c]`` the per-token log-sum-exp (computed unless given, as a
+    backward that saved it does); ``grad [c, V]``, with ``grad_scale``, the chunk's logit gradient
+    ``(softmax(logits) - onehot(target)) * grad_scale`` with ignored rows 0, else ``None``.
+
+    ``logits [c, V]`` must be fp32 and is overwritten by ``grad`` (one fp32 chunk alive, not two). Both chunked
+    losses use it: :class:`_ChunkedLogitsCrossEntropy` over the model's logits and the sequence-parallel
+    ``_ChunkedLinearCrossEntropy`` over hidden states and the LM head.
+    """
+    valid = target != ignore_index
+    tgt = torch.where(valid, target, 0)
+    if lse is None:
+        lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, tgt[:, None]).squeeze(1)
+    loss_sum = torch.where(valid, lse - picked, 0.0).sum()
+    if grad_scale is None:
+        return loss_sum, lse, None
+    grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place
+    grad[torch.arange(grad.shape[0], device=grad.device), tgt] -= 1.0
+    grad.mul_((valid.to(grad.dtype) * grad_scale)[:, None])
+    return loss_sum, lse, grad
+
+
 class _ChunkedLogitsCrossEntropy(torch.autograd.Function):
-    """Sum over valid tokens of ``logsumexp(logits) - logits[target]``, in fp32, from ``[N, V]`` logits."""
+    """Sum over valid tokens of ``logsumexp(logits) - logits[target]``, in fp32, from ``[N, V]`` logits. Forward
+    keeps the log-sum-exp; backward recomputes each chunk's softmax from it ([Note: chunked causal-LM loss])."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, chunk: int) -> torch.Tensor:
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
         for start in range(0, logits.shape[0], chunk):
-            x = logits[start : start + chunk].float()
-            y = target[start : start + chunk]
-            valid = y != ignore_index
-            picked = x.gather(1, torch.where(valid, y, 0)[:, None]).squeeze(1)
-            lse[start : start + chunk] = torch.logsumexp(x, dim=-1)
-            total += torch.where(valid, lse[start : start + chunk] - picked, 0.0).sum()
-            del x
+            rows = slice(start, start + chunk)
+            loss_sum, chunk_lse, _ = cross_entropy_chunk(logits[rows].float(), target[rows], ignore_index)
+            lse[rows] = chunk_lse
+            total += loss_sum
         ctx.save_for_backward(logits, target, lse)
         ctx.ignore_index, ctx.chunk = ignore_index, chunk
         return total
@@ -58,14 +84,11 @@ class _ChunkedLogitsCrossEntropy(torch.autograd.Function):
         logits, target, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for start in range(0, logits.shape[0], ctx.chunk):
-            y = target[start : start + ctx.chunk]
-            valid = y != ctx.ignore_index
-            p = logits[start : start + ctx.chunk].float().sub_(lse[start : start + ctx.chunk, None]).exp_()
-            rows = torch.arange(p.shape[0], device=p.device)
-            p[rows, torch.where(valid, y, 0)] -= 1.0
-            p.mul_((valid.to(p.dtype) * grad_out)[:, None])
-            grad[start : start + ctx.chunk] = p
-            del p
+            rows = slice(start, start + ctx.chunk)
+            # a copy even from fp32 logits: the chunk is overwritten by its gradient, the logits are the model's
+            x = logits[rows].to(torch.float32, copy=True)
+            grad[rows] = cross_entropy_chunk(x, target[rows], ctx.ignore_index, lse=lse[rows], grad_scale=grad_out)[2]
+            del x
         return grad, None, None, None
 
 

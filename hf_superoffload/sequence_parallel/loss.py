@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..causal_lm_loss import CHUNK_TOKENS
+from ..causal_lm_loss import CHUNK_TOKENS, cross_entropy_chunk
 from .batch import IGNORE_INDEX
 from .groups import SequenceParallelGroups
 
@@ -42,23 +42,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start in range(0, hidden.shape[0], chunk_size):
             h = hidden[start:start + chunk_size]
-            y = labels[start:start + chunk_size]
-            valid = y != ignore_index
-            tgt = torch.where(valid, y, 0)
             logits = (h @ weight.t()).float()  # [c, V], the model's matmul dtype, CE in fp32 (as HF)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, tgt[:, None]).squeeze(1)
-            total += torch.where(valid, lse - picked, 0.0).sum()
-            if need_h or need_w:
-                g = logits.sub_(lse[:, None]).exp_()  # softmax, in place: one [c, V] fp32 buffer
-                g[torch.arange(g.shape[0], device=g.device), tgt] -= 1.0
-                g.mul_(valid[:, None])
+            loss_sum, _, g = cross_entropy_chunk(logits, labels[start:start + chunk_size], ignore_index,
+                                                 grad_scale=1.0 if need_h or need_w else None)
+            total += loss_sum
+            if g is not None:
                 g = g.to(hidden.dtype)
                 if need_h:
                     grad_h[start:start + chunk_size] = g @ weight
                 if need_w:
                     grad_w += (g.t() @ h).float()
-            del logits
+            del logits, g
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.has = (need_h, need_w)
         ctx.w_dtype = weight.dtype

@@ -55,6 +55,15 @@ def test_shift_labels_and_all_ignored_match() -> None:
     assert chunked_causal_lm_loss(logits.float(), none, 11).isnan() and ForCausalLMLoss(logits, none, 11).isnan()
 
 
+def test_fp32_logits_are_left_as_they_were_by_backward() -> None:
+    logits, labels = _pair(2, 9, 11, seed=4)
+    x = logits.float().requires_grad_(True)
+    chunked_causal_lm_loss(x, labels, 11).backward()
+    assert torch.equal(x.detach(), logits.float())  # the model's output: backward only reads it
+    _, want = _run(ForCausalLMLoss, logits.float(), labels, 11)
+    torch.testing.assert_close(x.grad, want / 2.5, rtol=1e-5, atol=1e-7)
+
+
 def test_installed_only_where_the_default_loss_is() -> None:
     model = tiny_llama(seed=0)
     assert install_chunked_loss(model) == 1 and model.loss_function is chunked_causal_lm_loss
