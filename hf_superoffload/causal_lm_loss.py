@@ -16,7 +16,8 @@ of its sum.
 ``SuperOffloadOptimizer`` installs it (``SuperOffloadConfig.chunked_loss``, on by default) on every
 transformers model in the optimized module whose loss is HF's default ``ForCausalLMLoss`` and that has no loss of
 its own set: the memory model plans with it, and a 15B accumulation run fits one H200 only with it. The model's
-``logits`` output is unchanged.
+``logits`` output is unchanged. ``close()`` gives those models HF's default loss back
+(:func:`uninstall_chunked_loss`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_TOKENS", "chunked_causal_lm_loss", "install_chunked_loss", "uses_default_causal_lm_loss"]
+__all__ = ["CHUNK_TOKENS", "chunked_causal_lm_loss", "install_chunked_loss", "uninstall_chunked_loss",
+           "uses_default_causal_lm_loss"]
 
 CHUNK_TOKENS = 2048
 """Tokens per chunk of every chunked cross-entropy: this loss over logits, and the sequence-parallel loss over
@@ -136,4 +138,15 @@ def install_chunked_loss(model: torch.nn.Module) -> int:
     found = _default_loss_models(model)
     for m in found:
         m.loss_function = chunked_causal_lm_loss
+    return len(found)
+
+
+def uninstall_chunked_loss(model: torch.nn.Module) -> int:
+    """Undo :func:`install_chunked_loss`: every model inside ``model`` whose own loss is
+    :func:`chunked_causal_lm_loss` goes back to HF's default (the instance attribute that transformers'
+    ``loss_function`` setter made is removed, as it was absent before). A loss set since is left alone. Returns how
+    many it changed."""
+    found = [m for m in model.modules() if vars(m).get("_loss_function") is chunked_causal_lm_loss]
+    for m in found:
+        del m._loss_function
     return len(found)

@@ -266,8 +266,8 @@ class SuperOffloadConfig:
     """Replace transformers' default ``ForCausalLMLoss`` (all logits upcast to fp32, 12 B per logit element at its
     peak) by :func:`~hf_superoffload.causal_lm_loss.chunked_causal_lm_loss` (the same loss value, logit gradients
     equal to bf16 rounding, 4 B per element) on the models inside the optimized module that use the default loss and
-    set none of their own. The planner counts the memory it saves as room for optimizer state on the GPU. ``False``:
-    leave the model's loss as it is. [Note: chunked causal-LM loss] in hf_superoffload/causal_lm_loss.py."""
+    set none of their own, until the optimizer's ``close()`` gives them HF's default back. The planner counts the
+    memory it saves as room for optimizer state on the GPU. ``False``: leave the model's loss as it is. [Note: chunked causal-LM loss] in hf_superoffload/causal_lm_loss.py."""
     accumulate_on_host: bool | Literal["auto"] = field(default="auto", metadata=_meta(
         "'auto', true or false: sum gradient-accumulation micro-batches on the host (each micro-batch's "
         "gradients are offloaded) instead of on the device; 'auto': on in weight-flow mode.",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .causal_lm_loss import install_chunked_loss, uses_default_causal_lm_loss
+from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
 from .planning.hardware import HardwareProfile, cuda_free_bytes
 from .planning.plan import OffloadPlan
@@ -159,8 +159,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             infer = _agreed_max(comm, self.device, [not infer])[0] == 0
         # a plan that cannot fit raises here, before the parameters are broadcast, converted or hooked
         plan = None if infer else self._make_plan(workload, profile)
+        self._loss_installed = False
         if self._chunked_loss:
             install_chunked_loss(model)  # [Note: chunked causal-LM loss]; the plan above counted its memory
+            self._loss_installed = True
         if comm is not None:
             _broadcast_params(ordered, comm)
         if converted:
@@ -529,8 +531,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self.clipped_steps = counters.get("clipped_steps", 0)
 
     def close(self) -> None:
-        """Stop the worker and remove hooks. The optimizer cannot step afterwards."""
+        """Stop the worker, remove hooks and give the model its own loss back (``SuperOffloadConfig.chunked_loss``).
+        The optimizer cannot step afterwards; a second call does nothing more."""
         self._state_hook.remove()
+        if self._loss_installed:
+            uninstall_chunked_loss(self._model)
+            self._loss_installed = False
         if self._batch_hook is not None:
             self._batch_hook.remove()
             self._batch_hook = None

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from hf_superoffload import causal_lm_loss
+from hf_superoffload import SuperOffloadOptimizer, causal_lm_loss
 from hf_superoffload.causal_lm_loss import chunked_causal_lm_loss, install_chunked_loss
 from hf_superoffload.testing import tiny_llama
 
@@ -76,6 +76,26 @@ def test_installed_only_where_the_default_loss_is() -> None:
     custom.loss_function = mine
     assert install_chunked_loss(custom) == 0 and custom.loss_function is mine
     assert install_chunked_loss(torch.nn.Linear(2, 2)) == 0
+
+
+def test_close_gives_the_model_its_own_loss_back() -> None:
+    model = tiny_llama(seed=0)
+    opt = SuperOffloadOptimizer(model, lr=1e-3, log_plan=False)
+    assert model.loss_function is chunked_causal_lm_loss
+    opt.close()
+    assert model.loss_function is ForCausalLMLoss and "_loss_function" not in vars(model)  # exactly as it was
+    model.loss_function = chunked_causal_lm_loss  # the user's own choice after close
+    opt.close()  # a second close changes nothing
+    assert model.loss_function is chunked_causal_lm_loss
+
+    def mine(*a: object, **k: object) -> torch.Tensor:
+        raise AssertionError
+
+    other = tiny_llama(seed=0)
+    opt = SuperOffloadOptimizer(other, lr=1e-3, log_plan=False)
+    other.loss_function = mine  # set by the user while the optimizer runs: close leaves it
+    opt.close()
+    assert other.loss_function is mine
 
 
 def test_model_loss_and_gradients_with_the_chunked_loss_match_transformers() -> None:
