@@ -10,8 +10,9 @@ field's type.
 
 Every field is a *request*; the planner turns requests plus the measured hardware into a frozen
 :class:`~hf_superoffload.planning.plan.OffloadPlan` that the runtime executes. Switches of the planner's schedule
-that exist to measure one mechanism against another live in :class:`PlannerOverrides` (``config.overrides``):
-an explicit override for experts and tests, with no flag, plugin field or environment variable.
+(those that exist to measure one mechanism against another, and the memory/speed trade-offs the planner decides
+from the hardware) live in :class:`PlannerOverrides` (``config.overrides``): an explicit override for experts and
+tests, with no flag, plugin field or environment variable.
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ def _validate(obj: Any) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerOverrides:
     """Switches of the planner's schedule, for experts and tests: each pins a choice the planner otherwise makes
-    (the defaults are the measured best), so one mechanism can be measured against another. They are not user
-    options: no ``--superoffload_*`` flag, plugin field or environment variable sets them; pass them as
-    ``SuperOffloadConfig(overrides=PlannerOverrides(...))`` (or ``{"overrides": {...}}`` in a config mapping).
+    (the defaults are the measured best, or ``"auto"``: the planner decides from the hardware), so one mechanism can
+    be measured against another. They are not user options: no ``--superoffload_*`` flag, plugin field or
+    environment variable sets them; pass them as ``SuperOffloadConfig(overrides=PlannerOverrides(...))`` (or
+    ``{"overrides": {...}}`` in a config mapping).
     """
 
     gpu_resident_fraction: float = field(default=0.15, metadata=_meta(
@@ -169,6 +171,30 @@ class PlannerOverrides:
     waits for the copies in arrival order), so the CPU worker spends the wait on deferred commits instead of
     blocking on the copy. Single process. ``False``: the worker waits on the copy itself. [Note: D2H gate] in
     docs/design.md."""
+    defer_moments: bool | Literal["auto"] = field(default="auto", metadata=_meta(
+        "'auto', true or false: a CPU Adam pass whose verdict is known stores the Adam moments later, off "
+        "the critical path (+2 B/param pinned host RAM); 'auto': the planner decides.",
+        valid=_auto_or(_is_bool), fix="use 'auto', true or false"))
+    """Deferred moment stores. A host bucket stepped once the verdict is known (speculation off or paused, clipping
+    certain, a redo) writes only p and the bf16 weights on the critical path (20 instead of 28 B/param of host
+    traffic) and stores ``exp_avg``/``exp_avg_sq`` later, off the critical path (when the worker is idle, during
+    the rest of the forward and the backward), bit for bit as the fused step would. Costs a second gradient
+    landing arena (+2 B/param pinned). ``"auto"``: on for a single process with stationary weights and no host
+    accumulation when host RAM allows it; ``True`` where it would not be is refused. [Note: deferred moments] in
+    docs/design.md."""
+    defer_master: bool | float | Literal["auto"] = field(default="auto", metadata=_meta(
+        "'auto', true, false or a fraction such as 0.4: with deferred moments and the CPU cast, also store "
+        "the fp32 master later, for all, none, an adaptive or a fixed share of the host buckets.",
+        valid=_fraction_or_bool_or_auto,
+        fix="use 'auto', true, false or a fraction strictly between 0 and 1 (e.g. 0.5)"))
+    """With deferred moment stores and the CPU cast, also leave the fp32 master unstored in the verdict-known pass:
+    it writes only the bf16 weights (16 instead of 20 B/param on the critical path) and the commit later runs the
+    whole step again from the pre-step state (26 instead of 18 B/param, off the critical path), bit for bit. Pays
+    off only while the commits fit in the worker's idle time (the backward). ``True``: every host bucket;
+    ``False``: none; ``"auto"`` (where deferred moments and the CPU cast are on): the engine starts with none and
+    moves the share each step from what it measures, more while the commits finish early, fewer once they spill
+    into the next pass ([Note: adaptive master deferral] in docs/design.md). A fraction in (0, 1): a fixed share,
+    the host buckets holding about that fraction of the host parameters (in gradient-arrival order)."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -286,29 +312,6 @@ class SuperOffloadConfig:
     Adam steps from fp32); ``"landing"``: in the gradient landing buffer, in its dtype (the model's, rounded like
     torch's bf16 ``.grad`` accumulation; no per-parameter RAM); ``"auto"``: fp32 when host RAM allows it, else
     landing."""
-    defer_moments: bool | Literal["auto"] = field(default="auto", metadata=_meta(
-        "'auto', true or false: a CPU Adam pass whose verdict is known stores the Adam moments later, off "
-        "the critical path (+2 B/param pinned host RAM); 'auto': the planner decides.",
-        valid=_auto_or(_is_bool), fix="use 'auto', true or false"))
-    """Deferred moment stores. A host bucket stepped once the verdict is known (speculation off or paused, clipping
-    certain, a redo) writes only p and the bf16 weights on the critical path (20 instead of 28 B/param of host
-    traffic) and stores ``exp_avg``/``exp_avg_sq`` later, off the critical path (when the worker is idle, during
-    the rest of the forward and the backward), bit for bit as the fused step would. Costs a second gradient
-    landing arena (+2 B/param pinned). ``"auto"``: on for a single process with stationary weights and no host
-    accumulation when host RAM allows it. [Note: deferred moments] in docs/design.md."""
-    defer_master: bool | float | Literal["auto"] = field(default="auto", metadata=_meta(
-        "'auto', true, false or a fraction such as 0.4: with deferred moments and the CPU cast, also store "
-        "the fp32 master later, for all, none, an adaptive or a fixed share of the host buckets.",
-        valid=_fraction_or_bool_or_auto,
-        fix="use 'auto', true, false or a fraction strictly between 0 and 1 (e.g. 0.5)"))
-    """With deferred moment stores and the CPU cast, also leave the fp32 master unstored in the verdict-known pass:
-    it writes only the bf16 weights (16 instead of 20 B/param on the critical path) and the commit later runs the
-    whole step again from the pre-step state (26 instead of 18 B/param, off the critical path), bit for bit. Pays
-    off only while the commits fit in the worker's idle time (the backward). ``True``: every host bucket;
-    ``False``: none; ``"auto"`` (where deferred moments and the CPU cast are on): the engine starts with none and
-    moves the share each step from what it measures, more while the commits finish early, fewer once they spill
-    into the next pass ([Note: adaptive master deferral] in docs/design.md). A fraction in (0, 1): a fixed share,
-    the host buckets holding about that fraction of the host parameters (in gradient-arrival order)."""
     overrides: PlannerOverrides = field(
         default_factory=PlannerOverrides,
         metadata={"help": "Expert switches of the planner's schedule (PlannerOverrides); not a user option."})
@@ -330,6 +333,18 @@ class SuperOffloadConfig:
     def with_overrides(self, **changes: Any) -> SuperOffloadConfig:
         """A copy whose :class:`PlannerOverrides` has ``changes`` applied (for experts and tests)."""
         return self.replace(overrides=self.overrides.replace(**changes))
+
+    # The planner reads these two overrides as ``config.defer_moments`` / ``config.defer_master``: read-only views,
+    # set in ``overrides``.
+    @property
+    def defer_moments(self) -> bool | Literal["auto"]:
+        """``overrides.defer_moments`` (:attr:`PlannerOverrides.defer_moments`)."""
+        return self.overrides.defer_moments
+
+    @property
+    def defer_master(self) -> bool | float | Literal["auto"]:
+        """``overrides.defer_master`` (:attr:`PlannerOverrides.defer_master`)."""
+        return self.overrides.defer_master
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

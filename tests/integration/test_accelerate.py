@@ -213,15 +213,13 @@ def test_accumulate_on_host_from_the_environment(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("true", True), ("off", False), ("0.4", 0.4)])
-def test_defer_master_from_the_environment_takes_a_fixed_share(monkeypatch, text: str, value: Any) -> None:
-    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MASTER", text)
-    assert SuperOffloadPlugin().to_config().defer_master == value
+def test_defer_master_from_the_config_file_takes_a_fixed_share(text: str, value: Any) -> None:
+    assert SuperOffloadPlugin(config_file={"overrides": {"defer_master": text}}).to_config().defer_master == value
 
 
-def test_a_bad_fixed_share_from_the_environment_names_the_variable(monkeypatch) -> None:
-    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MASTER", "1.5")
-    with pytest.raises(ValueError, match="fraction strictly between 0 and 1"):
-        SuperOffloadPlugin()
-    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MASTER", "half")
-    with pytest.raises(ValueError, match=r"defer_master='half' is invalid.*HF_SUPEROFFLOAD_DEFER_MASTER"):
+def test_a_bad_fixed_share_names_its_source_and_the_old_variable_the_new_spelling(monkeypatch) -> None:
+    with pytest.raises(ValueError, match=r"fraction strictly between 0 and 1.*SuperOffloadPlugin.config_file: overrides"):
+        SuperOffloadPlugin(config_file={"overrides": {"defer_master": 1.5}})
+    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MASTER", "0.5")
+    with pytest.raises(ValueError, match=r"HF_SUPEROFFLOAD_DEFER_MASTER was removed.*'overrides:'"):
         SuperOffloadPlugin()

@@ -33,8 +33,12 @@ def _args(tmp_path: Any, **kw: Any) -> SuperOffloadArguments:
         ({"superoffload_d2h_lead_buckets": "4"}, r"superoffload_d2h_lead_buckets was removed.*\{\"overrides\": "
                                                  r"\{\"d2h_lead_buckets\": '4'\}\}"),
         ({"superoffload_max_redo_rate": 2.0}, "superoffload_max_redo_rate was removed"),
-        ({"superoffload_defer_master": "half"}, "superoffload_defer_master='half' is invalid: use 'auto', true"),
-        ({"superoffload_defer_master": "1.5"}, "superoffload_defer_master=1.5 is invalid: use 'auto', true, false"),
+        ({"superoffload_defer_master": "0.5"}, r"superoffload_defer_master was removed.*\{\"overrides\": "
+                                               r"\{\"defer_master\": '0.5'\}\}"),
+        ({"superoffload_config": {"overrides": {"defer_master": "half"}}},
+         r"superoffload_config: PlannerOverrides.defer_master='half' is invalid: use 'auto', true"),
+        ({"superoffload_config": {"overrides": {"defer_master": 1.5}}},
+         "defer_master=1.5 is invalid: use 'auto', true, false"),
     ],
 )
 def test_incompatible_or_invalid_arguments_are_refused(tmp_path: Any, kw: dict[str, Any], match: str) -> None:

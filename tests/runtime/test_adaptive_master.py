@@ -16,6 +16,7 @@ import torch
 
 import hf_superoffload.runtime.commit as commit_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.plan import MasterDeferral
 from hf_superoffload.testing import tiny_llama
 
@@ -55,7 +56,7 @@ def test_a_share_moving_every_step_is_bitwise_the_run_without_deferred_stores(mo
     assert n >= 4
     shares = itertools.cycle([0, 1, n // 2, n, 2, n - 1])
     monkeypatch.setattr(commit_module, "next_share", lambda numels, count, obs: next(shares))
-    eager_model, eager = build(defer_moments=False)
+    eager_model, eager = build(overrides=PlannerOverrides(defer_moments=False))
     seen = []
     for ids in batches(12):
         step(model, opt, ids)

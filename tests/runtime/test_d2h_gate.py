@@ -53,18 +53,20 @@ def test_the_planner_gates_only_with_a_lead_in_one_process() -> None:
         PlannerOverrides(d2h_gate="yes")  # type: ignore[arg-type]
 
 
-CONFIGS = {
-    "speculative": dict(),
-    "clip_every_step_defer_master": dict(defer_moments=True, defer_master=True, cast_side="cpu"),
-    "no_speculation": dict(speculation=False),
+# (options, planner overrides besides the D2H lead)
+CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "speculative": ({}, {}),
+    "clip_every_step_defer_master": ({"cast_side": "cpu"}, {"defer_moments": True, "defer_master": True}),
+    "no_speculation": ({"speculation": False}, {}),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gated_runs_equal_ungated_runs_bitwise(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     clip = 0.05 if name == "clip_every_step_defer_master" else 1.0  # 0.05: clipping fires on every step
+    options, overrides = CONFIGS[name]
     config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, worker_timeout_s=60,
-                                overrides=PlannerOverrides(d2h_lead_buckets=2), **CONFIGS[name])
+                                overrides=PlannerOverrides(d2h_lead_buckets=2, **overrides), **options)
     model_a, opt_a = build(config.with_overrides(d2h_gate=False), clip)
     assert not opt_a.plan.d2h_gate
     losses_a = train(model_a, opt_a, 6)
@@ -105,8 +107,8 @@ def test_a_first_task_released_after_the_verdict_still_commits_when_idle(monkeyp
         real_wait(self)
 
     monkeypatch.setattr(streams.Handoff, "wait_host", late_copy)
-    config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, speculation=False, defer_moments=True,
-                                cast_side="cpu", worker_timeout_s=60, overrides=PlannerOverrides(d2h_lead_buckets=2))
+    config = SuperOffloadConfig(bucket_size_mb=0.004, gpu_resident_buckets=1, speculation=False, cast_side="cpu",
+                                worker_timeout_s=60, overrides=PlannerOverrides(d2h_lead_buckets=2, defer_moments=True))
     model, opt = build(config, 1.0)
     assert opt.plan.d2h_gate and opt.plan.defer_moments
     g = torch.Generator().manual_seed(3)

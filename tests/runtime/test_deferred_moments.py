@@ -34,7 +34,10 @@ NO_PAUSE = PlannerOverrides(max_redo_rate=1.0)  # the governor never pauses spec
 
 
 def cfg(**kw: Any) -> SuperOffloadConfig:
-    return SuperOffloadConfig(**(BASE | kw))
+    """``BASE`` with ``kw``; ``defer_moments`` and ``defer_master`` go into the planner overrides (with those of an
+    ``overrides`` given)."""
+    deferral = {k: kw.pop(k) for k in ("defer_moments", "defer_master") if k in kw}
+    return SuperOffloadConfig(**(BASE | kw)).with_overrides(**deferral)
 
 
 def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
@@ -341,7 +344,7 @@ def test_a_failed_commit_is_retried_double_buffer_or_marks_the_state_inconsisten
     data = batches(3)
     config = cfg(**copies_config(copies), speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False, commit_when_idle=False)
-    eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
+    eager = Run(config.with_overrides(defer_moments=False), clip=always(1.0), extras=False)
     lazy.train(data[:2])
     eager.train(data[:2])
     lazy.opt.synchronize()
@@ -367,7 +370,7 @@ def test_a_failed_idle_commit_fails_the_next_step_and_keeps_the_state(copies: st
     data = batches(3)
     config = cfg(**copies_config(copies), speculation=False, defer_moments=True, defer_master=False, worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False)
-    eager = Run(config.replace(defer_moments=False), clip=always(1.0), extras=False)
+    eager = Run(config.with_overrides(defer_moments=False), clip=always(1.0), extras=False)
     lazy.train(data[:1])
     eager.train(data[:1])
     lazy.opt.synchronize()
@@ -391,7 +394,7 @@ def test_a_failed_master_commit_is_retried_or_marks_the_state_inconsistent(copie
     config = cfg(**copies_config(copies), speculation=False, defer_moments=True, defer_master=True, cast_side="cpu",
                  worker_timeout_s=30)
     lazy = Run(config, clip=always(1.0), extras=False, commit_when_idle=False)
-    eager = Run(config.replace(defer_moments=False, defer_master=False), clip=always(1.0), extras=False)
+    eager = Run(config.with_overrides(defer_moments=False, defer_master=False), clip=always(1.0), extras=False)
     lazy.train(data[:2])
     eager.train(data[:2])
     lazy.opt.synchronize()

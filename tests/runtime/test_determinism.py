@@ -100,7 +100,8 @@ def test_same_bits_whatever_the_threads_speculation_and_timing(monkeypatch: pyte
     for seed, (threads, defer_master) in enumerate([(3, "auto"), (2, True), (1, False)], start=1):
         with monkeypatch.context() as m:
             _jitter(m, seed)
-            got, norms, stats = _train(threads=threads, speculation=True, defer_master=defer_master)
+            got, norms, stats = _train(threads=threads, speculation=True,
+                                             overrides=PlannerOverrides(defer_master=defer_master))
         assert (got, norms) == (want, want_norms), f"jittered worker, {threads} threads, defer_master={defer_master}"
 
 

@@ -41,8 +41,8 @@ def trace(run: Run, data: list[torch.Tensor], nan_at: frozenset[int] = frozenset
 def test_nonspeculative_steps_write_in_place_and_change_no_number(speculation: bool, master: Any) -> None:
     data = batches(20)
     nan_at = frozenset({3, 15})  # skipped steps: one while paused (or off), one later
-    kw: dict[str, Any] = dict(rollback="double_buffer", speculation=speculation, defer_moments=True, defer_master=master, cast_side="cpu")
-    governor = PlannerOverrides(max_redo_rate=0.5, redo_window=2)
+    kw: dict[str, Any] = dict(rollback="double_buffer", speculation=speculation, cast_side="cpu")
+    governor = PlannerOverrides(max_redo_rate=0.5, redo_window=2, defer_moments=True, defer_master=master)
     in_place = Run(cfg(**kw, overrides=governor), clip=clip_schedule)
     out_of_place = Run(cfg(**kw, overrides=governor.replace(nonspeculative_in_place=False)), clip=clip_schedule)
     ref = Run(None, clip=clip_schedule)

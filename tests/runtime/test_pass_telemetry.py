@@ -12,6 +12,7 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload import ops as ops_module
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.integrations._common import TelemetryWindow
 from hf_superoffload.runtime.engine import StepStats
 from hf_superoffload.testing import tiny_llama
@@ -49,7 +50,7 @@ def slow_adam(monkeypatch):
 
 @pytest.mark.parametrize("defer_moments", [False, True])
 def test_the_pass_is_timed_from_the_verdict_to_its_last_bucket(slow_adam, defer_moments: bool) -> None:
-    stats, opt = run(4, defer_moments=defer_moments)
+    stats, opt = run(4, overrides=PlannerOverrides(defer_moments=defer_moments))
     n_host = len(opt.engine.host_buckets)
     opt.close()
     assert stats[0].pass_s == 0.0  # no pass before the first step

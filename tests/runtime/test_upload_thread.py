@@ -18,6 +18,7 @@ import torch
 
 import hf_superoffload.optimizer as optimizer_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.runtime import upload
 from hf_superoffload.runtime.cpu_worker import WorkerError
 from hf_superoffload.testing import tiny_llama
@@ -65,7 +66,8 @@ def snapshot(model: torch.nn.Module, opt: SuperOffloadOptimizer) -> dict[str, to
 
 CONFIGS = {
     "speculative": dict(),
-    "clip_every_step_defer_master": dict(defer_moments=True, defer_master=True, cast_side="cpu"),
+    "clip_every_step_defer_master": dict(
+        cast_side="cpu", overrides=PlannerOverrides(defer_moments=True, defer_master=True)),
     "speculation_off_inverse": dict(speculation=False, rollback="inverse"),
 }
 

@@ -25,15 +25,14 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "rollback": ("inverse", "inverse"), "cast_side": ("gpu", "gpu"), "weight_placement": ("flow", "flow"),
     "cpu_threads": ("3", 3), "pin_memory": ("false", False), "worker_timeout_s": ("30", 30.0),
     "check_finite": ("false", False), "max_consecutive_skips": ("0", 0), "accumulate_on_host": ("true", True),
-    "host_accumulation_dtype": ("landing", "landing"), "defer_moments": ("false", False),
-    "defer_master": ("0.25", 0.25), "chunked_loss": ("false", False),
+    "host_accumulation_dtype": ("landing", "landing"), "chunked_loss": ("false", False),
 }
 # a value out of every user option's domain
 BAD: dict[str, Any] = {
     "bucket_size_mb": 0, "gpu_resident_buckets": -1, "speculation": "maybe", "rollback": "magic",
     "cast_side": "north", "weight_placement": "x", "cpu_threads": 0, "pin_memory": "maybe", "worker_timeout_s": -1,
     "check_finite": "maybe", "max_consecutive_skips": -1, "accumulate_on_host": "maybe",
-    "host_accumulation_dtype": "fp8", "defer_moments": "maybe", "defer_master": 1.5, "chunked_loss": "maybe",
+    "host_accumulation_dtype": "fp8", "chunked_loss": "maybe",
 }
 FIX = {f.name: f.metadata["fix"] for f in dataclasses.fields(SuperOffloadConfig) if "fix" in f.metadata}
 
@@ -57,7 +56,7 @@ def _parse(tmp_path: Path, *flags: str) -> SuperOffloadArguments:
 
 def test_the_tables_cover_every_user_option() -> None:
     assert set(SAMPLES) == set(BAD) == set(USER_OPTIONS)
-    assert "overrides" not in USER_OPTIONS and len(USER_OPTIONS) <= 16
+    assert "overrides" not in USER_OPTIONS and len(USER_OPTIONS) <= 14
 
 
 @pytest.mark.parametrize("name", USER_OPTIONS)
@@ -96,15 +95,15 @@ def _forms(tmp_path: Path, options: dict[str, Any]) -> dict[str, Any]:
 
 def test_dict_json_and_yaml_forms_give_one_config_for_the_arguments_and_the_plugin(tmp_path: Path) -> None:
     options: dict[str, Any] = {name: value for name, (_, value) in SAMPLES.items()}
-    options["overrides"] = {"d2h_gate": False, "max_redo_rate": 1.0}
+    options["overrides"] = {"d2h_gate": False, "max_redo_rate": 1.0, "defer_master": 0.25}
     want = SuperOffloadConfig(**{k: v for k, v in options.items() if k != "overrides"},
-                              overrides=PlannerOverrides(d2h_gate=False, max_redo_rate=1.0))
+                              overrides=PlannerOverrides(d2h_gate=False, max_redo_rate=1.0, defer_master=0.25))
     for form, spec in _forms(tmp_path, options).items():
         assert _args(tmp_path, superoffload_config=spec).to_superoffload_config() == want, form
         assert SuperOffloadPlugin(config_file=spec).to_config() == want, form
     # text values (environment variables, YAML strings) are parsed by the option's type: the same config
-    as_text = {name: text for name, (text, _) in SAMPLES.items()} | {"overrides": {"d2h_gate": "off",
-                                                                                   "max_redo_rate": "1"}}
+    as_text = {name: text for name, (text, _) in SAMPLES.items()} | {"overrides": {
+        "d2h_gate": "off", "max_redo_rate": "1", "defer_master": "0.25"}}
     assert SuperOffloadConfig.from_dict(as_text) == want
     assert SuperOffloadPlugin(config_file=as_text).to_config() == want
     flags = [x for name, (text, _) in SAMPLES.items() for x in (f"--superoffload_{name}", text)]

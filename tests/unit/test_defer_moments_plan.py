@@ -13,6 +13,7 @@ from hf_superoffload.planning.planner import _HOST_HEADROOM_BYTES, PlanError, ma
 
 GiB = 1024**3
 NUMELS = [50_000_000] * 40  # 2B parameters
+HOST = SuperOffloadConfig(gpu_resident_buckets=0)  # every optimizer state on the host
 
 
 def profile(**kw):
@@ -32,7 +33,7 @@ def test_auto_is_on_for_one_process_and_counts_the_second_landing_arena():
     assert p.deferred_landing_bytes() == 2 * p.host_numel
     assert p.host_bytes() == p.host_numel * (28 + 2)
     assert "deferred moment stores: on" in p.summary()
-    off = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=False))
+    off = plan(HOST.with_overrides(defer_moments=False))
     assert not off.defer_moments and off.host_bytes() == p.host_bytes() - 2 * p.host_numel
     gpu_cast = plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="gpu"))
     # gradients land in bf16 with either cast side (the engine's second arena has the landing's dtype)
@@ -54,7 +55,7 @@ def test_auto_is_off_and_true_is_refused_where_unsupported(why, kw, config):
     assert not p.defer_moments
     assert any(why in n for n in p.notes), p.notes
     with pytest.raises(PlanError, match="defer_moments=True is not supported"):
-        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=True, **config), **kw)
+        plan(HOST.replace(**config).with_overrides(defer_moments=True), **kw)
 
 
 def test_auto_is_off_when_host_ram_is_short_and_true_then_refused():
@@ -67,7 +68,7 @@ def test_auto_is_off_when_host_ram_is_short_and_true_then_refused():
     assert p.rollback is Rollback.DOUBLE_BUFFER and not p.defer_moments
     assert any("host RAM too small for a second" in note for note in p.notes)
     with pytest.raises(PlanError, match="second landing arena"):
-        plan(double.replace(defer_moments=True), prof=prof)
+        plan(double.with_overrides(defer_moments=True), prof=prof)
     assert plan(double, prof=profile(host_available_bytes=28 * n + keep + 2 * n)).defer_moments
 
 
@@ -86,67 +87,69 @@ def test_host_accumulation_keeps_it_off():
     assert p.host_accumulation is not HostAccumulation.OFF and not p.defer_moments
 
 
-def test_config_validates_the_field():
-    with pytest.raises(ValueError, match=r"SuperOffloadConfig.defer_moments='yes' is invalid"):
-        SuperOffloadConfig(defer_moments="yes")  # type: ignore[arg-type]
-    assert SuperOffloadConfig(defer_moments=False).defer_moments is False
+def test_the_overrides_validate_the_fields_and_the_config_reads_them():
+    with pytest.raises(ValueError, match=r"PlannerOverrides.defer_moments='yes' is invalid"):
+        PlannerOverrides(defer_moments="yes")  # type: ignore[arg-type]
+    config = HOST.with_overrides(defer_moments=False, defer_master=0.25)
+    assert (config.defer_moments, config.defer_master) == (False, 0.25)  # what the planner reads
+    for name in ("defer_moments", "defer_master"):
+        with pytest.raises(TypeError):
+            SuperOffloadConfig(**{name: False})  # not a user option
+        with pytest.raises(ValueError, match=f"'{name}' is a planner override.*\\{{\"overrides\": "):
+            SuperOffloadConfig.from_dict({name: "false"})
 
 
-def test_plugin_and_trainer_arguments_parse_it(monkeypatch):
+def test_plugin_and_trainer_arguments_take_them_under_overrides_only(monkeypatch, tmp_path):
     pytest.importorskip("accelerate")
     from hf_superoffload.integrations.accelerate import SuperOffloadPlugin
+    from hf_superoffload.integrations.arguments import SuperOffloadArguments
 
-    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MOMENTS", "false")
-    assert SuperOffloadPlugin().to_config().defer_moments is False
-    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MOMENTS", "auto")
-    assert SuperOffloadPlugin().to_config().defer_moments == "auto"
-    assert SuperOffloadPlugin(defer_moments=True).to_config().defer_moments is True
-    monkeypatch.setenv("HF_SUPEROFFLOAD_DEFER_MOMENTS", "maybe")
-    with pytest.raises(ValueError, match="HF_SUPEROFFLOAD_DEFER_MOMENTS"):
-        SuperOffloadPlugin()
-    monkeypatch.delenv("HF_SUPEROFFLOAD_DEFER_MOMENTS")
-
-    from hf_superoffload.integrations.arguments import SuperOffloadArguments, superoffload_config_from_args
-
-    args = SuperOffloadArguments(output_dir="/tmp/hf_superoffload_defer_args", report_to=[], use_cpu=True)
-    assert args.to_superoffload_config().defer_moments == "auto"
-    args.superoffload_defer_moments = "false"
-    assert superoffload_config_from_args(args).defer_moments is False
-    args.superoffload_defer_moments = "sometimes"
-    with pytest.raises(ValueError, match="superoffload_defer_moments"):
-        superoffload_config_from_args(args)
+    spec = {"overrides": {"defer_moments": "false", "defer_master": "0.25"}}
+    want = HOST.replace(gpu_resident_buckets="auto").with_overrides(defer_moments=False, defer_master=0.25)
+    assert SuperOffloadPlugin(config_file=spec).to_config() == want
+    args = SuperOffloadArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, superoffload_config=spec)
+    assert args.to_superoffload_config() == want
+    for name in ("defer_moments", "defer_master"):
+        monkeypatch.setenv(f"HF_SUPEROFFLOAD_{name.upper()}", "false")
+        with pytest.raises(ValueError, match=f"HF_SUPEROFFLOAD_{name.upper()} was removed.*'overrides:'"):
+            SuperOffloadPlugin()
+        monkeypatch.delenv(f"HF_SUPEROFFLOAD_{name.upper()}")
+        with pytest.raises(TypeError):
+            SuperOffloadPlugin(**{name: False})
+        with pytest.raises(ValueError, match=f"superoffload_{name} was removed.*\\{{\"overrides\": "):
+            SuperOffloadArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **{f"superoffload_{name}": "false"})
 
 
 def test_defer_master_needs_deferred_moments_and_the_cpu_cast():
-    on = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="cpu"))
+    on = plan(HOST.replace(cast_side="cpu").with_overrides(defer_master=True))
     assert on.defer_moments and on.defer_master is MasterDeferral.ALL and "master weights too" in on.summary()
     assert on.host_bytes() == plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="cpu")).host_bytes()
-    off = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=False, cast_side="cpu"))
+    off = plan(HOST.replace(cast_side="cpu").with_overrides(defer_master=False))
     assert off.defer_master is MasterDeferral.OFF and "master weights" not in off.summary()
     with pytest.raises(PlanError, match="defer_master=True needs deferred moment stores"):
-        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, defer_moments=False))
+        plan(HOST.with_overrides(defer_master=True, defer_moments=False))
     with pytest.raises(PlanError, match="cast_side='cpu'"):
-        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=True, cast_side="gpu"))
-    with pytest.raises(ValueError, match=r"SuperOffloadConfig\.defer_master=.*'auto', true, false or a fraction"):
-        SuperOffloadConfig(defer_master="yes")
+        plan(HOST.replace(cast_side="gpu").with_overrides(defer_master=True))
+    with pytest.raises(ValueError, match=r"PlannerOverrides\.defer_master=.*'auto', true, false or a fraction"):
+        PlannerOverrides(defer_master="yes")
 
 
 @pytest.mark.parametrize("bad", [0.0, 1.0, 1.5, -0.2, "0.5", 2])
 def test_a_fixed_master_share_is_a_fraction_strictly_inside_0_1(bad):
     with pytest.raises(ValueError, match=r"defer_master=.*a fraction strictly between 0 and 1"):
-        SuperOffloadConfig(defer_master=bad)
+        PlannerOverrides(defer_master=bad)
 
 
 def test_a_fixed_master_share_is_a_plan_field_and_needs_what_true_needs():
-    p = plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=0.4, cast_side="cpu"))
+    p = plan(HOST.replace(cast_side="cpu").with_overrides(defer_master=0.4))
     host = [b.shard for b in p.host_buckets]
     assert p.defer_master is MasterDeferral.SHARE and p.master_buckets == share_count(host, 0.4)
     assert 0 < p.master_buckets < len(host)
     assert "a fixed share of the buckets" in p.summary() and any("~40% of the host" in n for n in p.notes)
     for other in (True, False, "auto"):
-        assert plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=other, cast_side="cpu")).master_buckets == 0
+        assert plan(HOST.replace(cast_side="cpu").with_overrides(defer_master=other)).master_buckets == 0
     with pytest.raises(PlanError, match=r"defer_master=0\.4 needs deferred moment stores"):
-        plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_master=0.4, defer_moments=False))
+        plan(HOST.with_overrides(defer_master=0.4, defer_moments=False))
 
 
 def test_defer_master_auto_is_adaptive_where_it_can_work_and_off_elsewhere():
@@ -156,7 +159,7 @@ def test_defer_master_auto_is_adaptive_where_it_can_work_and_off_elsewhere():
     # (measured on 2026-12-01 at 8ad7b7a: the adaptive share faster than defer_master=True on the all-host 3.6B step: no hint)
     assert not any(n.startswith("hint:") and "defer_master" in n for n in auto.notes)
     # no deferred moments or the GPU cast: nothing to adapt, and no error (unlike an explicit True)
-    assert plan(SuperOffloadConfig(gpu_resident_buckets=0, defer_moments=False)).defer_master is MasterDeferral.OFF
+    assert plan(HOST.with_overrides(defer_moments=False)).defer_master is MasterDeferral.OFF
     assert plan(SuperOffloadConfig(gpu_resident_buckets=0, cast_side="gpu")).defer_master is MasterDeferral.OFF
 
 
@@ -177,10 +180,11 @@ def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
      ("defer_master", "0.25", 0.25), ("defer_moments", "off", False), ("accumulate_on_host", "TRUE", True)],
 )
 def test_tri_state_text_one_vocabulary(name: str, text: str, want: object) -> None:
-    """The Trainer arguments and the Accelerate plugin/env parse these fields with the same function."""
+    """The Trainer arguments, the Accelerate plugin/env and config files parse these fields with the same function."""
     from hf_superoffload.config import value_from_text
 
-    got = value_from_text(SuperOffloadConfig, name, text)
+    owner = SuperOffloadConfig if name == "accumulate_on_host" else PlannerOverrides
+    got = value_from_text(owner, name, text)
     assert got == want and type(got) is type(want)
 
 
@@ -190,4 +194,4 @@ def test_tri_state_text_errors_name_the_spellings(name: str, text: str, match: s
     from hf_superoffload.config import value_from_text
 
     with pytest.raises(ValueError, match=match):
-        value_from_text(SuperOffloadConfig, name, text)
+        value_from_text(PlannerOverrides, name, text)
