@@ -15,7 +15,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-BASELINES = ("gpu_fp32", "gpu_bf16")
+BASELINES = ("gpu_fp32", "gpu_bf16", "gpu_bf16_kept")
 OURS = ("snippet", "trainer", "host0", "host0_inverse")
 
 

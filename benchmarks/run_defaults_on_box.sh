@@ -30,7 +30,7 @@ for line in open(sys.argv[1]):
     print(f"{r['preset']:>5} bs{r['batch']} acc{r['accum']} {r['system']:>9} {r['status']:>6} "
           f"step {s.get('median', float('nan')):.3f} [{s.get('min', float('nan')):.3f}-{s.get('max', float('nan')):.3f}] "
           f"mfu {r.get('mfu') or float('nan'):.3f} gpu {r.get('peak_gpu_gb') or float('nan'):.1f}GB "
-          f"rss {r.get('host_rss_gb') or float('nan'):.1f}GB host_params {p.get('host_params', '-')} "
+          f"rss {r.get('host_rss_gb') or float('nan'):.1f}GB host_params {p.get('host_params', '-')} kept {p.get('kept_layers', r.get('kept_layers', '-'))} "
           f"pred gpu {pred.get('gpu_peak_gb') or float('nan'):.1f} rss {pred.get('host_rss_gb') or float('nan'):.1f} "
           f"step {pred.get('step_s') or float('nan'):.3f} {r.get('error', '')[:120]} {r.get('tail', '')[-300:]}")
 PY

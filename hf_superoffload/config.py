@@ -334,18 +334,6 @@ class SuperOffloadConfig:
         """A copy whose :class:`PlannerOverrides` has ``changes`` applied (for experts and tests)."""
         return self.replace(overrides=self.overrides.replace(**changes))
 
-    # The planner reads these two overrides as ``config.defer_moments`` / ``config.defer_master``: read-only views,
-    # set in ``overrides``.
-    @property
-    def defer_moments(self) -> bool | Literal["auto"]:
-        """``overrides.defer_moments`` (:attr:`PlannerOverrides.defer_moments`)."""
-        return self.overrides.defer_moments
-
-    @property
-    def defer_master(self) -> bool | float | Literal["auto"]:
-        """``overrides.defer_master`` (:attr:`PlannerOverrides.defer_master`)."""
-        return self.overrides.defer_master
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

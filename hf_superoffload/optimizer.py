@@ -16,11 +16,12 @@ import torch
 
 from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
-from .planning.hardware import HardwareProfile, cuda_free_bytes
+from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
 from .planning.plan import OffloadPlan
-from .planning.planner import Workload, device_holds, make_plan
+from .planning.planner import Workload, bisect_largest_int, device_holds, make_plan
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
+from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
 from .runtime.validation import Hyper, SpeculationGovernor, StepVerdict
 from .state import engine_state_dict, load_engine_state, validate_engine_state
 
@@ -135,7 +136,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         ranks = _local_ranks(comm) if comm is not None else {}
         profile_read = profile is None
         if profile is None:
-            profile = HardwareProfile.read(ordered[0].device)
+            profile = with_known_rates(HardwareProfile.read(ordered[0].device), ordered[0].device)
             if workload is not None:
                 profile = _count_own_weights_as_free(profile, model, ordered[0].device)
         if workload is not None and self._chunked_loss:
@@ -151,6 +152,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         """Called once with the plan when the engine is built (integrations log it on the main process)."""
         self._batch_hook: Any = None
         self._growth_hook: Any = None
+        self._kept: KeptLayers | None = None  # [Note: kept layers]: the layers the plan leaves unchecked
         self._fitted_tokens = 0  # the most tokens per training batch checked against the plan's device memory
         self._fp32_values: list[torch.Tensor | None] | None = None
         infer = profile_read and not converted and self._infers_workload()
@@ -183,15 +185,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     def _infers_workload(self) -> bool:
         """Whether the plan waits for the first training batch. Only where the inference is sound: the profile read
-        from a device that reports its free memory, no workload given, the tail and the weight placement left to
-        the planner, one process or plain data parallel (the ranks agree on the batch, see ``_plan_from_batch``;
+        from a device that reports its free memory, no workload given, weights not forced to stream (an explicit
+        tail still gains kept layers, [Note: kept layers]), one process or plain data parallel (the ranks agree on the batch, see ``_plan_from_batch``;
         sequence parallelism, which divides gradients by fewer than the ranks, shards the sequence the batch
         shows), and a transformers config the memory model reads ([Note: workload from the first batch])."""
         if self.workload is not None or self._profile.device_free_bytes is None:
             return False
         if self._comm is not None and self._comm.grad_divisor != self._comm.world_size:
             return False
-        if self.config.gpu_resident_buckets != "auto" or self.config.weight_placement != "auto":
+        if self.config.weight_placement == "flow":  # streamed weights: nothing the batch shape would change
             return False
         if getattr(self._model, "config", None) is None:
             return False
@@ -234,6 +236,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return _count_own_weights_as_free(profile, self._model, device)
 
     def _make_plan(self, workload: Workload | None, profile: HardwareProfile) -> OffloadPlan:
+        if workload is not None and workload.grad_ckpt and layer_checkpointing(self._model):
+            workload = dataclasses.replace(workload, layer_checkpointing=True)  # [Note: kept layers]
         return make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config, profile=profile,
                          workload=workload, **self._ranks)
 
@@ -270,6 +274,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._fp32_values = None
         self._built = engine
         self._provisional = None
+        if plan.kept_layers:  # before this forward's layers run: it is the first one that trains
+            self._kept = KeptLayers(checkpointed_layers(self._model), plan.kept_layers)
         if self.workload is not None and self._comm is None:
             # [Note: workload from the first batch]: a later, larger batch is checked against this plan's memory
             budget = profile or self._profile
@@ -295,6 +301,20 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             return
         larger = dataclasses.replace(self.workload, batch_size=shape[0], seq_len=shape[1])
         ok, why = device_holds(self.plan, larger, budget, 1)
+        if not ok and self._kept is not None and self._kept.kept:
+            # checkpoint kept layers again before refusing: the values are the same, only slower
+            plan = self.plan
+
+            def holds(k: int) -> bool:
+                return device_holds(dataclasses.replace(plan, kept_layers=k), larger, budget, 1)[0]
+
+            if holds(0):
+                kept = bisect_largest_int(0, self._kept.kept, holds)
+                logger.info("hf_superoffload: a training batch of %d x %d tokens: %d decoder layer(s) keep their "
+                            "activations instead of %d, so that it fits", shape[0], shape[1], kept, self._kept.kept)
+                self._kept.set(kept)
+                self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
+                ok = True
         if not ok:
             w = self.workload
             raise RuntimeError(
@@ -543,6 +563,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if self._growth_hook is not None:
             self._growth_hook.remove()
             self._growth_hook = None
+        if self._kept is not None:
+            self._kept.restore()
+            self._kept = None
         if self._built is not None:
             self._built.close()
 

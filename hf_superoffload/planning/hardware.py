@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CACHE_ENV", "HardwareProfile", "available_host_bytes", "cache_path", "cuda_free_bytes", "default_cpu_threads",
-    "shipped_profile_names",
+    "CACHE_ENV", "RATE_FIELDS", "HardwareProfile", "available_host_bytes", "cache_path", "cuda_free_bytes",
+    "default_cpu_threads", "shipped_profile_names", "with_known_rates",
 ]
 
 CACHE_ENV = "HF_SUPEROFFLOAD_CACHE"
@@ -276,6 +276,50 @@ class HardwareProfile:
     def rtx4090_24gb(cls) -> HardwareProfile:
         """A 24 GB workstation card on PCIe Gen4 with 16 cores and 64 GiB: assumed datasheet figures."""
         return cls.shipped("rtx4090_24gb")
+
+
+# [Note: known rates] The bare optimizer plans with ``HardwareProfile.read`` (it measures nothing), but the tail
+# search weighs host buckets, the device tail and kept layers by the roofline, which needs rates; without them it
+# takes the largest tail, which on an H200 left 8B at 9 kept layers where the roofline's choice keeps 20. So the
+# read profile borrows rates, in this order: this host's cached measurement (``hf-superoffload plan`` or
+# ``HardwareProfile.measure`` wrote it), else the shipped profile of the same GPU model, its CPU Adam rate and host
+# memory bandwidth scaled by this host's cores against the profiled host's (at most 1.5x). The notes say which.
+_SHIPPED_BY_GPU = (("GH200", "gh200"), ("H200", "h200_pcie"), ("4090", "rtx4090_24gb"))
+RATE_FIELDS = ("h2d_gbps", "d2h_gbps", "h2d_concurrent_gbps", "d2h_concurrent_gbps", "cpu_adam_gparams",
+               "host_memory_gbps", "matmul_tflops", "device_memory_gbps", "peer_gbps")
+
+
+def with_known_rates(profile: HardwareProfile, device: torch.device | str) -> HardwareProfile:
+    """``profile`` with the rates it lacks borrowed from a cached measurement or a shipped profile of the same GPU
+    ([Note: known rates]); unchanged when it has rates, is not CUDA, or no source matches."""
+    if profile.device_type != "cuda" or profile.cpu_adam_gparams is not None:
+        return profile
+    source: HardwareProfile | None = None
+    note, shipped = "", False
+    try:
+        path: Path | None = cache_path(device)
+    except (RuntimeError, AssertionError):  # no CUDA here: nothing was measured on it
+        path = None
+    if path is not None and path.is_file():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            source = HardwareProfile.load(path)
+            note = f"rates: this host's measured profile ({path})"
+    if source is None and profile.name:
+        match = next((shipped for key, shipped in _SHIPPED_BY_GPU if key in profile.name), None)
+        if match is not None:
+            source, shipped = HardwareProfile.shipped(match), True
+            note = f"rates: the shipped {match} profile's (same GPU model, not measured on this host)"
+    if source is None or source.cpu_adam_gparams is None:
+        return profile
+    rates = {k: getattr(source, k) for k in RATE_FIELDS}
+    if shipped and profile.cpu_cores and source.cpu_cores:
+        scale = min(1.5, profile.cpu_cores / source.cpu_cores)
+        for k in ("cpu_adam_gparams", "host_memory_gbps"):
+            if rates[k] is not None:
+                rates[k] *= scale
+        if scale != 1.0:
+            note += f"; CPU rates scaled by {scale:.2f} for {profile.cpu_cores} cores"
+    return dataclasses.replace(profile, **rates, notes=(*profile.notes, note))
 
 
 def shipped_profile_names() -> list[str]:

@@ -206,6 +206,7 @@ class PlanLike:
             (``OffloadPlan.deferred_landing_bytes``: 2 B/param when on, else 0).
         d2h_lead_buckets: ``OffloadPlan.d2h_lead_buckets``: flattened gradient buckets that may wait for their D2H
             on the GPU ([Note: D2H lead]); one is already in ``INFLIGHT_BUCKETS``.
+        kept_layers: ``OffloadPlan.kept_layers``: under checkpointing, decoder layers that keep their activations.
     """
 
     device_numel: int = 0
@@ -219,8 +220,11 @@ class PlanLike:
     accumulation_bytes: int = 0
     deferred_landing_bytes: int = 0
     d2h_lead_buckets: int = 0
+    kept_layers: int = 0
 
     def __post_init__(self) -> None:
+        if self.kept_layers < 0:
+            raise ValueError(f"kept_layers={self.kept_layers}: use a number of decoder layers >= 0")
         if self.host_bytes_per_param not in (16, 28):
             raise ValueError(f"host_bytes_per_param={self.host_bytes_per_param}: use 16 (inverse) or 28 (snapshot)")
         if not 0.0 <= self.speculated_fraction <= 1.0:
@@ -240,7 +244,7 @@ class PlanLike:
                    deferred_landing_bytes=plan.deferred_landing_bytes(),
                    weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
                    bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu",
-                   d2h_lead_buckets=plan.d2h_lead_buckets)
+                   d2h_lead_buckets=plan.d2h_lead_buckets, kept_layers=plan.kept_layers)
 
     @classmethod
     def all_host(cls, numel: int, **kw: Any) -> PlanLike:  # every optimizer state on the host, no device tail
@@ -356,7 +360,11 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
         layer_act -= s.mlp_activation_bytes_per_token * tokens
         layer_bwd = int(1.5 * (layer_act + s.mlp_activation_bytes_per_token * min(mlp_tile_tokens, tokens)))
         tile_sums = (4 + (4 if autocast else 2)) * s.mlp_numel if tokens > mlp_tile_tokens else 0
-    loss = dict(resident, activations=s.num_layers * (tokens * h * (4 if autocast else 2) if grad_ckpt else layer_act))
+    ckpt_bytes = tokens * h * (4 if autocast else 2)  # a checkpointed layer's saved input
+    # under checkpointing, the plan's kept layers save everything (their activations die first in backward)
+    kept = min(p.kept_layers, s.num_layers) if grad_ckpt else 0
+    checkpointed = s.num_layers - kept if grad_ckpt else 0
+    loss = dict(resident, activations=checkpointed * ckpt_bytes + (s.num_layers - checkpointed) * layer_act)
     loss["final_norm"] = (14 if autocast else 8) * h * tokens
     if loss_chunk_tokens is None and chunked_loss:
         loss["logits"] = (CHUNKED_LOGITS_BYTES_PER_ELEMENT * tokens + 8 * min(tokens, CHUNK_TOKENS)) * s.vocab_size
@@ -371,8 +379,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
     if grad_ckpt:
         # the first recomputed layer (the last one): every layer's checkpointed input is still alive. Negligible
         # next to the logits at short sequences; the peak at long ones (the logits are chunked or freed by then).
-        phases["backward_start"] = dict(resident, activations=layer_bwd,
-                                        checkpoints=s.num_layers * tokens * h * (4 if autocast else 2))
+        phases["backward_start"] = dict(resident, activations=layer_bwd + kept * layer_act,
+                                        checkpoints=checkpointed * ckpt_bytes)
     if keep_attention:  # every layer's attention output (bf16) and log-sum-exp (fp32) live until its backward
         kept = s.num_layers * tokens * (2 * s.num_heads * s.head_dim + 4 * s.num_heads)
         loss["kept_attention"] = phases["backward_start"]["kept_attention"] = kept
@@ -503,7 +511,7 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
             out.append(f"  - host_accumulation_dtype='landing' saves most of the {est.host['grad_accumulation'] / GiB:.1f} "
                        "GiB fp32 gradient accumulator")
         if "deferred_landing" in est.host:
-            out.append(f"  - defer_moments=False saves {est.host['deferred_landing'] / GiB:.1f} GiB")
+            out.append(f"  - PlannerOverrides(defer_moments=False) saves {est.host['deferred_landing'] / GiB:.1f} GiB")
         per = (p.host_bytes_per_param + ENGINE_HOST_BYTES_PER_PARAM
                + (p.accumulation_bytes + p.deferred_landing_bytes) / max(p.host_numel, 1))
         move = min(p.host_numel, int(host_over / per) + 1)

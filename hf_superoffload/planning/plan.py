@@ -137,6 +137,9 @@ class OffloadPlan:
             upload thread]; the engine uses it on CUDA with stationary weights in a single process).
         d2h_gate: a host bucket's first CPU task is queued only once its gradient copy has landed ([Note: D2H
             gate]; with a D2H lead in a single process).
+        kept_layers: under activation checkpointing, how many decoder layers (the last ones) keep their
+            activations instead of recomputing them in backward: device memory the offload freed, spent on
+            speed ([Note: kept layers] in planning/planner.py); 0 leaves checkpointing as the model has it.
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -162,6 +165,7 @@ class OffloadPlan:
     d2h_gate: bool = False
     nonspeculative_in_place: bool = False
     master_buckets: int = 0
+    kept_layers: int = 0
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -217,6 +221,9 @@ class OffloadPlan:
                             else " in flight past the backward; first CPU tasks in arrival order until the verdict"
                             + (", each queued once its copy has landed" if self.d2h_gate else "")))
             lines.append(f"  uploads: issued by {'a thread of their own' if self.upload_thread else 'the CPU worker'}")
+        if self.kept_layers:
+            lines.append(f"  activation checkpointing: the last {self.kept_layers} decoder layer(s) keep their "
+                         "activations (no recompute); the others are checkpointed")
         if self.world_size > 1:
             cores = f"cores {_ranges(self.cpu_affinity)}" if self.cpu_affinity else "all cores"
             lines.append(f"  data parallel: rank {self.rank} of {self.world_size} owns 1/{self.world_size} of every "

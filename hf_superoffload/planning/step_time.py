@@ -3,13 +3,15 @@
 [Note: step-time roofline]
 T = batch x seq tokens, N parameters, L layers, d attention width, S sequence length.
 
-* GPU: F = k (N T + L d S T) FLOPs, k = 8 with checkpointing (the forward runs twice), 6 without; the second
-  term is causal attention. ``gpu_s = F_gemm / (matmul_tflops x 0.68) + F_attention / (matmul_tflops x 0.6)``:
-  with bf16 weights (no autocast copies) the
-  default plans reach 0.66 (3.6B, batch 8: 0.959 s with its device tail's 0.02 s) and 0.70 (8B, batch 4: 1.018 s)
-  of the 802 TFLOP/s GEMM rate counted this way (the fp32-weight autocast anchors 0.58-0.62; 0.45 when counting
-  model FLOPs, 6N, as MFU does). Backward (with recompute) is ``W_b`` = 3/4 of it (2/3 without checkpointing),
-  the forward ``W_f`` the rest. Ulysses over P GPUs: one rank does F / P (its tokens; 1/P of the heads in
+* GPU: forward ``2 (N T + L d S T)`` FLOPs, backward ``4 (N T + L d S T)`` plus the recompute of the checkpointed
+  decoder layers, ``2 r (N_L T + L d S T)`` (r: the share of layers recomputed, 1 with checkpointing less the
+  plan's kept layers, 0 without; N_L: the decoder layers' parameters: embeddings, LM head and loss are never
+  recomputed); the ``L d S T`` terms are causal attention. GEMM FLOPs run at ``matmul_tflops x g(h)``,
+  ``g = 0.68 x min(1, h / 4096)^0.4``, attention at ``matmul_tflops x 0.6``. Fitted on H200 with bf16 weights
+  (802 TFLOP/s GEMM rate): 3.6B (h 3072) batch 8 measures 0.959 s with every layer recomputed and 0.800 s with
+  every layer kept, 8B batch 4 1.018 s and 0.964 s with 9 of 32 kept (less the device tail's AdamW, these
+  ask g of 0.63, 0.60, 0.68 and 0.67); counting model FLOPs (6N), as MFU does, gives 0.43-0.47. ``W_b`` is the
+  backward's share, the forward ``W_f`` the rest. Ulysses over P GPUs: one rank does F / P (its tokens; 1/P of the heads in
   attention; 8B at 256k on 2 H200: 92 s predicted, 95.9 measured), and the P ranks of the host split its CPU
   Adam rate and memory bandwidth. A tiled MLP adds one MLP forward, ``2 x 3 h f L T``.
 * link: e = 2 B/param each way (CPU cast) or 4 (GPU cast); ``d2h_s = e H / d2h``, ``h2d_s = e H / h2d`` for
@@ -57,7 +59,13 @@ from .memory_model import ModelShape, PlanLike
 __all__ = ["ATTENTION_EFFICIENCY", "GEMM_EFFICIENCY", "PEER_GBPS_ASSUMED", "StepTime", "collective_seconds",
            "predict_step_time"]
 
-GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate
+GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate ...
+GEMM_EFFICIENCY_WIDTH = 4096  # ... at this hidden size and above; narrower models' GEMMs reach less
+
+
+def gemm_efficiency(hidden_size: int) -> float:
+    """The share of the profile's GEMM rate a training step reaches ([Note: step-time roofline])."""
+    return GEMM_EFFICIENCY * min(1.0, hidden_size / GEMM_EFFICIENCY_WIDTH) ** 0.4
 ATTENTION_EFFICIENCY = 0.6  # ... and of the causal attention term (fitted where it dominates: 8B at 256k tokens)
 # NCCL bus bandwidth between GPUs of one host when the profile has no ``peer_gbps``: NVLink 4 (H100/H200 HGX),
 # 450 GB/s per direction nominal, 350-370 GB/s reached by nccl-tests' reduce-scatter and all-gather. Assumed.
@@ -110,16 +118,20 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     if any(x is None for x in need):
         return None
     tokens = batch_size * seq_len
-    k = 8 if grad_ckpt else 6
-    k_attn = 6 if keep_attention else k
-    gemm = k * shape.numel * tokens
-    attention = k_attn * shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens
+    # the share of decoder layers recomputed in backward (the plan's kept layers are not): 2 more FLOPs per
+    # decoder-layer parameter (the embeddings, LM head and loss are never recomputed)
+    recomputed = (1 - min(plan_like.kept_layers, shape.num_layers) / max(shape.num_layers, 1)) if grad_ckpt else 0.0
+    layer_params = shape.num_layers * shape.layer_numel
+    attn_unit = shape.num_layers * shape.num_heads * shape.head_dim * seq_len * tokens
+    gemm_f, gemm_b = 2 * shape.numel * tokens, (4 * shape.numel + 2 * recomputed * layer_params) * tokens
+    attn_f, attn_b = 2 * attn_unit, (4 + (0 if keep_attention else 2 * recomputed)) * attn_unit
     if mlp_tile_tokens is not None and mlp_tile_tokens < -(-tokens // sequence_parallel):
-        gemm += 2 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers * tokens
+        gemm_b += 2 * 3 * shape.hidden_size * shape.intermediate_size * shape.num_layers * tokens
     rate_flops = p.matmul_tflops * 1e12 * sequence_parallel
-    gpu_s = gemm / (rate_flops * GEMM_EFFICIENCY) + attention / (rate_flops * ATTENTION_EFFICIENCY)
-    w_b = gpu_s * (0.75 if grad_ckpt else 2 / 3)
-    w_f = gpu_s - w_b
+    gemm_rate = rate_flops * gemm_efficiency(shape.hidden_size)
+    w_f = gemm_f / gemm_rate + attn_f / (rate_flops * ATTENTION_EFFICIENCY)
+    w_b = gemm_b / gemm_rate + attn_b / (rate_flops * ATTENTION_EFFICIENCY)
+    gpu_s = w_f + w_b
     e = 4 if plan_like.cast_side == "gpu" else 2  # bytes per parameter up (the fp32 master or bf16); down: always 2
     ranks = sequence_parallel * data_parallel  # all on this host: they split its cores and memory bandwidth
     rate = p.cpu_adam_gparams * 1e9 / ranks

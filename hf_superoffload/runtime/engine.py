@@ -19,6 +19,7 @@ Schedule of one optimizer step:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -163,6 +164,13 @@ class OffloadEngine:
             on_h2d=lambda n: self.telemetry.add(h2d_bytes=n), synchronize=self.synchronize)
         layout.allocate_device_state()  # under weight flow: now that the streamed weights left the device
         registry.claim(self)
+
+    def amend_plan(self, plan: OffloadPlan) -> None:
+        """Replace the plan by one that differs only in what the runtime does not read (the kept layers, which the
+        optimizer applies to the model)."""
+        if dataclasses.replace(plan, kept_layers=self.plan.kept_layers, notes=self.plan.notes) != self.plan:
+            raise ValueError("amend_plan changes the kept layers only; the engine is built for the rest of its plan")
+        self.plan = plan
 
     # -- the host buckets, as the integrations and tests read them ------------------------------------
     @property

@@ -14,10 +14,12 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "defaults.py"
 def test_snippet_and_trainer_rows_record_their_plans(tmp_path: Path) -> None:
     out = tmp_path / "d.jsonl"
     subprocess.run([sys.executable, str(SCRIPT), "--rows", "tiny:2:2", "--systems", "snippet", "trainer",
-                    "--device", "cpu", "--seq", "32", "--warmup", "1", "--steps", "2", "--out", str(out)],
-                   check=True, timeout=600)
+                    "gpu_bf16_kept", "--device", "cpu", "--seq", "32", "--warmup", "1", "--steps", "2",
+                    "--out", str(out)], check=True, timeout=600)
     recs = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(recs) == {"snippet", "trainer"}
+    assert set(recs) == {"snippet", "trainer", "gpu_bf16_kept"}
+    baseline = recs.pop("gpu_bf16_kept")
+    assert baseline["status"] == "ok" and baseline["kept_layers"] == baseline["layers"]  # the host holds them all
     for r in recs.values():
         assert r["status"] == "ok", r
         assert r["step_s"]["n"] == 2 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]

@@ -214,7 +214,7 @@ def test_accumulate_on_host_from_the_environment(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("text", "value"), [("auto", "auto"), ("true", True), ("off", False), ("0.4", 0.4)])
 def test_defer_master_from_the_config_file_takes_a_fixed_share(text: str, value: Any) -> None:
-    assert SuperOffloadPlugin(config_file={"overrides": {"defer_master": text}}).to_config().defer_master == value
+    assert SuperOffloadPlugin(config_file={"overrides": {"defer_master": text}}).to_config().overrides.defer_master == value
 
 
 def test_a_bad_fixed_share_names_its_source_and_the_old_variable_the_new_spelling(monkeypatch) -> None:

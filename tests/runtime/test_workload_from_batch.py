@@ -179,7 +179,10 @@ def test_a_given_profile_or_setting_plans_at_construction(device_budget) -> None
     from hf_superoffload import SuperOffloadConfig
 
     assert SuperOffloadOptimizer(_model(), lr=1e-2, log_plan=False,
-                                 config=SuperOffloadConfig(gpu_resident_buckets=0)).planned
+                                 config=SuperOffloadConfig(weight_placement="flow")).planned
+    # an explicit tail waits for the batch: the plan may keep layers' activations beside it ([Note: kept layers])
+    assert not SuperOffloadOptimizer(_model(), lr=1e-2, log_plan=False,
+                                     config=SuperOffloadConfig(gpu_resident_buckets=0)).planned
 
 
 def test_a_later_batch_too_large_for_the_plan_is_refused_before_its_forward(device_budget) -> None:

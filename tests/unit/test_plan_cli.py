@@ -53,7 +53,8 @@ def test_the_anchor_fits_on_our_box(capsys):
     assert out["model"]["numel"] == 3_606_752_256
     assert out["plan"]["buckets"] >= 8
     assert out["memory_gib"]["gpu_required"] < 139
-    assert 0.9 < out["step_time_s"]["step_s"] < 1.05  # measured: 0.959 s (this plan keeps everything on the GPU)
+    # measured: 0.800 s (this plan keeps every optimizer state on the GPU and every layer's activations)
+    assert 0.72 < out["step_time_s"]["step_s"] < 0.88
     assert out["largest_fitting"]["num_layers"] > 28
     assert out["gpu_adamw_baseline_gib"]["fits"]
 
@@ -162,10 +163,11 @@ def test_step_time_roofline_on_the_anchor():
     shape = ModelShape.from_config(json.loads(Path(model("llama_3p6b")).read_text()))
     st = predict_step_time(shape, PlanLike.all_host(shape.numel), HardwareProfile.h200_pcie(), batch_size=8,
                            seq_len=2048, grad_ckpt=True)
-    assert st.gpu_s == pytest.approx(0.91, rel=0.03)  # the measured all-device step (0.959 s) less its tail's AdamW
-    assert st.backward_window_s == pytest.approx(0.75 * st.gpu_s)
+    assert st.gpu_s == pytest.approx(0.94, rel=0.04)  # the measured all-device step (0.959 s) less its tail's AdamW
+    # backward: 4 of 6 FLOPs plus the decoder layers' recompute (not the LM head's): between 2/3 and 3/4
+    assert 2 / 3 < st.backward_window_s / st.gpu_s < 0.75
     assert st.cpu_s == pytest.approx(0.87, rel=0.05)  # 3.6B at ~4.2 Gparam/s under DMA contention
-    assert st.speculated_fraction == pytest.approx(0.78, abs=0.02)  # a 0.69 s backward holds ~3/4 of the pass
+    assert st.speculated_fraction == pytest.approx(0.81, abs=0.02)  # a 0.67 s backward holds ~4/5 of the pass
     assert st.step_s >= st.gpu_s + st.tail_s
     slow = dataclasses.replace(HardwareProfile.h200_pcie(), cpu_adam_gparams=1.0)
     assert predict_step_time(shape, PlanLike.all_host(shape.numel), slow, batch_size=8, seq_len=2048,
@@ -276,13 +278,16 @@ def test_step_time_predictions_hold_against_the_measured_default_rows():
     from hf_superoffload.planning.planner import Workload
 
     h200 = HardwareProfile.h200_pcie()
-    for name, batch, config, measured in (("3.6b", 8, SuperOffloadConfig(), 0.959),
-                                          ("8b", 4, SuperOffloadConfig(), 1.018),
-                                          ("3.6b", 8, SuperOffloadConfig(gpu_resident_buckets=0), 1.274)):
+    # (kept: the optimizer's workload lets the plan keep layers' activations, [Note: kept layers])
+    for name, batch, config, kept, measured in (("3.6b", 8, SuperOffloadConfig(), False, 0.959),
+                                                ("8b", 4, SuperOffloadConfig(), False, 1.018),
+                                                ("3.6b", 8, SuperOffloadConfig(gpu_resident_buckets=0), False, 1.274),
+                                                ("3.6b", 8, SuperOffloadConfig(), True, 0.800)):
         cfg = load_model_config(name)
         shape = ModelShape.from_config(cfg)
         plan = make_plan(arrival_numels(cfg), element_size=2, config=config, profile=h200,
-                         workload=Workload(shape, batch, 2048, True))
+                         workload=Workload(shape, batch, 2048, True, chunked_loss=True, layer_checkpointing=kept))
+        assert (plan.kept_layers > 0) == kept
         st = predict_step_time(shape, PlanLike.from_plan(plan), h200, batch_size=batch, seq_len=2048, grad_ckpt=True,
                                clipping_every_step=True)
         assert st.step_s == pytest.approx(measured, rel=0.10), (name, config)
