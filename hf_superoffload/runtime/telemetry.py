@@ -37,7 +37,8 @@ class StepStats:
     speculated_buckets: int = 0
     """Host buckets stepped before validation."""
     wasted_buckets: int = 0
-    """Speculated buckets that had to be undone (redo or skip)."""
+    """Speculative steps of buckets that had to be undone (redo or skip); with the inverse rollback also those the
+    worker ran after the verdict ([Note: one path per bucket] in host_pass.py)."""
     master_deferred_buckets: int = 0
     """The share in force for this step: how many host buckets' verdict-known passes leave the fp32 master to the
     commit ([Note: adaptive master deferral]; 0 without deferred moments)."""

@@ -18,6 +18,8 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer, ops
 from hf_superoffload.config import PlannerOverrides
+from hf_superoffload.runtime.bucket import HostBucket
+from hf_superoffload.runtime.host_pass import HostPass, StepContext
 from hf_superoffload.testing import tiny_llama
 
 LR = 1e-3
@@ -60,17 +62,48 @@ def _jitter(monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
         monkeypatch.setattr(ops, name, slow)
 
 
+def _worker_after_the_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker starts a bucket's first CPU task only once its step's verdict is published: a speculative step
+    in which nothing is speculated (the worker arrived too late for every bucket)."""
+    real = HostPass.run
+
+    def late(self: HostPass, b: HostBucket, ctx: StepContext) -> None:
+        while True:
+            with self.lock:
+                if ctx.verdict is not None:
+                    break
+            time.sleep(0.0005)
+        real(self, b, ctx)
+
+    monkeypatch.setattr(HostPass, "run", late)
+
+
 def _train(*, threads: int, speculation: bool, steps: int = 8, max_grad_norm: float | None = None,
            wait_before_step: float = 0.0, accum: int = 1, model_kw: dict[str, Any] | None = None,
+           poison_step: int | None = None, drain_before_poison: bool = False,
            **config: Any) -> tuple[str, list[float], list[Any]]:
-    """Train the tiny model; returns the digest, the gradient norms and each step's StepStats."""
+    """Train the tiny model; returns the digest, the gradient norms and each step's StepStats.
+
+    ``poison_step``: in that step the first layer's gradient (the last host bucket to arrive but the embedding's)
+    is NaN; ``drain_before_poison`` lets the worker speculate every bucket offloaded before it first."""
     model = tiny_llama(seed=0, **(model_kw or {}))
     cfg = SuperOffloadConfig(**{**SMALL, **config}, speculation=speculation, cpu_threads=threads)
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_grad_norm, config=cfg)
     gen = torch.Generator().manual_seed(1)
     norms, stats = [], []
+    step = 0
+
+    def poison(g: torch.Tensor) -> torch.Tensor:  # reads the training loop's ``step``
+        if step != poison_step:
+            return g
+        if drain_before_poison:
+            opt.engine._worker.drain(60.0)
+        return torch.full_like(g, float("nan"))
+
+    if poison_step is not None:
+        model.model.layers[0].self_attn.q_proj.weight.register_hook(poison)
     try:
-        for _ in range(steps):
+        for step in range(steps):
             for k in range(accum):
                 ids = torch.randint(0, 128, (2, 16), generator=gen)
                 with opt.no_sync() if k < accum - 1 else contextlib.nullcontext():
@@ -170,3 +203,41 @@ def test_host_accumulation_norm_does_not_depend_on_cpu_threads() -> None:
         got, norms, _ = _train(threads=threads, **kw)
         assert norms == want_norms, f"{threads} threads"
         assert got == want, f"{threads} threads"
+
+
+INVERSE = {"rollback": "inverse", "threads": 2, "speculation": True,
+           "overrides": PlannerOverrides(max_redo_rate=1.0)}  # speculate on every step, redo or not
+
+
+def test_inverse_rollback_redo_does_not_depend_on_which_buckets_were_speculated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clipping fires on some steps with the inverse rollback ([Note: determinism], [Note: one path per bucket]
+    in host_pass.py): a run whose worker speculated every bucket it could before the verdict and one whose worker
+    reached every bucket after it give the same masters, moments and bf16 weights, bit for bit."""
+    early, early_norms, stats = _train(max_grad_norm=1.6, wait_before_step=0.05, **INVERSE)
+    redo = [i for i, s in enumerate(stats) if s.verdict == "redo"]
+    assert redo and all(stats[i].speculated_buckets > 0 for i in redo)
+    with monkeypatch.context() as m:
+        _worker_after_the_verdict(m)
+        late, late_norms, stats = _train(max_grad_norm=1.6, **INVERSE)
+    assert all(s.speculative and s.speculated_buckets == 0 for s in stats)
+    assert late_norms == early_norms
+    assert late == early, "the redo's bits depend on which buckets were speculated before the verdict"
+    with monkeypatch.context() as m:
+        _jitter(m, 6)
+        got, norms, _ = _train(max_grad_norm=1.6, **INVERSE)
+    assert (got, norms) == (early, early_norms), "jittered worker"
+
+
+def test_inverse_rollback_skip_does_not_depend_on_which_buckets_were_speculated(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-finite gradient in the first layer only, with the inverse rollback: every other bucket speculated
+    before the skip (undone) or none (the worker came after the verdict), then more steps: the same bits."""
+    early, early_norms, stats = _train(poison_step=3, drain_before_poison=True, **INVERSE)
+    assert stats[3].verdict == "skip" and stats[3].speculated_buckets > 0
+    with monkeypatch.context() as m:
+        _worker_after_the_verdict(m)
+        late, late_norms, stats = _train(poison_step=3, **INVERSE)
+    assert stats[3].verdict == "skip" and all(s.speculated_buckets == 0 for s in stats)
+    assert late_norms[:3] + late_norms[4:] == early_norms[:3] + early_norms[4:]  # the skipped step's norm is NaN
+    assert late == early, "the skip's bits depend on which buckets were speculated before the verdict"

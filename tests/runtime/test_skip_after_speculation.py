@@ -1,11 +1,13 @@
 """A non-finite gradient in the first layer only, after the later layers' buckets were speculatively stepped.
 
 Gradients arrive from the last layer to the first, so when the first layer's NaN arrives every other host bucket
-has already been stepped speculatively (the hook that poisons it first waits for the CPU worker to make sure).
-The skip must take all of that back: the state and the weights are as before the step, and training resumes as
-if the poisoned batch had never been seen: bit for bit with the double buffer, at the fp32 rounding floor with
-the inverse rollback (its undo is algebraic; see UNDO_ROUNDINGS). Stationary weights (the upload path) and
-weight flow (the next forward reads the host staging arena itself) are both covered.
+has already been stepped speculatively (the hook that poisons it first waits for the CPU worker to make sure);
+with the inverse rollback the embedding, which arrives after the NaN, is stepped and undone too ([Note: one path
+per bucket] in hf_superoffload/runtime/host_pass.py). The skip must take all of that back: the state and the
+weights are as before the step, and training resumes as if the poisoned batch had never been seen: bit for bit
+with the double buffer, at the fp32 rounding floor with the inverse rollback (its undo is algebraic; see
+UNDO_ROUNDINGS and RESUMED_DRIFT). Stationary weights (the upload path) and weight flow (the next forward reads
+the host staging arena itself) are both covered.
 """
 
 from __future__ import annotations
@@ -64,9 +66,18 @@ the restored moments carry a few roundings of the *stepped* value, which can be 
 masters within 1u, moments within 22u of |x| + mean|x|, and 14u after three more steps)."""
 
 
-def assert_same(a: Any, b: Any, rollback: str) -> None:
+RESUMED_DRIFT = 1e-2 * fr.LR
+"""Per resumed step, how far (absolute) an inverse-rolled-back master may drift from the run that never saw the
+poisoned batch. Where a moment was exactly 0 before the skipped step (an embedding row first seen in that batch)
+the undo leaves a residue of a few roundings of (1 - beta) g instead of 0, and Adam normalises m / (sqrt(v) + eps)
+residues into an update of that row: measured ~1e-3 lr per step here (about 1000 roundings of the master after
+three steps). A skip that undid nothing would be a whole step, ~lr, away."""
+
+
+def assert_same(a: Any, b: Any, rollback: str, *, resumed: int = 0) -> None:
     """Bit for bit (double buffer: the step read one copy and wrote the other), or (inverse) every state value
-    within UNDO_ROUNDINGS fp32 roundings of its magnitude; step counts and bf16 weights bit for bit either way."""
+    within UNDO_ROUNDINGS fp32 roundings of its magnitude (masters after ``resumed`` more steps: also within
+    ``resumed`` RESUMED_DRIFT); step counts bit for bit either way, bf16 weights too unless ``resumed``."""
     (sa, ka, wa), (sb, kb, wb) = a, b
     assert ka == kb, "step counts changed"
     for k in sa:
@@ -74,10 +85,15 @@ def assert_same(a: Any, b: Any, rollback: str) -> None:
             assert torch.equal(sa[k], sb[k]), f"{k} changed"
         else:
             bound = UNDO_ROUNDINGS * fr.U * (sb[k].abs() + sb[k].abs().mean()) + torch.finfo(torch.float32).tiny
+            if k.endswith("/master"):
+                bound = bound + resumed * RESUMED_DRIFT
             ratio = float(((sa[k] - sb[k]).abs() / bound).max())
             assert ratio <= 1.0, f"{k} off by {ratio:.3g} times the undo's rounding bound"
     for x, y in zip(wa, wb, strict=True):
-        assert torch.equal(x, y), "model weights changed"
+        if rollback == "double_buffer" or not resumed:
+            assert torch.equal(x, y), "model weights changed"
+        else:  # a drifted master may round to the neighbouring bf16 value
+            torch.testing.assert_close(x, y, rtol=2.0**-7, atol=resumed * RESUMED_DRIFT)
 
 
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
@@ -107,4 +123,4 @@ def test_skip_after_speculation_restores_the_state(placement: str, rollback: str
 
     model_b, opt_b = build(placement, rollback)  # the same training without the poisoned batch
     train(model_b, opt_b, data[:BEFORE] + data[BEFORE + 1 :])
-    assert_same(snapshot(model, opt), snapshot(model_b, opt_b), rollback)
+    assert_same(snapshot(model, opt), snapshot(model_b, opt_b), rollback, resumed=AFTER)
