@@ -27,6 +27,7 @@ class Mutation:
 
 BIND = "tests/runtime/test_binding_parity.py"
 SKIP = "tests/runtime/test_skip_after_speculation.py"
+DET = "tests/runtime/test_determinism.py"
 
 _STEP_CALL = ("            param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), "
               "float(eps),\n            float(weight_decay), float(grad_scale), param_bf16_out, src_p,")
@@ -169,6 +170,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        crcs = list(pool.map(lambda piece: sum(piece) & 0xFFFFFFFF, pieces))  # order-insensitive",
         ("tests/reliability/test_checkpoint_order.py::"
          "test_two_swapped_blocks_in_the_file_are_detected_naming_file_arena_and_parameters",),
+    ),
+    Mutation(
+        "inverse_rollback_path_follows_the_timing", "hf_superoffload/runtime/host_pass.py",
+        "one_path=speculative and dst == cur)", "one_path=False)",
+        (f"{DET}::test_inverse_rollback_redo_does_not_depend_on_which_buckets_were_speculated",
+         f"{DET}::test_inverse_rollback_skip_does_not_depend_on_which_buckets_were_speculated"),
     ),
     Mutation(
         "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/upload.py",
