@@ -3,7 +3,7 @@
 Usage: python benchmarks/anchor.py MODE
 MODE: gpu | ours | ours_host | ours_nospec | ours_noclip | ours_host_noclip
 Shape from env (as in the team's anchor configs): CFG=hidden,intermediate,layers,heads,kv_heads,vocab (default 3.6B),
-BS, SEQ, STEPS, WARM. OFFLOAD_JSON adds SuperOffloadConfig fields.
+BS, SEQ, STEPS, WARM. OFFLOAD_JSON adds SuperOffloadConfig fields (planner switches under "overrides").
 
 MFU convention (docs/benchmarks.md): model FLOPs per token = 6N + 6*L*d*s (causal attention, all parameters
 counted, recompute not counted), against 989 TFLOP/s.
@@ -63,7 +63,7 @@ def main() -> None:
             kw.setdefault("speculation", False)
         clip = None if "noclip" in mode else 1.0
         opt = SuperOffloadOptimizer(model, lr=1e-5, weight_decay=0.0, max_grad_norm=clip,
-                                    config=SuperOffloadConfig(**kw))
+                                    config=SuperOffloadConfig.from_dict(kw))
         extra["plan"] = opt.plan.summary()
         from hf_superoffload import ops
 

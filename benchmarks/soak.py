@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+    from hf_superoffload.config import PlannerOverrides
     from hf_superoffload.presets import PRESETS, build_on, llama_config
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     model.config.use_cache = False
     model.train()
     # no workload: a workload would let the planner keep everything on the GPU; the soak is about the offload path
-    config = SuperOffloadConfig(device_memory_fraction=args.device_memory_fraction)
+    config = SuperOffloadConfig(overrides=PlannerOverrides(device_memory_fraction=args.device_memory_fraction))
     opt = SuperOffloadOptimizer(model, lr=1e-5, weight_decay=0.01, max_grad_norm=1.0, log_plan=False, config=config)
     init_s = time.perf_counter() - t0
     gen = torch.Generator().manual_seed(0)

@@ -332,9 +332,19 @@ def _build_model(wl: Workload, dev: Any, dtype: Any) -> tuple[Any, str]:
     return model, str(init_dtype).removeprefix("torch.")
 
 
-def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any) -> tuple[Any, dict[str, Any]]:
-    from hf_superoffload import SuperOffloadConfig
+def _config_from_settings(settings: dict[str, Any]) -> Any:
+    """The ``SuperOffloadConfig`` of a row's flat settings: a name that is a ``PlannerOverrides`` field goes into
+    ``overrides`` (over an ``overrides`` mapping given too, as a record's ``ours_config`` holds it), any other
+    name to the config itself, where an unknown one is refused naming the valid keys."""
+    from hf_superoffload.config import PlannerOverrides, SuperOffloadConfig
 
+    planner = {f.name for f in dataclasses.fields(PlannerOverrides)}
+    options = {k: v for k, v in settings.items() if k not in planner}
+    overrides = {**options.pop("overrides", {}), **{k: v for k, v in settings.items() if k in planner}}
+    return SuperOffloadConfig.from_dict({**options, "overrides": overrides})
+
+
+def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any) -> tuple[Any, dict[str, Any]]:
     kw = dict(extra)
     info: dict[str, Any] = {}
     if system.startswith("ours_host") or system in ("ours_nospec", "ours_castflip", "ours_noclip"):
@@ -366,7 +376,7 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
             from hf_superoffload.planning.hardware import HardwareProfile
             from hf_superoffload.planning.planner import make_plan
 
-            plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(**kw),
+            plan = make_plan(numels, element_size=2, config=_config_from_settings(kw),
                              profile=HardwareProfile.read(dev))
             picked = plan.cast_side.value
         except Exception as exc:  # the flip is still defined; say what it was based on
@@ -374,7 +384,7 @@ def _ours_config(system: str, extra: dict[str, Any], numels: list[int], dev: Any
         kw["cast_side"] = "gpu" if picked == "cpu" else "cpu"
         info["cast_side_planner"] = picked
         info["cast_side_used"] = kw["cast_side"]
-    return SuperOffloadConfig(**kw), info
+    return _config_from_settings(kw), info
 
 
 def _plan_facts(plan: Any) -> dict[str, Any]:
@@ -861,7 +871,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="systems to profile (default: every ours* row)")
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for the tiny rehearsal")
     ap.add_argument("--ours-config-json", default=None,
-                    help="extra SuperOffloadConfig fields (JSON object) for every ours* row")
+                    help="extra SuperOffloadConfig or PlannerOverrides fields (one flat JSON object) for every ours* row")
     ap.add_argument("--gpu-mem-cap-gib", type=float, default=None,
                     help="cap every worker's GPU memory (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU (H200 SXM: 989)")

@@ -279,3 +279,52 @@ def test_report_keeps_every_process_of_a_repeated_system():
     label = report.SUITE_LABEL["ours_host"]
     assert f"| {label} #1 | 1.250 |" in table and f"| {label} #2 | 1.200 |" in table
     assert f"| {report.SUITE_LABEL['gpu']} | 1.000 |" in table  # not repeated: no number
+
+
+def _row_settings(suite, system: str) -> dict:
+    """What the row's name promises, from the suite's own tables (MODIFIERS) and its documented prefixes."""
+    want = {}
+    if system == "ours_host_nodefer":
+        want["defer_moments"] = False
+    if system.startswith("ours_host_lead"):
+        want["d2h_lead_buckets"] = int(system.removeprefix("ours_host_lead"))
+    base = system
+    for suffix, setting in suite.MODIFIERS.items():
+        if base.endswith(suffix):
+            want.update({k: v for k, v in setting.items() if k not in ("env", "worker")})
+            base = base.removesuffix(suffix)
+    if base.startswith("ours_host_latep"):
+        want.update(defer_master=True, defer_moments=True, d2h_lead_buckets=int(base.removeprefix("ours_host_latep")
+                                                                                 or 4))
+    return want
+
+
+def test_every_ours_row_builds_its_config(monkeypatch):
+    """Each row's SuperOffloadConfig is built without training; a planner switch lands in ``overrides``."""
+    import dataclasses
+
+    import torch
+
+    from hf_superoffload import SuperOffloadConfig
+
+    suite = _module("suite")
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the _static row sets the worker's environment
+    options = {f.name for f in dataclasses.fields(SuperOffloadConfig)}
+    for system in suite.OURS:
+        config, _ = suite._ours_config(system, {}, [10, 20], torch.device("cpu"))
+        assert isinstance(config, SuperOffloadConfig), system
+        for name, value in _row_settings(suite, system).items():
+            where = config if name in options else config.overrides
+            assert getattr(where, name) == value, (system, name)
+
+
+def test_ours_config_json_takes_overrides_flat_or_nested():
+    import torch
+
+    suite = _module("suite")
+    extra = {"bucket_size_mb": 8, "redo_window": 3, "overrides": {"max_redo_rate": 0.25}}
+    config, _ = suite._ours_config("ours", extra, [10, 20], torch.device("cpu"))
+    assert config.bucket_size_mb == 8
+    assert config.overrides.redo_window == 3 and config.overrides.max_redo_rate == 0.25
+    with pytest.raises(ValueError, match="valid keys"):
+        suite._ours_config("ours", {"bucket_size": 8}, [10, 20], torch.device("cpu"))
