@@ -8,6 +8,10 @@
 Offload settings are not accelerate config keys: pass ``--superoffload-config offload.yaml`` (a mapping of
 ``SuperOffloadConfig`` fields), or export ``HF_SUPEROFFLOAD_CONFIG=offload.yaml`` or ``HF_SUPEROFFLOAD_<FIELD>=...``
 (e.g. ``HF_SUPEROFFLOAD_GPU_RESIDENT_BUCKETS=0``) before ``accelerate launch``. Plain ``python`` works too.
+
+Preemption: a SIGTERM (to any process) finishes the step in flight; every process stops after that same step,
+saves it to ``step-N`` and the script exits 0, so ``--resume latest`` continues from there (a second SIGTERM ends
+the process at once).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from transformers import get_linear_schedule_with_warmup
 
 from hf_superoffload.datasets_local import build_tokenizer, format_example, instruction_texts, packed_batches
 from hf_superoffload.integrations.accelerate import (
+    Preemption,
     SuperOffloadPlugin,
     last_complete_checkpoint,
     mark_checkpoint_complete,
@@ -124,36 +129,44 @@ def main(argv: Sequence[str] | None = None) -> float:
                disable=None if accelerator.is_main_process else True)
     step_tokens = args.batch_size * args.seq_len * args.grad_accum * accelerator.num_processes
     t_last = time.perf_counter()
-    while progress.step < args.max_steps:
-        ids = next(batches).to(accelerator.device)
-        with accelerator.accumulate(model):
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        loss_sum += loss.item() / args.grad_accum
-        if not accelerator.sync_gradients:
-            continue
-        progress.step += 1
-        opt = optimizer.superoffload
-        now, st = time.perf_counter(), opt.last_step_stats
-        rate, t_last = step_tokens / (now - t_last), now
-        bar.update(1)
-        bar.set_postfix_str(f"loss {loss_sum:.4f}  tok/s {rate:,.0f}  gpu_wait {st.wait_s * 1e3:.1f} ms")
-        if accelerator.is_main_process:
-            bar.write(f"step {progress.step:4d}  loss {loss_sum:.4f}  grad_norm {grad_norm.item():.3f}  "
-                      f"lr {scheduler.get_last_lr()[0]:.2e}  tokens/s {rate:,.0f}  "
-                      + json.dumps({k.split("/")[1]: v for k, v in st.as_log().items()}))
-        last_loss, loss_sum = loss_sum, 0.0
-        if (args.save_every and progress.step % args.save_every == 0) or progress.step == args.max_steps:
-            folder = os.path.join(args.output_dir, f"step-{progress.step}")
-            accelerator.save_state(folder)
-            accelerator.wait_for_everyone()  # every rank's files are written: only now is the folder complete
+    # SIGTERM inside this block: finish the step, save it, stop (after the Accelerator: the ranks agree through
+    # torch.distributed)
+    with Preemption() as preemption:
+        while progress.step < args.max_steps:
+            ids = next(batches).to(accelerator.device)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            loss_sum += loss.item() / args.grad_accum
+            if not accelerator.sync_gradients:
+                continue
+            progress.step += 1
+            opt = optimizer.superoffload
+            now, st = time.perf_counter(), opt.last_step_stats
+            rate, t_last = step_tokens / (now - t_last), now
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss_sum:.4f}  tok/s {rate:,.0f}  gpu_wait {st.wait_s * 1e3:.1f} ms")
             if accelerator.is_main_process:
-                mark_checkpoint_complete(folder, step=progress.step)
+                bar.write(f"step {progress.step:4d}  loss {loss_sum:.4f}  grad_norm {grad_norm.item():.3f}  "
+                          f"lr {scheduler.get_last_lr()[0]:.2e}  tokens/s {rate:,.0f}  "
+                          + json.dumps({k.split("/")[1]: v for k, v in st.as_log().items()}))
+            last_loss, loss_sum = loss_sum, 0.0
+            stop = preemption.should_stop()  # every rank, every optimizer step: they agree on one stop step
+            if stop or (args.save_every and progress.step % args.save_every == 0) or progress.step == args.max_steps:
+                folder = os.path.join(args.output_dir, f"step-{progress.step}")
+                accelerator.save_state(folder)
+                accelerator.wait_for_everyone()  # every rank's files are written: only now is the folder complete
+                if accelerator.is_main_process:
+                    mark_checkpoint_complete(folder, step=progress.step)
+            if stop:
+                accelerator.print(f"stopped after a SIGTERM at step {progress.step}; {folder} holds it "
+                                  "(continue with --resume latest)")
+                break
     bar.close()
     accelerator.wait_for_everyone()
     opt = optimizer.superoffload

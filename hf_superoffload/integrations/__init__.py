@@ -1,8 +1,8 @@
 """Hugging Face adapters: thin translations onto :class:`~hf_superoffload.SuperOffloadOptimizer`.
 
 - :mod:`.transformers`: ``SuperOffloadArguments`` + ``SuperOffloadTrainer`` (``transformers.Trainer``);
-- :mod:`.accelerate`: ``SuperOffloadPlugin`` + ``prepare_superoffload`` (custom Accelerate loops), and the
-  packaged accelerate YAMLs (``accelerate_config_path``).
+- :mod:`.accelerate`: ``SuperOffloadPlugin`` + ``prepare_superoffload`` (custom Accelerate loops), ``Preemption``
+  (SIGTERM: save and stop after the step in flight), and the packaged accelerate YAMLs (``accelerate_config_path``).
 
 Names are imported lazily, so ``import hf_superoffload.integrations`` does not import transformers.
 """
@@ -13,6 +13,7 @@ from importlib import import_module
 from typing import Any
 
 __all__ = [
+    "Preemption",
     "SuperOffloadAcceleratedOptimizer",
     "SuperOffloadArguments",
     "SuperOffloadPlugin",
@@ -23,6 +24,7 @@ __all__ = [
 ]
 
 _WHERE = {
+    "Preemption": "._preemption",
     "SuperOffloadAcceleratedOptimizer": "._common",
     "SuperOffloadArguments": ".arguments",
     "superoffload_config_from_args": ".arguments",

@@ -1,10 +1,16 @@
-"""Preemption in ``SuperOffloadTrainer.train()``: a scheduler's SIGTERM becomes "finish this step, save it, stop".
+"""Preemption: a scheduler's SIGTERM becomes "finish this step, save it, stop", in ``SuperOffloadTrainer.train()``
+and, through ``with Preemption() as preemption:``, in a hand-written Accelerate loop.
 
 [Note: preemption agreement]
 
-A SIGTERM only records a request; the step in flight finishes as usual, and the Trainer is told to save and stop
-at the next optimizer-step boundary (``on_step_end``). A second SIGTERM ends the process at once: the handler
-puts Python's default back as soon as it runs.
+A SIGTERM only records a request; the step in flight finishes as usual, and at the next optimizer-step boundary
+``should_stop()`` says so: the Trainer (``on_step_end``) or the user's loop then saves and stops. A second SIGTERM
+ends the process at once: the handler puts Python's default back as soon as it runs.
+
+The handler lives only while training runs (``train()``, or the ``with`` block around the user's loop), and never
+over a handler the user installed: outside it, SIGTERM keeps Python's default. ``prepare_superoffload`` installs
+nothing, because it cannot know where the loop ends nor whether the loop would check ``should_stop()``; a handler
+nobody checks would turn SIGTERM into "ignored".
 
 With several processes (data parallel, sequence parallel: ``torchrun`` / ``accelerate launch``) a scheduler may
 signal one rank, or every rank at a different point of a different step. A rank that stopped on its own would
@@ -38,10 +44,23 @@ logger = logging.getLogger(__name__)
 
 
 class Preemption:
-    """The SIGTERM handler of one Trainer and the per-step agreement of its ranks ([Note: preemption agreement]).
+    """The SIGTERM handler of one training loop and the per-step agreement of its ranks ([Note: preemption
+    agreement]).
 
-    ``install()`` at train begin and ``restore()`` at train end (or when ``train()`` raises); ``agree()`` at every
-    optimizer-step boundary, on every rank; ``stopping`` then says whether this step is the last one.
+    ``install()`` at train begin and ``restore()`` at train end (or when the loop raises), or ``with Preemption()``
+    around the loop, which does both; ``should_stop()`` at every optimizer-step boundary, on every rank. In a
+    hand-written Accelerate loop (create the ``Accelerator`` first: with several processes the agreement needs
+    ``torch.distributed`` initialised)::
+
+        with Preemption() as preemption:
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    ...
+                    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+                if accelerator.sync_gradients and preemption.should_stop():  # every rank, every optimizer step
+                    accelerator.save_state(folder)  # this step, on every rank
+                    break
+        # the script returns normally: exit status 0
 
     Attributes:
         requested: this process received a SIGTERM since ``install()``.
@@ -82,8 +101,19 @@ class Preemption:
                 signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
-    def agree(self) -> bool:
-        """Whether any rank has requested a stop (one all-reduce over the ranks); sets and returns ``stopping``."""
+    def __enter__(self) -> Preemption:
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def should_stop(self) -> bool:
+        """Whether any rank has requested a stop (one all-reduce over the ranks); sets and returns ``stopping``.
+        Call it on every rank at every optimizer step, so every rank runs the same collectives."""
+        if self._group is None and _distributed():
+            raise RuntimeError("Preemption was installed before torch.distributed was initialised, so its ranks "
+                               "cannot agree on a stop step: create the Accelerator before entering Preemption()")
         if self._group is None:
             self.stopping = self.requested
             return self.stopping

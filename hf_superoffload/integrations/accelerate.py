@@ -13,6 +13,14 @@ Usage (``accelerate launch --config_file configs/single_gpu.yaml train.py``)::
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
     accelerator.save_state("ckpt")  # model + optimizer (host state) + scheduler + RNG; load_state resumes
 
+**Preemption.** Outside ``SuperOffloadTrainer`` nothing handles SIGTERM unless the loop asks: wrap it in ``with
+Preemption() as preemption:`` and, after every optimizer step on every rank, ``if accelerator.sync_gradients and
+preemption.should_stop(): accelerator.save_state(folder); break``. A SIGTERM (to any rank) then finishes the step
+in flight, every rank stops after that same step and saves it, and the script exits 0; a second SIGTERM ends the
+process at once. The handler exists only inside the ``with`` block ([Note: preemption agreement] in
+``_preemption.py`` says why ``prepare_superoffload`` installs none); ``examples/train_with_accelerate.py`` shows the
+whole loop.
+
 **Where the offload settings go.** Accelerate's config YAML rejects unknown top-level keys and has no plugin
 registry, so the accelerate YAML (``configs/single_gpu.yaml``, also packaged: :func:`accelerate_config_path`)
 holds only accelerate's own keys. Offload settings come, highest priority first, from: the fields given to
@@ -92,10 +100,12 @@ from ._common import (
     show_plan,
     warn_if_threads_throttled,
 )
+from ._preemption import Preemption
 
-# the checkpoint helpers are re-exported for custom loops: mark a save_state folder complete, resume the newest one
-__all__ = ["ENV_CONFIG", "ENV_PREFIX", "SuperOffloadPlugin", "accelerate_config_path", "last_complete_checkpoint",
-           "mark_checkpoint_complete", "prepare_superoffload", "remove_stale_temp_files"]
+# re-exported for custom loops: the checkpoint helpers (mark a save_state folder complete, resume the newest one)
+# and SIGTERM handling (Preemption)
+__all__ = ["ENV_CONFIG", "ENV_PREFIX", "Preemption", "SuperOffloadPlugin", "accelerate_config_path",
+           "last_complete_checkpoint", "mark_checkpoint_complete", "prepare_superoffload", "remove_stale_temp_files"]
 
 logger = get_logger(__name__)
 

@@ -310,7 +310,7 @@ class _SuperOffloadCallback(TrainerCallback):
         self.preemption = Preemption()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.preemption.agree():  # every rank, every step: [Note: preemption agreement]
+        if self.preemption.should_stop():  # every rank, every step: [Note: preemption agreement]
             control.should_save = True
             control.should_training_stop = True
 

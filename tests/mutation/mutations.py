@@ -151,6 +151,13 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/distributed/test_trainer_preemption.py::"
          "test_sigterm_to_one_rank_stops_both_ranks_at_the_same_step_with_a_complete_checkpoint_of_it",),
     ),
+    Mutation(  # the same break, caught through the hand-written Accelerate loop of examples/
+        "accelerate_preemption_stops_only_the_signalled_rank", "hf_superoffload/integrations/_preemption.py",
+        "        if self._group is None:\n            self.stopping = self.requested",
+        "        if True:\n            self.stopping = self.requested",
+        ("tests/distributed/test_accelerate_preemption.py::"
+         "test_sigterm_to_one_of_two_ranks_stops_both_after_the_same_step_with_its_checkpoint",),
+    ),
     # beyond the list: the other ways a speculative step can be kept or a state copy go stale
     Mutation(
         "speculation_committed_despite_changed_hyper_parameters", "hf_superoffload/runtime/validation.py",

@@ -61,6 +61,7 @@ def make_copy(dest: Path) -> None:
     for sub in ("triton_kernels", "cpu_ext"):
         shutil.copytree(ROOT / sub, dest / "hf_superoffload" / sub, ignore=_IGNORE)
     shutil.copytree(ROOT / "tests", dest / "tests", ignore=_IGNORE)
+    shutil.copytree(ROOT / "examples", dest / "examples", ignore=_IGNORE)  # some tests run the examples
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
     (dest / "_mutation_guard.py").write_text(_GUARD)
 
