@@ -44,7 +44,9 @@ def summarize(recs: list[dict[str, Any]]) -> tuple[list[tuple[str, float]], list
         if r.get("status") != "ok" or r["system"] not in OURS:
             continue
         label = f"{r['preset']} bs{r['batch']}" + (f"x{r['accum']}" if r.get("accum", 1) > 1 else "")
-        if r["system"] == "snippet" and best.get(r["preset"]):
+        if r.get("gpu_cap_gib"):  # a smaller GPU than any baseline ran on: no ratio
+            label += f" {r['gpu_cap_gib']:g}GiB"
+        elif r["system"] == "snippet" and best.get(r["preset"]):
             ratios.append((label, r["tokens_per_s"] / best[r["preset"]]))
         pred = predicted_step_s(r)
         if pred is not None:

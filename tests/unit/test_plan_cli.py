@@ -53,7 +53,7 @@ def test_the_anchor_fits_on_our_box(capsys):
     assert out["model"]["numel"] == 3_606_752_256
     assert out["plan"]["buckets"] >= 8
     assert out["memory_gib"]["gpu_required"] < 139
-    # measured: 0.800 s (this plan keeps every optimizer state on the GPU and every layer's activations)
+    # measured: 0.805 s (this plan keeps every optimizer state on the GPU and every layer's activations)
     assert 0.72 < out["step_time_s"]["step_s"] < 0.88
     assert out["largest_fitting"]["num_layers"] > 28
     assert out["gpu_adamw_baseline_gib"]["fits"]
@@ -282,7 +282,11 @@ def test_step_time_predictions_hold_against_the_measured_default_rows():
     for name, batch, config, kept, measured in (("3.6b", 8, SuperOffloadConfig(), False, 0.959),
                                                 ("8b", 4, SuperOffloadConfig(), False, 1.018),
                                                 ("3.6b", 8, SuperOffloadConfig(gpu_resident_buckets=0), False, 1.274),
-                                                ("3.6b", 8, SuperOffloadConfig(), True, 0.800)):
+                                                ("3.6b", 8, SuperOffloadConfig(), True, 0.805),
+                                                ("3.6b", 8, SuperOffloadConfig(gpu_resident_buckets=0), True, 1.143),
+                                                ("8b", 4, SuperOffloadConfig(), True, 0.979),
+                                                ("8b", 8, SuperOffloadConfig(), True, 1.907),
+                                                ("8b", 16, SuperOffloadConfig(), True, 3.610)):
         cfg = load_model_config(name)
         shape = ModelShape.from_config(cfg)
         plan = make_plan(arrival_numels(cfg), element_size=2, config=config, profile=h200,
