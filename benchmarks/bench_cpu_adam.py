@@ -55,7 +55,7 @@ from hf_superoffload import cpu_ext, ops
 BYTES_PER_PARAM = 28
 BYTES_INPLACE3 = 24
 BYTES_OTHER = {"inplace3": BYTES_INPLACE3, "ours_bf16_only": 16}
-HYPER = {"lr": 1e-6, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+HYPER = ops.AdamWHyper(lr=1e-6, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 IN_PLACE_TWIN = {"ours_bf16_oop": "ours_bf16"}
 
 
@@ -130,32 +130,32 @@ def _impls(b: Buffers, threads: int, bucket: int | None = None) -> dict[str, Cal
     def ours_bf16() -> None:
         step = next_step()
         sliced(lambda s: ops.cpu_adamw_step_(b.p[s], b.g16[s], b.m[s], b.v[s], step=step, param_bf16_out=b.out[s],
-                                             num_threads=threads, **HYPER))
+                                             num_threads=threads, hyper=HYPER))
 
     def ours_bf16_oop() -> None:
         # Reads (p, m, v), writes alt, then swaps, so the state stays current for the other rows.
         src = (b.p, b.m, b.v)
         ops.cpu_adamw_step_(b.alt[0], b.g16, b.alt[1], b.alt[2], step=next_step(), param_bf16_out=b.out,
-                            source=src, num_threads=threads, **HYPER)
+                            source=src, num_threads=threads, hyper=HYPER)
         (b.p, b.m, b.v), b.alt = b.alt, src
 
     def ours_bf16_only() -> None:
         step = next_step()
         sliced(lambda s: ops.cpu_adamw_step_(b.p[s], b.g16[s], b.m[s], b.v[s], step=step, param_bf16_out=b.out[s],
-                                             num_threads=threads, store_moments=False, store_master=False, **HYPER))
+                                             num_threads=threads, store_moments=False, store_master=False, hyper=HYPER))
 
     def ours_fp32() -> None:
         step = next_step()
         sliced(lambda s: ops.cpu_adamw_step_(b.p[s], b.g32[s], b.m[s], b.v[s], step=step, num_threads=threads,
-                                             **HYPER))
+                                             hyper=HYPER))
 
     state_step = torch.tensor(1.0)
 
     def torch_fused(grad: torch.Tensor) -> None:
         state_step.fill_(next_step())
         torch._fused_adamw_(
-            [b.p], [grad], [b.m], [b.v], [], [state_step], lr=HYPER["lr"], beta1=HYPER["beta1"],
-            beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"], eps=HYPER["eps"], amsgrad=False,
+            [b.p], [grad], [b.m], [b.v], [], [state_step], lr=HYPER.lr, beta1=HYPER.beta1,
+            beta2=HYPER.beta2, weight_decay=HYPER.weight_decay, eps=HYPER.eps, amsgrad=False,
             maximize=False,
         )
 
@@ -186,8 +186,8 @@ def _deepspeed_impls(b: Buffers, threads: int) -> dict[str, Callable[[], None] |
 
         param = torch.nn.Parameter(b.p)  # shares storage with b.p
         opt = DeepSpeedCPUAdam(
-            [param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-            weight_decay=HYPER["weight_decay"], adamw_mode=True,
+            [param], lr=HYPER.lr, betas=HYPER.betas, eps=HYPER.eps,
+            weight_decay=HYPER.weight_decay, adamw_mode=True,
         )
     except Exception as exc:  # ImportError, or a failed JIT build
         reason = f"absent ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"

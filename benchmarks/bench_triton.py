@@ -209,6 +209,7 @@ class Op:
 
 def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) -> tuple[list[Op], int, int]:
     """The inputs of one bucket size and layout and every op over them; ``(ops, n_sets, n_tensors)``."""
+    from hf_superoffload.cpu_ext import AdamWHyper
     from hf_superoffload.triton_kernels import reference as ref
 
     from hf_superoffload import triton_kernels as tk
@@ -351,7 +352,7 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
     g = torch.randn(n, device=device, dtype=torch.bfloat16)
     out16 = torch.empty(n, dtype=torch.bfloat16, device=device)
     step_t = torch.tensor(1.0, device=device)
-    kw = dict(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    hyper = AdamWHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
     def torch_adamw(_i: int) -> None:
         torch._fused_adamw_([p], [g.float()], [m], [v], [], [step_t], amsgrad=False, lr=1e-4, beta1=0.9,
@@ -359,7 +360,7 @@ def build_ops(bucket_mb: int, device: torch.device, l2_bytes: int, layout: str) 
         out16.copy_(p)
 
     ops.append(Op("adamw", 28 * n,
-                  lambda _i: tk.adamw_flat_(p, g, m, v, step=10, grad_scale=1.0, param_bf16_out=out16, **kw),  # type: ignore[arg-type]
+                  lambda _i: tk.adamw_flat_(p, g, m, v, step=10, hyper=hyper, grad_scale=1.0, param_bf16_out=out16),
                   torch_adamw))  # fmt: skip
     return ops, n_sets, len(sizes)
 

@@ -8,9 +8,12 @@ These run on torch's intra-op threads: ``num_threads`` is ignored here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import reference
+from ._hyper import AdamWHyper, require_hyper
 
 __all__ = ["adamw_moments_", "adamw_step_", "grad_sumsq_nonfinite"]
 
@@ -26,11 +29,7 @@ def adamw_step_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -45,12 +44,12 @@ def adamw_step_(
     fused = getattr(torch, "_fused_adamw_", None)
     if fused is None:
         reference.adamw_step_(
-            param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, source=source,
-            store_moments=store_moments, store_master=store_master,
+            param, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale,
+            param_bf16_out=param_bf16_out, source=source, store_moments=store_moments, store_master=store_master,
         )
         return
     reference._check(param, grad, exp_avg, exp_avg_sq)
+    require_hyper(hyper)
     reference.check_store_flags(store_moments, store_master, param_bf16_out)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
@@ -67,8 +66,7 @@ def adamw_step_(
     else:
         src_m, src_v = (source[1], source[2]) if source is not None else (exp_avg, exp_avg_sq)
         m, v = src_m.reshape(-1).clone(), src_v.reshape(-1).clone()
-    _fused(fused, p, _scaled(grad, grad_scale), m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-           weight_decay=weight_decay)
+    _fused(fused, p, _scaled(grad, grad_scale), m, v, step=step, hyper=hyper)
     if param_bf16_out is not None:
         param_bf16_out.view(-1).copy_(p)  # the separate cast pass
 
@@ -85,11 +83,11 @@ def _scaled(grad: torch.Tensor, grad_scale: float) -> torch.Tensor:
 
 
 def _fused(fused, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,  # type: ignore[no-untyped-def]
-           lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+           hyper: AdamWHyper) -> None:
     state_step = torch.tensor(float(step), dtype=torch.float32)
     fused(
-        [p], [g], [m], [v], [], [state_step], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-        eps=eps, amsgrad=False, maximize=False,
+        [p], [g], [m], [v], [], [state_step], lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False,
     )
 
 
@@ -98,8 +96,7 @@ def adamw_moments_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
-    beta1: float,
-    beta2: float,
+    hyper: AdamWHyper,
     grad_scale: float = 1.0,
     source: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
@@ -107,10 +104,10 @@ def adamw_moments_(
     kernel, on a scratch parameter), so they equal those of a fallback step with ``store_moments=True`` bit for bit."""
     fused = getattr(torch, "_fused_adamw_", None)
     if fused is None:
-        reference.adamw_moments_(grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, grad_scale=grad_scale,
-                                 source=source)
+        reference.adamw_moments_(grad, exp_avg, exp_avg_sq, hyper=hyper, grad_scale=grad_scale, source=source)
         return
     reference._check(exp_avg, grad, exp_avg, exp_avg_sq)
+    require_hyper(hyper)
     if source is not None:
         if len(source) != 2:
             raise ValueError(f"source must be two tensors (exp_avg, exp_avg_sq), got {len(source)}")
@@ -118,8 +115,9 @@ def adamw_moments_(
         for dst, src in reference.check_source((empty, exp_avg, exp_avg_sq), (empty, *source), {"grad": grad}):
             dst.view(-1).copy_(src.view(-1))
     scratch = torch.zeros(exp_avg.numel(), dtype=torch.float32)  # the moments do not depend on p, lr or step
-    _fused(fused, scratch, _scaled(grad, grad_scale), exp_avg.view(-1), exp_avg_sq.view(-1), step=1, lr=0.0,
-           beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=0.0)
+    moments_only = dataclasses.replace(hyper, lr=0.0, eps=1e-8, weight_decay=0.0)
+    _fused(fused, scratch, _scaled(grad, grad_scale), exp_avg.view(-1), exp_avg_sq.view(-1), step=1,
+           hyper=moments_only)
 
 
 def grad_sumsq_nonfinite(grad: torch.Tensor) -> tuple[float, int]:

@@ -8,8 +8,10 @@ Math follows ``torch.optim.AdamW`` (decoupled weight decay, bias correction):
     v   = beta2 * v + (1 - beta2) * g * g
     p   = p - (lr / (1 - beta1**step)) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
 
-``step`` is the 1-based count *after* this update, as in torch. With ``source`` the step is out of place: the
-pre-step state is read from ``source`` and the new state written to ``param``/``exp_avg``/``exp_avg_sq``.
+``step`` is the 1-based count *after* this update, as in torch; lr, beta1, beta2, eps and weight_decay arrive as
+one ``hyper`` (:class:`AdamWHyper`, [Note: one AdamW signature] in ``_hyper.py``). With ``source`` the step is out
+of place: the pre-step state is read from ``source`` and the new state written to ``param``/``exp_avg``/
+``exp_avg_sq``.
 
 With ``store_moments=False`` the step updates ``param`` (and its bf16 copy) from the new moments without storing
 them; :func:`adamw_moments_` stores them later from the same pre-step moments and gradient, with the same
@@ -23,6 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from ._hyper import AdamWHyper, require_hyper
 
 __all__ = ["adamw_moments_", "adamw_step_", "adamw_undo_", "check_source", "check_store_flags"]
 
@@ -116,11 +120,7 @@ def adamw_step_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float | torch.Tensor = 1.0,
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -134,6 +134,7 @@ def adamw_step_(
     only the bf16 copy.
     """
     _check(param, grad, exp_avg, exp_avg_sq)
+    require_hyper(hyper)
     check_store_flags(store_moments, store_master, param_bf16_out)
     if step < 1:
         raise ValueError(f"step must be >= 1 (the count after this update), got {step}")
@@ -150,12 +151,12 @@ def adamw_step_(
     else:  # the new moments in temporaries
         src_m, src_v = (source[1], source[2]) if source is not None else (exp_avg, exp_avg_sq)
         m, v = src_m.reshape(-1).clone(), src_v.reshape(-1).clone()
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = math.sqrt(1.0 - beta2**step)
-    p.mul_(1.0 - lr * weight_decay)
-    _moments(g, m, v, beta1, beta2)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=-(lr / bc1))
+    bc1 = hyper.bias_correction1(step)
+    bc2_sqrt = math.sqrt(hyper.bias_correction2(step))
+    p.mul_(1.0 - hyper.lr * hyper.weight_decay)
+    _moments(g, m, v, hyper)
+    denom = (v.sqrt() / bc2_sqrt).add_(hyper.eps)
+    p.addcdiv_(m, denom, value=-(hyper.lr / bc1))
     if param_bf16_out is not None:
         param_bf16_out.view(-1).copy_(p)
 
@@ -167,10 +168,10 @@ def _scaled(grad: torch.Tensor, grad_scale: float | torch.Tensor) -> torch.Tenso
     return g
 
 
-def _moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, beta1: float, beta2: float) -> None:
+def _moments(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hyper: AdamWHyper) -> None:
     """The moment update, in place (the step and :func:`adamw_moments_` share it)."""
-    m.lerp_(g, 1.0 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    m.lerp_(g, 1.0 - hyper.beta1)
+    v.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
 
 
 def adamw_moments_(
@@ -178,14 +179,15 @@ def adamw_moments_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
-    beta1: float,
-    beta2: float,
+    hyper: AdamWHyper,
     grad_scale: float | torch.Tensor = 1.0,
     source: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store the moments of a step taken with ``store_moments=False``: ``exp_avg``/``exp_avg_sq`` := m_t, v_t from
-    the pre-step moments (in place, or read from ``source`` = (exp_avg, exp_avg_sq)) and the step's gradient."""
+    the pre-step moments (in place, or read from ``source`` = (exp_avg, exp_avg_sq)) and the step's gradient and
+    ``hyper`` (only its betas matter)."""
     _check(exp_avg, grad, exp_avg, exp_avg_sq)
+    require_hyper(hyper)
     if source is not None:
         if len(source) != 2:
             raise ValueError(f"source must be two tensors (exp_avg, exp_avg_sq), got {len(source)}")
@@ -193,7 +195,7 @@ def adamw_moments_(
         for dst, src in check_source((exp_avg.new_empty(0), exp_avg, exp_avg_sq), (exp_avg.new_empty(0), *source),
                                      {"grad": grad}):
             dst.view(-1).copy_(src.view(-1))
-    _moments(_scaled(grad, grad_scale), exp_avg.view(-1), exp_avg_sq.view(-1), beta1, beta2)
+    _moments(_scaled(grad, grad_scale), exp_avg.view(-1), exp_avg_sq.view(-1), hyper)
 
 
 def adamw_undo_(
@@ -203,29 +205,26 @@ def adamw_undo_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
 ) -> None:
     """Invert :func:`adamw_step_` algebraically (exact up to fp32 rounding, not bitwise).
 
-    ``step`` and the hyper-parameters are those the step was taken with.
+    ``step`` and ``hyper`` are those the step was taken with.
     """
     _check(param, grad, exp_avg, exp_avg_sq)
+    require_hyper(hyper)
     g = _scaled(grad, grad_scale)
     p, m, v = param.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = math.sqrt(1.0 - beta2**step)
-    denom = (v.sqrt() / bc2_sqrt).add_(eps)
-    p.addcdiv_(m, denom, value=lr / bc1)
-    decay = 1.0 - lr * weight_decay
+    bc1 = hyper.bias_correction1(step)
+    bc2_sqrt = math.sqrt(hyper.bias_correction2(step))
+    denom = (v.sqrt() / bc2_sqrt).add_(hyper.eps)
+    p.addcdiv_(m, denom, value=hyper.lr / bc1)
+    decay = 1.0 - hyper.lr * hyper.weight_decay
     if decay != 1.0:
         p.div_(decay)
-    m.sub_(g * (1.0 - beta1)).div_(beta1)
-    v.sub_(g * g * (1.0 - beta2)).div_(beta2).clamp_(min=0.0)
+    m.sub_(g * (1.0 - hyper.beta1)).div_(hyper.beta1)
+    v.sub_(g * g * (1.0 - hyper.beta2)).div_(hyper.beta2).clamp_(min=0.0)
     if param_bf16_out is not None:
         param_bf16_out.view(-1).copy_(p)

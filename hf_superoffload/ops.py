@@ -2,6 +2,8 @@
 
 The engine calls only these. They dispatch to the compiled ``cpu_ext`` op library (built on first use,
 see [Note: CPU Adam build] in ``cpu_ext/_build.py``) and to a torch fallback when it cannot be built.
+Each AdamW entry point takes its hyper-parameters as one ``hyper=AdamWHyper(...)`` ([Note: one AdamW signature] in
+``cpu_ext/_hyper.py``); the op schemas take scalars, converted here.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import torch
 
 from .cpu_ext import _fallback
 from .cpu_ext._build import load_library
+from .cpu_ext._hyper import AdamWHyper, require_hyper
 
 __all__ = [
+    "AdamWHyper",
     "backend",
     "cpu_adamw_moments_",
     "cpu_adamw_step_",
@@ -61,11 +65,7 @@ def cpu_adamw_step_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
     source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
@@ -87,6 +87,7 @@ def cpu_adamw_step_(
     Args:
         grad: fp32 or bf16 gradient, multiplied by ``grad_scale`` inside the pass (the clip coefficient).
         step: the step count *after* this update (1 on the first step).
+        hyper: lr, betas, eps and weight_decay of this parameter's group.
         param_bf16_out: receives the bf16 copy (round to nearest even) of the updated parameter.
         source: pre-step (param, exp_avg, exp_avg_sq): fp32, contiguous, same numel, disjoint from every
             destination, from ``grad`` and from ``param_bf16_out`` (``ValueError`` on a partial overlap). A
@@ -106,19 +107,19 @@ def cpu_adamw_step_(
     """
     if source is not None and len(source) != 3:
         raise ValueError(f"source must be three tensors (param, exp_avg, exp_avg_sq), got {len(source)}")
+    require_hyper(hyper)
     threads = _threads(num_threads)
     if load_library():
         src_p, src_m, src_v = source if source is not None else (None, None, None)
         torch.ops.hf_superoffload.cpu_adamw_step(
-            param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps),
-            float(weight_decay), float(grad_scale), param_bf16_out, src_p, src_m, src_v, threads, bool(store_moments),
+            param, grad, exp_avg, exp_avg_sq, int(step), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+            hyper.weight_decay, float(grad_scale), param_bf16_out, src_p, src_m, src_v, threads, bool(store_moments),
             bool(store_master),
         )
         return
     _fallback.adamw_step_(
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out, source=source,
-        store_moments=store_moments, store_master=store_master,
+        param, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale,
+        param_bf16_out=param_bf16_out, source=source, store_moments=store_moments, store_master=store_master,
     )
 
 
@@ -127,8 +128,7 @@ def cpu_adamw_moments_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
-    beta1: float,
-    beta2: float,
+    hyper: AdamWHyper,
     grad_scale: float = 1.0,
     source: tuple[torch.Tensor, torch.Tensor] | None = None,
     num_threads: int | None = None,
@@ -136,20 +136,21 @@ def cpu_adamw_moments_(
     """Store the moments of a :func:`cpu_adamw_step_` taken with ``store_moments=False``.
 
     ``exp_avg``/``exp_avg_sq`` := m_t, v_t computed from the pre-step moments (in place, or read from ``source`` =
-    (exp_avg, exp_avg_sq) when the step was out of place) and the same ``grad`` and ``grad_scale``: bit for bit what
-    the step with ``store_moments=True`` stores, on every path (reads 10, writes 8 B/param with a bf16 gradient).
+    (exp_avg, exp_avg_sq) when the step was out of place) and the same ``grad``, ``grad_scale`` and ``hyper`` (only
+    its betas are read): bit for bit what the step with ``store_moments=True`` stores, on every path (reads 10,
+    writes 8 B/param with a bf16 gradient).
     """
     if source is not None and len(source) != 2:
         raise ValueError(f"source must be two tensors (exp_avg, exp_avg_sq), got {len(source)}")
+    require_hyper(hyper)
     threads = _threads(num_threads)
     if load_library():
         src_m, src_v = source if source is not None else (None, None)
         torch.ops.hf_superoffload.cpu_adamw_moments(
-            grad, exp_avg, exp_avg_sq, float(beta1), float(beta2), float(grad_scale), src_m, src_v, threads,
+            grad, exp_avg, exp_avg_sq, hyper.beta1, hyper.beta2, float(grad_scale), src_m, src_v, threads,
         )
         return
-    _fallback.adamw_moments_(grad, exp_avg, exp_avg_sq, beta1=beta1, beta2=beta2, grad_scale=grad_scale,
-                             source=source)
+    _fallback.adamw_moments_(grad, exp_avg, exp_avg_sq, hyper=hyper, grad_scale=grad_scale, source=source)
 
 
 def cpu_adamw_undo_(
@@ -159,11 +160,7 @@ def cpu_adamw_undo_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float = 1.0,
     param_bf16_out: torch.Tensor | None = None,
     num_threads: int | None = None,
@@ -173,16 +170,17 @@ def cpu_adamw_undo_(
     ``param_bf16_out``, when given, receives the bf16 copy of the restored parameter. In place only: after an
     out-of-place step the source still holds the pre-step state, so there is nothing to undo.
     """
+    require_hyper(hyper)
     threads = _threads(num_threads)
     if load_library():
         torch.ops.hf_superoffload.cpu_adamw_undo(
-            param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), float(eps),
-            float(weight_decay), float(grad_scale), param_bf16_out, threads,
+            param, grad, exp_avg, exp_avg_sq, int(step), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,
+            hyper.weight_decay, float(grad_scale), param_bf16_out, threads,
         )
         return
     _fallback.reference.adamw_undo_(  # rare (rollback only): the eager twin is the fallback
-        param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=param_bf16_out,
+        param, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale,
+        param_bf16_out=param_bf16_out,
     )
 
 

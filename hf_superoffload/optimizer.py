@@ -16,13 +16,14 @@ import torch
 
 from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
+from .cpu_ext import AdamWHyper
 from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
 from .planning.plan import OffloadPlan
 from .planning.planner import Workload, bisect_largest_int, device_holds, make_plan
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
-from .runtime.validation import Hyper, SpeculationGovernor, StepVerdict
+from .runtime.validation import GroupHypers, SpeculationGovernor, StepVerdict
 from .state import engine_state_dict, load_engine_state, validate_engine_state
 
 __all__ = ["SuperOffloadOptimizer"]
@@ -257,7 +258,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         engine = OffloadEngine(
             params=self._ordered,
             param_group=self._groups,
-            hyper_fn=self._hyper,
+            hypers_fn=self._hypers,
             plan=plan,
             modules=list(self._model.modules()),
             check_finite=self.config.check_finite,
@@ -395,11 +396,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                     "converted to bf16 weights with fp32 masters). fp16 needs loss scaling, which SuperOffload does not do."
                 )
 
-    def _hyper(self) -> Hyper:
+    def _hypers(self) -> GroupHypers:
         from .state import refuse_stock_accelerate_wrapper
 
         refuse_stock_accelerate_wrapper("step", depth=10)  # its constructor did not read our state: refused here
-        return _checked_hyper(self.param_groups)
+        return _checked_hypers(self.param_groups)
 
     # ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -687,26 +688,23 @@ def _broadcast_params(params: list[torch.nn.Parameter], comm: ShardGroup) -> Non
                 p.data.copy_(t)
 
 
-def _checked_hyper(param_groups: list[dict[str, Any]]) -> Hyper:
-    """Every group's ``(lr, beta1, beta2, eps, weight_decay)``, validated. The engine reads them when a step starts
-    (before any bucket is stepped) and again when it validates the step, so a bad value set into ``param_groups``
-    between steps is refused before any optimizer state changes, and the optimizer steps normally once it is fixed
-    (the CPU worker would otherwise fail on it mid-step and leave the optimizer unusable)."""
-    inf = float("inf")
-    hyper = []
+def _checked_hypers(param_groups: list[dict[str, Any]]) -> GroupHypers:
+    """Every group's :class:`AdamWHyper`, validated by it. The engine reads them when a step starts (before any
+    bucket is stepped) and again when it validates the step, so a bad value set into ``param_groups`` between steps
+    is refused before any optimizer state changes, and the optimizer steps normally once it is fixed (the CPU worker
+    would otherwise fail on it mid-step and leave the optimizer unusable)."""
+    hypers = []
     for i, g in enumerate(param_groups):
         try:
-            beta1, beta2 = (float(b) for b in g["betas"])
-            lr, eps, wd = float(g["lr"]), float(g["eps"]), float(g["weight_decay"])
+            beta1, beta2 = g["betas"]
+            raw = {"lr": g["lr"], "beta1": beta1, "beta2": beta2, "eps": g["eps"], "weight_decay": g["weight_decay"]}
+            for value in raw.values():
+                float(value)
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"param_groups[{i}] holds an unreadable hyper-parameter ({e!r}): set lr, eps and "
                              "weight_decay to numbers and betas to a pair of numbers") from None
-        bad = ("" if 0 <= lr < inf else f"lr={g['lr']!r} is invalid: use a finite learning rate >= 0")
-        bad = bad or ("" if 0 <= beta1 < 1 and 0 <= beta2 < 1 else
-                      f"betas={tuple(g['betas'])!r} are invalid: both must lie in [0, 1)")
-        bad = bad or ("" if 0 < eps < inf else f"eps={g['eps']!r} is invalid: use a small positive number such as 1e-8")
-        bad = bad or ("" if 0 <= wd < inf else f"weight_decay={g['weight_decay']!r} is invalid: use a finite value >= 0")
-        if bad:
-            raise ValueError(f"param_groups[{i}] {bad} (nothing was stepped: fix the value and step again)")
-        hyper.append((lr, beta1, beta2, eps, wd))
-    return tuple(hyper)
+        try:
+            hypers.append(AdamWHyper(**raw))  # the values as set: its messages show them as the user wrote them
+        except ValueError as e:
+            raise ValueError(f"param_groups[{i}] {e} (nothing was stepped: fix the value and step again)") from None
+    return tuple(hypers)

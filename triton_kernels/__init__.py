@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 # The banned-api rule resolves `.` to the bare folder name; relative is what the ban asks for
+from ..cpu_ext._hyper import AdamWHyper, require_hyper
 from . import reference as _ref
 
 __all__ = [
@@ -329,35 +330,32 @@ def upcast_(src: torch.Tensor, dst: torch.Tensor, scale: float | torch.Tensor = 
 
 
 def adamw_flat_(
-    param_fp32: torch.Tensor,
+    param: torch.Tensor,
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float | torch.Tensor = 1.0,
     param_bf16_out: torch.Tensor | None = None,
 ) -> None:
     """Fused ``torch.optim.AdamW`` step on flat fp32 device buffers, in one pass (the GPU-resident tail).
 
     Math and operation order are those of :func:`.reference.adamw_flat_` / ``torch.optim.AdamW``
-    (decoupled weight decay, bias correction, ``step`` = the 1-based count after this update); results
-    agree to fp32 rounding. ``grad`` is bf16 or fp32; ``g = grad * grad_scale`` where ``grad_scale`` is a
-    float or a 0-dim fp32 device tensor (e.g. a clip coefficient computed on the GPU: no host sync).
-    ``param_bf16_out`` (optional) receives the updated parameters rounded to nearest-even bf16 in the same
-    pass.
+    (decoupled weight decay, bias correction, ``step`` = the 1-based count after this update, ``hyper`` the
+    group's lr, betas, eps and weight_decay); results agree to fp32 rounding. ``param`` is the fp32 master;
+    ``grad`` is bf16 or fp32; ``g = grad * grad_scale`` where ``grad_scale`` is a float or a 0-dim fp32 device
+    tensor (e.g. a clip coefficient computed on the GPU: no host sync). ``param_bf16_out`` (optional) receives
+    the updated parameters rounded to nearest-even bf16 in the same pass.
     """
-    for name, t in (("param_fp32", param_fp32), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    require_hyper(hyper)
+    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 tensor, got {t.dtype}")
     if grad.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"grad must be float32 or bfloat16, got {grad.dtype}")
-    n = param_fp32.numel()
+    n = param.numel()
     if not (grad.numel() == exp_avg.numel() == exp_avg_sq.numel() == n):
         raise ValueError("param, grad, exp_avg and exp_avg_sq must have the same number of elements")
     if param_bf16_out is not None and (param_bf16_out.dtype != torch.bfloat16 or param_bf16_out.numel() != n):
@@ -367,22 +365,21 @@ def adamw_flat_(
     gs_t = grad_scale if isinstance(grad_scale, torch.Tensor) else None
     if gs_t is not None and gs_t.numel() != 1:
         raise ValueError(f"grad_scale must be a float or a one-element tensor, got shape {tuple(gs_t.shape)}")
-    backend = backend_for(param_fp32, grad, exp_avg, exp_avg_sq, param_bf16_out, gs_t)
+    backend = backend_for(param, grad, exp_avg, exp_avg_sq, param_bf16_out, gs_t)
     if backend == "triton" and not (
         grad.is_contiguous() and (param_bf16_out is None or param_bf16_out.is_contiguous())
     ):
         backend = "reference"
-    kw = dict(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     if _record("adamw_flat_", backend) == "reference":
-        _ref.adamw_flat_(param_fp32, grad, exp_avg, exp_avg_sq, grad_scale=grad_scale,
-                         param_bf16_out=param_bf16_out, **kw)  # fmt: skip
+        _ref.adamw_flat_(param, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale,
+                         param_bf16_out=param_bf16_out)  # fmt: skip
         return
     assert _kmod is not None
     if gs_t is not None and gs_t.dtype != torch.float32:
         gs_t = gs_t.to(torch.float32)
-    with _on(param_fp32.device):
+    with _on(param.device):
         _kmod.launch_adamw(
-            param_fp32.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1),
+            param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), step=step, hyper=hyper,
             grad_scale=gs_t if gs_t is not None else float(grad_scale),
-            param_bf16_out=param_bf16_out.view(-1) if param_bf16_out is not None else None, **kw,
+            param_bf16_out=param_bf16_out.view(-1) if param_bf16_out is not None else None,
         )  # fmt: skip

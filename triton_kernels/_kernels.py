@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..cpu_ext import AdamWHyper
 from . import _configs, _interpreter
 from ._configs import RowsConfig
 from ._tables import PlanCache, aligned16, chunk_rows, interleaved_rows
@@ -1740,11 +1741,7 @@ def launch_adamw(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float | torch.Tensor,
     param_bf16_out: torch.Tensor | None,
 ) -> None:
@@ -1754,9 +1751,10 @@ def launch_adamw(
         return
     # Host scalars in double, as torch computes them, then rounded to fp32 by the launch like torch's
     # scalar arguments are.
-    bc1 = 1.0 - beta1**step
-    bc2_sqrt = (1.0 - beta2**step) ** 0.5
-    w = 1.0 - beta1
+    lr, beta2, weight_decay = hyper.lr, hyper.beta2, hyper.weight_decay
+    bc1 = hyper.bias_correction1(step)
+    bc2_sqrt = hyper.bias_correction2(step) ** 0.5
+    w = 1.0 - hyper.beta1
     lerp_low = abs(w) < 0.5
     lerp_w = w if lerp_low else float(np.float32(1.0) - np.float32(w))
     if isinstance(grad_scale, torch.Tensor):
@@ -1770,7 +1768,7 @@ def launch_adamw(
     block = _tile(_ADAMW_BLOCK)
     _adamw_kernel[(triton.cdiv(n, block),)](
         param, _as_storage(grad), exp_avg, exp_avg_sq, out, gptr,
-        n, gval, decay, lerp_w, beta2, 1.0 - beta2, -(lr / bc1), bc2_sqrt, eps,
+        n, gval, decay, lerp_w, beta2, 1.0 - beta2, -(lr / bc1), bc2_sqrt, hyper.eps,
         G_KIND=_KIND[grad.dtype][0], GSCALE_MODE=gmode, LERP_LOW=lerp_low, DECAY=weight_decay != 0,
         WRITE_BF16=param_bf16_out is not None, BLOCK=block, num_warps=_ADAMW_WARPS,
     )  # fmt: skip

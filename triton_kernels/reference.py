@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cpu_ext import AdamWHyper
 from ..cpu_ext import reference as _adamw_reference
 
 __all__ = [
@@ -170,32 +171,17 @@ def adamw_flat_(
     exp_avg_sq: torch.Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
+    hyper: AdamWHyper,
     grad_scale: float | torch.Tensor = 1.0,
     param_bf16_out: torch.Tensor | None = None,
 ) -> None:
     """One ``torch.optim.AdamW`` step (single-tensor path, same operation order) on flat fp32 buffers.
 
     ``g = grad * grad_scale`` (``grad_scale`` a float or a 0-dim fp32 tensor on the device, so a clip
-    coefficient needs no host sync); ``step`` is the 1-based count after this update. ``param_bf16_out``
-    receives the updated parameters rounded to bf16.
+    coefficient needs no host sync); ``step`` is the 1-based count after this update, ``hyper`` the group's
+    hyper-parameters. ``param_bf16_out`` receives the updated parameters rounded to bf16.
     """
     # one eager AdamW for the whole package: the CPU op's twin runs on any device
     _adamw_reference.adamw_step_(
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        step=step,
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=eps,
-        weight_decay=weight_decay,
-        grad_scale=grad_scale,
-        param_bf16_out=param_bf16_out,
+        param, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale, param_bf16_out=param_bf16_out,
     )

@@ -354,11 +354,11 @@ def _measure_cpu_adam(threads: int, *, quick: bool) -> float:
     g = torch.randn(n).to(torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16)
     step = [0]
+    hyper = ops.AdamWHyper(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
     def run() -> None:
         step[0] += 1
-        ops.cpu_adamw_step_(p, g, m, v, step=step[0], lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                            weight_decay=0.1, param_bf16_out=out, num_threads=threads)
+        ops.cpu_adamw_step_(p, g, m, v, step=step[0], hyper=hyper, param_bf16_out=out, num_threads=threads)
 
     return n / _median_seconds(run, 3 if quick else 5) / 1e9
 

@@ -19,6 +19,7 @@ import torch
 
 from ..planning.plan import BucketSpec
 from .streams import Handoff
+from .validation import GroupHypers
 
 __all__ = ["BucketState", "DeviceBucket", "HostBucket", "MomentCommit", "Run"]
 
@@ -54,20 +55,20 @@ class MomentCommit:
 
     The step wrote p and the bf16 weights of ``runs`` into state copy ``dst`` and left ``exp_avg``/``exp_avg_sq``
     unstored; the commit computes them from copy ``src``'s pre-step moments (the same copy in place) and ``grad``
-    (the landing buffer that step read, kept alive by the doubled landing arena) with ``betas`` (per run) and
-    ``grad_scale``, exactly as the step did.
+    (the landing buffer that step read, kept alive by the doubled landing arena) with ``hypers`` (a run of group
+    ``g`` used ``hypers[g]``; the moments read only its betas) and ``grad_scale``, exactly as the step did.
 
     ``master`` (deferred master stores): the step wrote the bf16 weights only; the commit runs the whole step
-    again from copy ``src`` with each run's ``(lr, eps, weight_decay)`` and stores p, m and v into ``dst``.
+    again from copy ``src`` with the same ``hypers`` and stores p, m and v into ``dst``.
     """
 
     runs: tuple[Run, ...]
-    betas: tuple[tuple[float, float], ...]
+    hypers: GroupHypers
     grad_scale: float
     src: int
     dst: int
     grad: torch.Tensor
-    master: tuple[tuple[float, float, float], ...] | None = None
+    master: bool = False
 
 
 class _BucketBase:
@@ -143,7 +144,7 @@ class HostBucket(_BucketBase):
         uploaded: set once this rank's shard is final and uploaded (data parallel: the gatherer waits on it).
         ready: set when the parameters on the device are final for the current step (or will be once a
             stream waits on ``fwd_event``); the next forward blocks on it.
-        applied: (hyper-parameters, grad scale) of the step currently applied to the state, for undo.
+        applied: (per-group hyper-parameters, grad scale) of the step currently applied to the state, for undo.
         grad: the host gradient this step's CPU Adam reads: ``landing``, or the host accumulation's sum.
         accumulated: this step's gradient was summed over micro-batches on the host; its statistics come from
             the accumulator, not from the device ([Note: host accumulation]).
@@ -166,7 +167,7 @@ class HostBucket(_BucketBase):
     gather_src: torch.Tensor | None
     ready: threading.Event
     stream_waited: bool
-    applied: tuple[tuple, float] | None
+    applied: tuple[GroupHypers, float] | None
 
     def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]) -> None:
         super().__init__(spec, params)

@@ -95,19 +95,18 @@ class MomentCommits:
             (p_src, m_src, v_src), (p, m, v) = b.pmv[c.src], b.pmv[c.dst]
             try:
                 with torch.profiler.record_function("superoffload::moment_commit"):
-                    for k, (r, (beta1, beta2)) in enumerate(zip(c.runs, c.betas, strict=True)):
+                    for r in c.runs:
                         sl = slice(r.start, r.end)
-                        if c.master is not None:  # the whole step again, bit for bit, without the bf16 copy
-                            lr, eps, wd = c.master[k]
+                        if c.master:  # the whole step again, bit for bit, without the bf16 copy
                             ops.cpu_adamw_step_(
-                                p[sl], c.grad[sl], m[sl], v[sl], step=r.step, lr=lr, beta1=beta1, beta2=beta2,
-                                eps=eps, weight_decay=wd, grad_scale=c.grad_scale,
+                                p[sl], c.grad[sl], m[sl], v[sl], step=r.step, hyper=c.hypers[r.group],
+                                grad_scale=c.grad_scale,
                                 source=(p_src[sl], m_src[sl], v_src[sl]) if c.dst != c.src else None,
                                 num_threads=self._plan.cpu_threads,
                             )
                             continue
                         ops.cpu_adamw_moments_(
-                            c.grad[sl], m[sl], v[sl], beta1=beta1, beta2=beta2, grad_scale=c.grad_scale,
+                            c.grad[sl], m[sl], v[sl], hyper=c.hypers[r.group], grad_scale=c.grad_scale,
                             source=(m_src[sl], v_src[sl]) if c.dst != c.src else None,
                             num_threads=self._plan.cpu_threads,
                         )
@@ -120,7 +119,7 @@ class MomentCommits:
         self._telemetry.add(commit_s=seconds)
         with self._lock:
             self._clock[0] += seconds
-            self._clock[1] += b.spec.shard * COMMIT_BYTES[c.master is not None]
+            self._clock[1] += b.spec.shard * COMMIT_BYTES[c.master]
 
     def queue_idle(self, k: int = 0) -> None:
         """Store the pending moments of host buckets ``k``, ``k + 1``, ... one task at a time, at the lowest worker
@@ -182,7 +181,7 @@ class MomentCommits:
         for b in self.layout.host_buckets:
             c = b.pending  # read without the commit lock: an estimate (the worker may be storing it right now)
             if c is not None:
-                pending_bytes += b.spec.shard * COMMIT_BYTES[c.master is not None]
+                pending_bytes += b.spec.shard * COMMIT_BYTES[c.master]
         with self._lock:
             seconds, nbytes = self._clock
             self._clock = [0.0, 0.0]

@@ -25,11 +25,10 @@ def step_device_tail(buckets: Sequence[DeviceBucket], verdict: Verdict, sharding
             if verdict.kind is not StepVerdict.SKIP:
                 assert b.grad is not None
                 for r in b.runs:
-                    lr, beta1, beta2, eps, wd = verdict.hyper[r.group]
                     sl = slice(r.start, r.end)
                     adamw_flat_(
-                        b.master[sl], b.grad[sl], b.exp_avg[sl], b.exp_avg_sq[sl], step=r.step, lr=lr,
-                        beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=verdict.grad_scale,
+                        b.master[sl], b.grad[sl], b.exp_avg[sl], b.exp_avg_sq[sl], step=r.step,
+                        hyper=verdict.hypers[r.group], grad_scale=verdict.grad_scale,
                     )
                 if sharding is not None:
                     sharding.gather_device(b)  # every rank, even one whose shard had nothing to step

@@ -45,7 +45,7 @@ from .sharding import Sharding
 from .streams import StreamSet
 from .telemetry import StepStats, Telemetry
 from .upload import Uploads
-from .validation import Hyper, SpeculationGovernor, StepVerdict, decide
+from .validation import GroupHypers, SpeculationGovernor, StepVerdict, decide
 from .weight_flow import WeightStreamer
 
 __all__ = ["OffloadEngine", "StepStats", "module_weights"]
@@ -73,6 +73,7 @@ class OffloadEngine:
     the worker is idle (white-box tests use it)."""
     sync_predicate: Callable[[], bool] | None
     max_grad_norm_fn: Callable[[], float | None]
+    hypers_fn: Callable[[], GroupHypers]
     layout: BucketLayout
     telemetry: Telemetry
     sharding: Sharding | None
@@ -92,21 +93,21 @@ class OffloadEngine:
     _closed: bool
 
     def __init__(self, *, params: Sequence[torch.nn.Parameter], param_group: Sequence[int],
-                 hyper_fn: Callable[[], Hyper], plan: OffloadPlan, modules: Sequence[torch.nn.Module],
+                 hypers_fn: Callable[[], GroupHypers], plan: OffloadPlan, modules: Sequence[torch.nn.Module],
                  check_finite: bool, timeout_s: float, governor: SpeculationGovernor,
                  comm: ShardGroup | None = None) -> None:
         """
         Args:
             params: trainable parameters, deduplicated, in gradient-arrival order (plan indices refer to it).
             param_group: the optimizer param group of each parameter.
-            hyper_fn: reads the live per-group hyper-parameters (LR schedulers change them).
+            hypers_fn: reads the live per-group hyper-parameters (LR schedulers change them).
             modules: modules whose forward must wait for their parameters (every module of the model).
             comm: data parallelism: the group the optimizer state is sharded over ([Note: data parallel
                 sharding]); the plan's ``world_size``/``rank`` must match it.
         """
         self.params, self.param_group = list(params), list(param_group)
         self.param_steps = [0] * len(self.params)
-        self.plan, self.hyper_fn, self.check_finite, self.timeout_s = plan, hyper_fn, check_finite, timeout_s
+        self.plan, self.hypers_fn, self.check_finite, self.timeout_s = plan, hypers_fn, check_finite, timeout_s
         self.governor, self.comm = governor, comm
         check_plan(plan, comm=comm)
         self._div = comm.grad_divisor if comm else 1.0
@@ -149,7 +150,7 @@ class OffloadEngine:
                                   timeout_s=timeout_s, telemetry=self.telemetry,
                                   commits=self.commits, uploads=self.uploads, accum=self._accum,
                                   grad_divisor=self._div, mark_inconsistent=self._mark_inconsistent,
-                                  governor=governor, hyper_fn=hyper_fn, gatherer=gatherer,
+                                  governor=governor, hypers_fn=hypers_fn, gatherer=gatherer,
                                   max_grad_norm_fn=lambda: self.max_grad_norm_fn())
         self.flush = GradFlush(plan=plan, layout=layout, streams=self.streams, param_group=self.param_group,
                                param_steps=lambda: self.param_steps, worker=self._worker, telemetry=self.telemetry,
@@ -243,8 +244,8 @@ class OffloadEngine:
                 sumsq, nonfinite = self.flush.step_stats()  # the one host sync of the step
             else:
                 sumsq, nonfinite = self.sharding.global_stats(self.flush.present)
-        verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hyper=self.hyper_fn(),
-                         spec_hyper=ctx.spec_hyper, check_finite=self.check_finite, grad_divisor=self._div)
+        verdict = decide(sumsq=sumsq, nonfinite=nonfinite > 0, max_grad_norm=max_grad_norm, hypers=self.hypers_fn(),
+                         spec_hypers=ctx.spec_hypers, check_finite=self.check_finite, grad_divisor=self._div)
         if self.commits.adaptive and verdict.kind is not StepVerdict.SKIP:
             # before the verdict is published: a worker task that sees it finishes with this step's share
             self.commits.adapt_share()

@@ -64,7 +64,7 @@ from .cpu_worker import CpuWorker
 from .layout import BucketLayout
 from .telemetry import Telemetry
 from .upload import Uploads
-from .validation import Hyper, SpeculationGovernor, StepVerdict, Verdict
+from .validation import GroupHypers, SpeculationGovernor, StepVerdict, Verdict
 
 __all__ = ["HostPass", "StepContext"]
 
@@ -76,7 +76,7 @@ class StepContext:
     """What the CPU tasks of one optimizer step share. Guarded by the bucket-state lock."""
 
     speculative: bool
-    spec_hyper: Hyper
+    spec_hypers: GroupHypers
     max_grad_norm: float | None
     src: int
     """Host state copy this step reads (double buffer: the current one)."""
@@ -121,7 +121,7 @@ class HostPass:
     _gatherer: CpuWorker | None
     """Data parallel: the thread of the last step's all-gathers (they precede this step's reduce-scatters)."""
     _governor: SpeculationGovernor
-    _hyper_fn: Callable[[], Hyper]
+    _hypers_fn: Callable[[], GroupHypers]
     _max_grad_norm_fn: Callable[[], float | None]
     _worker: CpuWorker
     _timeout_s: float
@@ -136,17 +136,17 @@ class HostPass:
     def __init__(self, *, plan: OffloadPlan, layout: BucketLayout, lock: threading.Lock, worker: CpuWorker,
                  timeout_s: float, telemetry: Telemetry, commits: MomentCommits, uploads: Uploads,
                  accum: HostAccumulator | None, grad_divisor: float, mark_inconsistent: Callable[[], None],
-                 governor: SpeculationGovernor, hyper_fn: Callable[[], Hyper],
+                 governor: SpeculationGovernor, hypers_fn: Callable[[], GroupHypers],
                  max_grad_norm_fn: Callable[[], float | None], gatherer: CpuWorker | None) -> None:
         """
         Args:
-            hyper_fn: the live per-group hyper-parameters, read when a step opens (its speculation uses them).
+            hypers_fn: the live per-group hyper-parameters, read when a step opens (its speculation uses them).
             max_grad_norm_fn: the clipping threshold, read when a step opens (a partial norm above it stops
                 speculating).
         """
         self._plan, self.layout, self.lock = plan, layout, lock
         self.ctx = self._pass_ctx = None
-        self._governor, self._hyper_fn, self._max_grad_norm_fn = governor, hyper_fn, max_grad_norm_fn
+        self._governor, self._hypers_fn, self._max_grad_norm_fn = governor, hypers_fn, max_grad_norm_fn
         self._gatherer = gatherer
         self._worker, self._timeout_s = worker, timeout_s
         self._telemetry, self._commits, self._uploads, self._accum = telemetry, commits, uploads, accum
@@ -167,7 +167,7 @@ class HostPass:
             in_place = not speculative and self._plan.nonspeculative_in_place
             cur = self.layout.cur
             dst = cur if in_place else (cur + 1) % self.layout.copies
-            self.ctx = StepContext(speculative=speculative, spec_hyper=self._hyper_fn(),
+            self.ctx = StepContext(speculative=speculative, spec_hypers=self._hypers_fn(),
                                    max_grad_norm=self._max_grad_norm_fn(), src=cur, dst=dst,
                                    one_path=speculative and dst == cur)
         return self.ctx
@@ -248,10 +248,10 @@ class HostPass:
             # [Note: one path per bucket]: the speculative step the worker came too late for, then undone like one
             speculate = ctx.one_path and finite and verdict.kind is not StepVerdict.COMMIT
             if speculate:
-                self._cpu_step(b, ctx, ctx.spec_hyper, 1.0 / self._div)
+                self._cpu_step(b, ctx, ctx.spec_hypers, 1.0 / self._div)
             self._finish(b, ctx, verdict, speculated=speculate)
             return
-        self._cpu_step(b, ctx, ctx.spec_hyper, 1.0 / self._div)
+        self._cpu_step(b, ctx, ctx.spec_hypers, 1.0 / self._div)
         self._telemetry.add(speculated_buckets=1)
         with self.lock:
             verdict = ctx.verdict
@@ -278,7 +278,7 @@ class HostPass:
             self._worker.drain(self._timeout_s)  # accumulation adds still in flight
 
     def _undo_unpublished(self, ctx: StepContext) -> None:
-        skip = Verdict(StepVerdict.SKIP, 1.0, ctx.spec_hyper, float("nan"))
+        skip = Verdict(StepVerdict.SKIP, 1.0, ctx.spec_hypers, float("nan"))
         with self.lock:
             ctx.verdict = skip
             pending = [(b, b.state is BucketState.SPECULATED) for b in self.layout.host_buckets
@@ -316,7 +316,7 @@ class HostPass:
             raise
 
     def _finish_unguarded(self, b: HostBucket, ctx: StepContext, verdict: Verdict, *, speculated: bool) -> None:
-        if speculated and not (verdict.kind is StepVerdict.COMMIT and b.applied == (verdict.hyper, verdict.grad_scale)):
+        if speculated and not (verdict.kind is StepVerdict.COMMIT and b.applied == (verdict.hypers, verdict.grad_scale)):
             self._telemetry.add(wasted_buckets=1)
         if verdict.kind is StepVerdict.SKIP:
             if speculated:
@@ -325,22 +325,18 @@ class HostPass:
                 b.to_idle_skipped()
             self._uploads.forget(b)
             return
-        if not (speculated and b.applied == (verdict.hyper, verdict.grad_scale)):
+        if not (speculated and b.applied == (verdict.hypers, verdict.grad_scale)):
             if speculated:
                 self._undo(b, ctx)
             # the verdict is known: with deferred moments this pass stores p and the bf16 weights only (with
             # deferred master stores the bf16 weights only)
             defer = self._commits.enabled
             late_master = self._commits.defers_master(b)
-            self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments=not defer,
+            self._cpu_step(b, ctx, verdict.hypers, verdict.grad_scale, store_moments=not defer,
                            store_master=not late_master)
             if defer and b.runs:
-                master = None
-                if late_master:
-                    master = tuple((verdict.hyper[r.group][0], *verdict.hyper[r.group][3:5]) for r in b.runs)
-                record = MomentCommit(runs=b.runs, betas=tuple(verdict.hyper[r.group][1:3] for r in b.runs),
-                                      grad_scale=verdict.grad_scale, src=ctx.src, dst=ctx.dst, grad=b.grad,
-                                      master=master)
+                record = MomentCommit(runs=b.runs, hypers=verdict.hypers, grad_scale=verdict.grad_scale, src=ctx.src,
+                                      dst=ctx.dst, grad=b.grad, master=late_master)
                 with b.commit_lock:
                     assert b.pending is None, "a moment commit was still pending when its bucket stepped again"
                     b.pending = record
@@ -354,7 +350,7 @@ class HostPass:
             if ctx.finished == len(self.layout.host_buckets):
                 ctx.pass_done_at = time.perf_counter()
 
-    def _cpu_step(self, b: HostBucket, ctx: StepContext, hyper: Hyper, scale: float, *,
+    def _cpu_step(self, b: HostBucket, ctx: StepContext, hypers: GroupHypers, scale: float, *,
                   store_moments: bool = True, store_master: bool = True) -> None:
         """AdamW on ``b``'s stepped slices: read state copy ``ctx.src``, write ``ctx.dst`` (the same in place).
 
@@ -365,32 +361,28 @@ class HostPass:
         (p_src, m_src, v_src), (p, m, v) = b.pmv[ctx.src], b.pmv[ctx.dst]
         with torch.profiler.record_function("superoffload::cpu_adam"):
             for r in b.runs:
-                lr, beta1, beta2, eps, wd = hyper[r.group]
                 sl = slice(r.start, r.end)
                 ops.cpu_adamw_step_(
-                    p[sl], b.grad[sl], m[sl], v[sl],
-                    step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
+                    p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], grad_scale=scale,
                     param_bf16_out=b.staging[sl] if b.staging is not None else None,
                     source=(p_src[sl], m_src[sl], v_src[sl]) if ctx.dst != ctx.src else None,
                     num_threads=self._plan.cpu_threads, store_moments=store_moments, store_master=store_master,
                 )
-        b.applied = (hyper, scale)
+        b.applied = (hypers, scale)
         self._telemetry.add(cpu_s=time.perf_counter() - t0)
 
     def _undo(self, b: HostBucket, ctx: StepContext) -> None:
         """Take back a speculative step. Double buffer: the source copy is intact, only staging is refreshed."""
         assert b.applied is not None
-        hyper, scale = b.applied
+        hypers, scale = b.applied
         t0 = time.perf_counter()
         p, m, v = b.pmv[ctx.src]
         with torch.profiler.record_function("superoffload::undo"):
             for r in b.runs:
                 sl = slice(r.start, r.end)
                 if ctx.dst == ctx.src:
-                    lr, beta1, beta2, eps, wd = hyper[r.group]
                     ops.cpu_adamw_undo_(
-                        p[sl], b.grad[sl], m[sl], v[sl],
-                        step=r.step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=scale,
+                        p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], grad_scale=scale,
                         param_bf16_out=None, num_threads=self._plan.cpu_threads,
                     )
                 if b.staging is not None:

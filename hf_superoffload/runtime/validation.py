@@ -11,12 +11,14 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["Hyper", "SpeculationGovernor", "StepVerdict", "Verdict", "decide"]
+from ..cpu_ext import AdamWHyper
+
+__all__ = ["GroupHypers", "SpeculationGovernor", "StepVerdict", "Verdict", "decide"]
 
 logger = logging.getLogger("hf_superoffload")
 
-Hyper = tuple[tuple[float, float, float, float, float], ...]
-"""Per param group: (lr, beta1, beta2, eps, weight_decay)."""
+GroupHypers = tuple[AdamWHyper, ...]
+"""One :class:`AdamWHyper` per param group, in ``param_groups`` order (a run of group ``g`` steps with ``[g]``)."""
 
 
 class StepVerdict(enum.Enum):
@@ -32,12 +34,12 @@ class StepVerdict(enum.Enum):
 class Verdict:
     kind: StepVerdict
     grad_scale: float
-    hyper: Hyper
+    hypers: GroupHypers
     grad_norm: float
 
 
 def decide(
-    *, sumsq: float, nonfinite: bool, max_grad_norm: float | None, hyper: Hyper, spec_hyper: Hyper | None,
+    *, sumsq: float, nonfinite: bool, max_grad_norm: float | None, hypers: GroupHypers, spec_hypers: GroupHypers | None,
     check_finite: bool, grad_divisor: float = 1.0,
 ) -> Verdict:
     """The verdict, matching ``clip_grad_norm_(max_norm)`` (coef = max_norm / (norm + 1e-6), clamped to 1).
@@ -48,15 +50,15 @@ def decide(
     """
     norm = math.sqrt(sumsq) / grad_divisor if sumsq >= 0 else float("nan")
     if (nonfinite or not math.isfinite(norm)) and check_finite:
-        return Verdict(StepVerdict.SKIP, 1.0 / grad_divisor, hyper, float("nan") if nonfinite else norm)
+        return Verdict(StepVerdict.SKIP, 1.0 / grad_divisor, hypers, float("nan") if nonfinite else norm)
     scale = 1.0
     if max_grad_norm is not None and max_grad_norm > 0:
         coef = max_grad_norm / (norm + 1e-6)
         if coef < 1.0:
             scale = coef
-    if scale != 1.0 or (spec_hyper is not None and hyper != spec_hyper):
-        return Verdict(StepVerdict.REDO, scale / grad_divisor, hyper, norm)
-    return Verdict(StepVerdict.COMMIT, 1.0 / grad_divisor, hyper, norm)
+    if scale != 1.0 or (spec_hypers is not None and hypers != spec_hypers):
+        return Verdict(StepVerdict.REDO, scale / grad_divisor, hypers, norm)
+    return Verdict(StepVerdict.COMMIT, 1.0 / grad_divisor, hypers, norm)
 
 
 class SpeculationGovernor:

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from hf_superoffload import cpu_ext, ops
+from hf_superoffload.ops import AdamWHyper
 
 _fallback = importlib.import_module("hf_superoffload.cpu_ext._fallback")
 
 SIZES = (1, 7, 15, 16, 17, 127, 1000003, 2**20 + 3)  # the last one streams its stores (>= 2**20 elements)
-HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
+HYPER = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+BETAS_ONLY = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)  # the moment ops read only betas
 
 
 def _state(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,7 +49,7 @@ def _check_deferred_equals_full(step_: Step, moments_: Moments, n: int, grad_dty
                                 out_of_place: bool, grad_scale: float, **extra: object) -> None:
     src = _state(n, seed=n)
     g = (3 * torch.randn(n, generator=torch.Generator().manual_seed(n + 1))).to(grad_dtype)
-    kwargs = {"step": 4, "grad_scale": grad_scale, **HYPER, **extra}
+    kwargs = {"step": 4, "grad_scale": grad_scale, "hyper": HYPER, **extra}
     if out_of_place:  # destinations NaN-filled and 3 elements off the source's alignment
         full, lazy = tuple(_nan(n) for _ in range(3)), tuple(_nan(n, 3) for _ in range(3))
         source: tuple[torch.Tensor, ...] | None = tuple(t.clone() for t in src)
@@ -67,7 +69,7 @@ def _check_deferred_equals_full(step_: Step, moments_: Moments, n: int, grad_dty
     if source is not None:
         assert all(_equal_bits(a, b) for a, b in zip(source, src))  # the source is read only
 
-    moments_(g, lazy[1], lazy[2], beta1=HYPER["beta1"], beta2=HYPER["beta2"], grad_scale=grad_scale,
+    moments_(g, lazy[1], lazy[2], hyper=HYPER, grad_scale=grad_scale,
              source=(source[1], source[2]) if source is not None else None,
              **({"num_threads": extra["num_threads"]} if "num_threads" in extra else {}))
 
@@ -111,7 +113,7 @@ def _check_late_master(step_: Step, n: int, grad_dtype: torch.dtype, out_of_plac
     step without bf16 copy on the same pre-step state) stores the full step's p, m, v; all bitwise."""
     src = _state(n, seed=n + 11)
     g = (3 * torch.randn(n, generator=torch.Generator().manual_seed(n + 12))).to(grad_dtype)
-    kwargs = {"step": 6, "grad_scale": grad_scale, **HYPER, **extra}
+    kwargs = {"step": 6, "grad_scale": grad_scale, "hyper": HYPER, **extra}
     source: tuple[torch.Tensor, ...] | None
     if out_of_place:  # destinations hold a sentinel, 3 elements off the source's alignment
         full, late = tuple(_sentinel(n) for _ in range(3)), tuple(_sentinel(n, 3) for _ in range(3))
@@ -181,7 +183,7 @@ def test_late_master_invalid_combinations_raise_before_writing(impl: str, out_of
     source = tuple(t.clone() for t in src) if out_of_place else None
     out = _bf16_sentinel(n)
     before = [t.clone() for t in (*dst, out)]
-    kwargs = {"step": 2, **HYPER}
+    kwargs = {"step": 2, "hyper": HYPER}
     with pytest.raises(ValueError, match=r"store_master=False requires store_moments=False.*pass store_moments=False"):
         step_(dst[0], g, dst[1], dst[2], param_bf16_out=out, source=source, store_master=False, **kwargs)
     with pytest.raises(ValueError, match=r"store_master=False requires param_bf16_out.*pass param_bf16_out"):
@@ -221,13 +223,13 @@ def test_moments_op_matches_reference(isa: str, n: int, grad_dtype: torch.dtype)
     _, m, v = _state(n, seed=3)
     g = torch.randn(n, generator=torch.Generator().manual_seed(4)).to(grad_dtype)
     dst_m, dst_v = _nan(n), _nan(n)
-    ops.cpu_adamw_moments_(g, dst_m, dst_v, beta1=0.9, beta2=0.999, grad_scale=0.37, source=(m, v))
+    ops.cpu_adamw_moments_(g, dst_m, dst_v, hyper=BETAS_ONLY, grad_scale=0.37, source=(m, v))
     ref_m, ref_v = m.clone(), v.clone()
-    cpu_ext.reference.adamw_moments_(g, ref_m, ref_v, beta1=0.9, beta2=0.999, grad_scale=0.37)
+    cpu_ext.reference.adamw_moments_(g, ref_m, ref_v, hyper=BETAS_ONLY, grad_scale=0.37)
     torch.testing.assert_close(dst_m, ref_m, rtol=2e-6, atol=1e-8)
     torch.testing.assert_close(dst_v, ref_v, rtol=2e-6, atol=1e-10)
     # in place gives the same bits as out of place
-    ops.cpu_adamw_moments_(g, m, v, beta1=0.9, beta2=0.999, grad_scale=0.37)
+    ops.cpu_adamw_moments_(g, m, v, hyper=BETAS_ONLY, grad_scale=0.37)
     assert _equal_bits(m, dst_m) and _equal_bits(v, dst_v)
 
 
@@ -252,12 +254,14 @@ def test_opcheck_moments_and_lazy_step(compiled: None) -> None:
 def test_moments_contract_violations(compiled: None) -> None:
     g, m, v = torch.randn(16).bfloat16(), torch.randn(16), torch.rand(16)
     with pytest.raises(ValueError, match="two tensors"):
-        ops.cpu_adamw_moments_(g, m, v, beta1=0.9, beta2=0.999, source=(m,))  # type: ignore[arg-type]
+        ops.cpu_adamw_moments_(g, m, v, hyper=BETAS_ONLY, source=(m,))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="both source tensors or none"):
         torch.ops.hf_superoffload.cpu_adamw_moments(g, m, v, 0.9, 0.999, 1.0, torch.randn(16), None, 1)
     with pytest.raises(RuntimeError, match="share memory"):
-        ops.cpu_adamw_moments_(g, m, m, beta1=0.9, beta2=0.999)
+        ops.cpu_adamw_moments_(g, m, m, hyper=BETAS_ONLY)
     with pytest.raises(RuntimeError, match="elements"):
-        ops.cpu_adamw_moments_(g, m, torch.rand(17), beta1=0.9, beta2=0.999)
-    with pytest.raises(RuntimeError, match="betas"):
-        ops.cpu_adamw_moments_(g, m, v, beta1=1.0, beta2=0.999)
+        ops.cpu_adamw_moments_(g, m, torch.rand(17), hyper=BETAS_ONLY)
+    with pytest.raises(RuntimeError, match="betas"):  # the op's own range, (0, 1): the undo divides by beta
+        ops.cpu_adamw_moments_(g, m, v, hyper=AdamWHyper(lr=1e-3, beta1=0.0, beta2=0.999, eps=1e-8, weight_decay=0.0))
+    with pytest.raises(ValueError, match=r"betas=\(1.0, 0.999\) are invalid"):  # refused before the op
+        ops.cpu_adamw_moments_(g, m, v, hyper=AdamWHyper(lr=1e-3, beta1=1.0, beta2=0.999, eps=1e-8, weight_decay=0.0))

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_superoffload.cpu_ext import AdamWHyper
 
 from hf_superoffload import cpu_ext
 
 _fallback = importlib.import_module("hf_superoffload.cpu_ext._fallback")
 
-HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+def _hyper(weight_decay: float) -> AdamWHyper:
+    return AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay)
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
@@ -28,17 +31,17 @@ def test_fallback_step_matches_reference(grad_dtype: torch.dtype, grad_scale: fl
     g = torch.randn(n, generator=gen).to(grad_dtype)
     g_before = g.clone()
     ref = [p.clone(), m.clone(), v.clone()]
-    cpu_ext.reference.adamw_step_(ref[0], g, ref[1], ref[2], step=3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
+    cpu_ext.reference.adamw_step_(ref[0], g, ref[1], ref[2], step=3, hyper=_hyper(0.1), grad_scale=grad_scale)
     before = (p.clone(), m.clone(), v.clone())
     out = torch.empty(n, dtype=torch.bfloat16)
-    _fallback.adamw_step_(p, g, m, v, step=3, weight_decay=0.1, grad_scale=grad_scale, param_bf16_out=out, **HYPER)
+    _fallback.adamw_step_(p, g, m, v, step=3, hyper=_hyper(0.1), grad_scale=grad_scale, param_bf16_out=out)
     for got, want in zip((p, m, v), ref):
         torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
     assert torch.equal(out, p.to(torch.bfloat16))
     assert torch.equal(g, g_before)  # the caller's gradient is not scaled in place
 
     # without the op library, ops.cpu_adamw_undo_ runs the eager twin (rollback is rare)
-    cpu_ext.reference.adamw_undo_(p, g, m, v, step=3, weight_decay=0.1, grad_scale=grad_scale, **HYPER)
+    cpu_ext.reference.adamw_undo_(p, g, m, v, step=3, hyper=_hyper(0.1), grad_scale=grad_scale)
     torch.testing.assert_close(p, before[0], rtol=1e-5, atol=1e-6)
 
 
@@ -54,7 +57,7 @@ def test_out_of_place_source(impl: str, grad_dtype: torch.dtype) -> None:
     snapshot = [t.clone() for t in src]
     dst = tuple(torch.full((n,), float("nan")) for _ in range(3))
     out_oop, out_in = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
-    kwargs = {"step": 3, "weight_decay": 0.1, "grad_scale": 0.5, **HYPER}
+    kwargs = {"step": 3, "hyper": _hyper(0.1), "grad_scale": 0.5}
 
     step_(dst[0], g, dst[1], dst[2], param_bf16_out=out_oop, source=src, **kwargs)
 
@@ -72,7 +75,7 @@ def test_out_of_place_source(impl: str, grad_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("impl", ["fallback", "reference"])
 def test_overlapping_source_raises(impl: str) -> None:
     step_ = _fallback.adamw_step_ if impl == "fallback" else cpu_ext.reference.adamw_step_
-    kwargs = {"step": 1, "weight_decay": 0.0, **HYPER}
+    kwargs = {"step": 1, "hyper": _hyper(0.0)}
     buf = torch.randn(40)
     m, v, g = torch.zeros(16), torch.zeros(16), torch.randn(16)
     with pytest.raises(ValueError, match="src_param partially overlaps param"):
@@ -96,15 +99,16 @@ _SCRIPT = """
 import warnings, torch
 warnings.simplefilter("always")
 from hf_superoffload import ops
+hyper = ops.AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     p, m, v = torch.randn(64), torch.zeros(64), torch.zeros(64)
     for step in (1, 2):
-        ops.cpu_adamw_step_(p, torch.randn(64).bfloat16(), m, v, step=step, lr=1e-3, beta1=0.9, beta2=0.999,
-                            eps=1e-8, weight_decay=0.0, param_bf16_out=torch.empty(64, dtype=torch.bfloat16))
+        ops.cpu_adamw_step_(p, torch.randn(64).bfloat16(), m, v, step=step, hyper=hyper,
+                            param_bf16_out=torch.empty(64, dtype=torch.bfloat16))
     dst = (torch.empty(64), torch.empty(64), torch.empty(64))
-    ops.cpu_adamw_step_(dst[0], torch.randn(64), dst[1], dst[2], step=3, lr=1e-3, beta1=0.9, beta2=0.999,
-                        eps=1e-8, weight_decay=0.0, source=(p, m, v))
+    ops.cpu_adamw_step_(dst[0], torch.randn(64), dst[1], dst[2], step=3, hyper=hyper,
+                        source=(p, m, v))
     assert not torch.equal(dst[0], p) and torch.isfinite(torch.cat(dst)).all()
     sumsq, bad = ops.grad_sumsq_nonfinite(torch.ones(10))
     assert (sumsq, bad) == (10.0, 0)

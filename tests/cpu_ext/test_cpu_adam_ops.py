@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 from hf_superoffload import cpu_ext, ops
+from hf_superoffload.ops import AdamWHyper
 
-HYPER = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+HYPER = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
 def _tensors(n: int, grad_dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
@@ -57,7 +59,7 @@ def test_contract_violations_raise(compiled: None, mutate, match: str) -> None: 
     ts = _tensors(16)
     mutate(ts)
     with pytest.raises(RuntimeError, match=match):
-        ops.cpu_adamw_step_(*ts, step=1, **HYPER)
+        ops.cpu_adamw_step_(*ts, step=1, hyper=HYPER)
 
 
 _N = 2**16 + 3  # large enough for several threads and the SIMD body, so a check behind the kernel would show
@@ -73,10 +75,11 @@ def _violations() -> list[tuple[str, dict, str]]:
         ("step", {"source": (torch.randn(n), torch.randn(n), torch.rand(n + 1))},
          f"src_exp_avg_sq has {n + 1} elements, expected {n} (as param)"),
         ("step", {"step": 0}, "step must be >= 1 (the count after this update), got 0"),
-        ("step", {"beta2": 1.5}, "betas must lie in (0, 1), got 0.9, 1.5"),
+        # beta = 0 is a valid AdamWHyper (torch's range), but the op refuses it: its undo divides by beta
+        ("step", {"hyper": dataclasses.replace(HYPER, beta2=0.0)}, "betas must lie in (0, 1), got 0.9, 0"),
         ("undo", {"exp_avg": torch.randn(n + 1)}, f"exp_avg has {n + 1} elements, expected {n} (as param)"),
         ("moments", {"exp_avg_sq": torch.rand(n + 1)}, f"exp_avg_sq has {n + 1} elements, expected {n} (as param)"),
-        ("moments", {"beta1": 1.0}, "betas must lie in (0, 1), got 1, 0.999"),
+        ("moments", {"hyper": dataclasses.replace(HYPER, beta1=0.0)}, "betas must lie in (0, 1), got 0, 0.999"),
     ]
 
 
@@ -87,7 +90,7 @@ def test_rejected_call_writes_nothing_and_names_the_numbers(isa: str, op: str, c
     H200 box crashed formatting them: [Note: one libstdc++ per process] in cpu_ext/_build.py)."""
     p, g, m, v = _tensors(_N)
     args = {"param": p, "grad": g, "exp_avg": m, "exp_avg_sq": v, "param_bf16_out": torch.zeros(_N, dtype=torch.bfloat16),
-            "step": 2, **HYPER, "num_threads": 2, **change}
+            "step": 2, "hyper": HYPER, "num_threads": 2, **change}
     outputs = [args["param"], args["exp_avg"], args["exp_avg_sq"], args["param_bf16_out"]]
     before = [t.clone() for t in outputs]
     with pytest.raises(RuntimeError) as info:
@@ -96,8 +99,8 @@ def test_rejected_call_writes_nothing_and_names_the_numbers(isa: str, op: str, c
         elif op == "undo":
             ops.cpu_adamw_undo_(args.pop("param"), args.pop("grad"), args.pop("exp_avg"), args.pop("exp_avg_sq"), **args)
         else:
-            ops.cpu_adamw_moments_(args["grad"], args["exp_avg"], args["exp_avg_sq"], beta1=args["beta1"],
-                                   beta2=args["beta2"], num_threads=2)
+            ops.cpu_adamw_moments_(args["grad"], args["exp_avg"], args["exp_avg_sq"], hyper=args["hyper"],
+                                   num_threads=2)
     assert str(info.value).splitlines()[0] == message
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(outputs, before)), (
         "a rejected call wrote an output"
@@ -106,21 +109,21 @@ def test_rejected_call_writes_nothing_and_names_the_numbers(isa: str, op: str, c
 
 def test_step_zero_raises(compiled: None) -> None:
     with pytest.raises(RuntimeError, match="step must be >= 1"):
-        ops.cpu_adamw_step_(*_tensors(16), step=0, **HYPER)
+        ops.cpu_adamw_step_(*_tensors(16), step=0, hyper=HYPER)
 
 
 def test_bad_source_raises(compiled: None) -> None:
     p, g, m, v = _tensors(16)
     with pytest.raises(ValueError, match="three tensors"):
-        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16),), **HYPER)  # type: ignore[arg-type]
+        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16),), hyper=HYPER)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="all three source tensors or none"):
         torch.ops.hf_superoffload.cpu_adamw_step(
             p, g, m, v, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, 1.0, None, torch.empty(16), None, None, 1
         )
     with pytest.raises(RuntimeError, match="src_exp_avg must be float32"):
-        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16), g, torch.empty(16)), **HYPER)
+        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16), g, torch.empty(16)), hyper=HYPER)
     with pytest.raises(RuntimeError, match="src_exp_avg_sq has 17 elements"):
-        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16), m, torch.empty(17)), **HYPER)
+        ops.cpu_adamw_step_(p, g, m, v, step=1, source=(torch.empty(16), m, torch.empty(17)), hyper=HYPER)
 
 
 def test_overlapping_source_raises(compiled: None) -> None:
@@ -129,9 +132,9 @@ def test_overlapping_source_raises(compiled: None) -> None:
     # Overlapping its own destination by part: neither in place nor out of place.
     buf = torch.randn(40)
     with pytest.raises(ValueError, match="src_param partially overlaps param"):
-        ops.cpu_adamw_step_(buf[:16], g, m, v, step=1, source=(buf[8:24], torch.empty(16), torch.empty(16)), **HYPER)
+        ops.cpu_adamw_step_(buf[:16], g, m, v, step=1, source=(buf[8:24], torch.empty(16), torch.empty(16)), hyper=HYPER)
     with pytest.raises(ValueError, match="src_exp_avg_sq partially overlaps exp_avg_sq"):
-        ops.cpu_adamw_step_(p, g, m, buf[:16], step=1, source=(torch.empty(16), m, buf[1:17]), **HYPER)
+        ops.cpu_adamw_step_(p, g, m, buf[:16], step=1, source=(torch.empty(16), m, buf[1:17]), hyper=HYPER)
     # Sharing memory with another destination, another source, grad or the bf16 copy.
     raw = torch.empty(16)
     shared_grad = raw[:8].view(torch.bfloat16)  # 16 bf16 over the first half of raw
@@ -141,11 +144,11 @@ def test_overlapping_source_raises(compiled: None) -> None:
         ((p, shared_grad, m, v), (raw, torch.empty(16), torch.empty(16)), "grad and src_param"),
     ):
         with pytest.raises(RuntimeError, match=match):
-            ops.cpu_adamw_step_(*args, step=1, source=source, **HYPER)  # type: ignore[arg-type]
+            ops.cpu_adamw_step_(*args, step=1, source=source, hyper=HYPER)  # type: ignore[arg-type]
     out = raw[8:].view(torch.bfloat16)
     with pytest.raises(RuntimeError, match="param_bf16_out and src_param"):
         ops.cpu_adamw_step_(p, g, m, v, step=1, param_bf16_out=out, source=(raw, torch.empty(16), torch.empty(16)),
-                            **HYPER)
+                            hyper=HYPER)
     # Rejected before any write.
     assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
 
@@ -153,16 +156,16 @@ def test_overlapping_source_raises(compiled: None) -> None:
 def test_source_identical_to_destination_is_in_place(compiled: None) -> None:
     base = _tensors(1000)
     p, g, m, v = (t.clone() for t in base)
-    ops.cpu_adamw_step_(p, g, m, v, step=2, source=(p, m, v), **HYPER)
+    ops.cpu_adamw_step_(p, g, m, v, step=2, source=(p, m, v), hyper=HYPER)
     q, _, mm, vv = (t.clone() for t in base)
-    ops.cpu_adamw_step_(q, g, mm, vv, step=2, **HYPER)
+    ops.cpu_adamw_step_(q, g, mm, vv, step=2, hyper=HYPER)
     assert torch.equal(torch.cat([p, m, v]), torch.cat([q, mm, vv]))
 
 
 def test_forced_isa_unknown_or_unsupported_raises(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cpu_ext.ISA_ENV, "avx1024")
     with pytest.raises(RuntimeError, match="unknown ISA"):
-        ops.cpu_adamw_step_(*_tensors(8), step=1, **HYPER)
+        ops.cpu_adamw_step_(*_tensors(8), step=1, hyper=HYPER)
     foreign = "neon" if "avx2" in torch.ops.hf_superoffload.cpu_adam_supported_isas() else "avx2"
     monkeypatch.setenv(cpu_ext.ISA_ENV, foreign)
     with pytest.raises(RuntimeError, match="not supported"):
@@ -200,7 +203,7 @@ def test_threads_partition_gives_identical_results(compiled: None) -> None:
     for threads in (1, 2, 3):
         p, g, m, v = (t.clone() for t in base)
         out = torch.empty(n, dtype=torch.bfloat16)
-        ops.cpu_adamw_step_(p, g, m, v, step=2, param_bf16_out=out, num_threads=threads, **HYPER)
+        ops.cpu_adamw_step_(p, g, m, v, step=2, param_bf16_out=out, num_threads=threads, hyper=HYPER)
         results.append(torch.cat([p, m, v, out.float()]))
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0], results[2])
@@ -224,7 +227,7 @@ def test_default_threads_ignore_omp_num_threads(compiled: None) -> None:
 
 def test_num_threads_must_be_positive() -> None:
     with pytest.raises(ValueError, match="num_threads"):
-        ops.cpu_adamw_step_(*_tensors(4), step=1, num_threads=0, **HYPER)
+        ops.cpu_adamw_step_(*_tensors(4), step=1, num_threads=0, hyper=HYPER)
 
 
 def _all_elementwise_ops(n: int, threads: int) -> torch.Tensor:
@@ -232,12 +235,12 @@ def _all_elementwise_ops(n: int, threads: int) -> torch.Tensor:
     undo) on the same seeded state; their outputs, concatenated."""
     p, g, m, v = _tensors(n)
     out = torch.empty(n, dtype=torch.bfloat16)
-    ops.cpu_adamw_step_(p, g, m, v, step=3, param_bf16_out=out, num_threads=threads, **HYPER)
+    ops.cpu_adamw_step_(p, g, m, v, step=3, param_bf16_out=out, num_threads=threads, hyper=HYPER)
     dst = [torch.empty(n), torch.empty(n), torch.empty(n)]
     ops.cpu_adamw_step_(*dst[:1], g, *dst[1:], step=4, source=(p, m, v), store_moments=False, num_threads=threads,
-                        **HYPER)
-    ops.cpu_adamw_moments_(g, dst[1], dst[2], beta1=0.9, beta2=0.999, source=(m, v), num_threads=threads)
-    ops.cpu_adamw_undo_(p, g, m, v, step=3, num_threads=threads, **HYPER)
+                        hyper=HYPER)
+    ops.cpu_adamw_moments_(g, dst[1], dst[2], hyper=HYPER, source=(m, v), num_threads=threads)
+    ops.cpu_adamw_undo_(p, g, m, v, step=3, num_threads=threads, hyper=HYPER)
     return torch.cat([out.float(), *dst, p, m, v])
 
 
@@ -259,5 +262,5 @@ def test_unknown_schedule_raises_with_the_choices(compiled: None, monkeypatch: p
     before = [t.clone() for t in ts]
     monkeypatch.setenv(cpu_ext.SCHEDULE_ENV, "guided")
     with pytest.raises(ValueError, match=r"'dynamic' .*or 'static'"):
-        ops.cpu_adamw_step_(*ts, step=1, **HYPER)
+        ops.cpu_adamw_step_(*ts, step=1, hyper=HYPER)
     assert all(torch.equal(a, b) for a, b in zip(ts, before, strict=True))  # nothing was touched

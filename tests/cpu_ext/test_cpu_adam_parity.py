@@ -6,9 +6,13 @@ import pytest
 import torch
 
 from hf_superoffload import cpu_ext, ops
+from hf_superoffload.ops import AdamWHyper
 
 SIZES = (1, 7, 1023, 2**20 + 3)
-HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+
+
+def _hyper(weight_decay: float) -> AdamWHyper:
+    return AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay)
 
 
 def _state(n: int, seed: int, *, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -31,10 +35,8 @@ def _torch_adamw(
     p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g32: torch.Tensor, *, step: int, weight_decay: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     param = torch.nn.Parameter(p.clone())
-    opt = torch.optim.AdamW(
-        [param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-        weight_decay=weight_decay, foreach=False,
-    )
+    h = _hyper(weight_decay)
+    opt = torch.optim.AdamW([param], lr=h.lr, betas=h.betas, eps=h.eps, weight_decay=h.weight_decay, foreach=False)
     opt.state[param] = {"step": torch.tensor(float(step - 1)), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
     param.grad = g32.clone()
     opt.step()
@@ -69,11 +71,11 @@ def test_step_matches_torch_adamw(
     g = _grad(n, grad_dtype, seed=n + 1)
     want_p, want_m, want_v = _torch_adamw(p, m, v, g.float() * grad_scale, step=3, weight_decay=weight_decay)
     ref_p, ref_m, ref_v = p.clone(), m.clone(), v.clone()
-    cpu_ext.reference.adamw_step_(ref_p, g, ref_m, ref_v, step=3, weight_decay=weight_decay, grad_scale=grad_scale, **HYPER)
+    cpu_ext.reference.adamw_step_(ref_p, g, ref_m, ref_v, step=3, hyper=_hyper(weight_decay), grad_scale=grad_scale)
     out = torch.full((n,), float("nan"), dtype=torch.bfloat16) if with_out else None
 
     ops.cpu_adamw_step_(
-        p, g, m, v, step=3, weight_decay=weight_decay, grad_scale=grad_scale, param_bf16_out=out, **HYPER
+        p, g, m, v, step=3, hyper=_hyper(weight_decay), grad_scale=grad_scale, param_bf16_out=out
     )
 
     for got, want, ref in ((p, want_p, ref_p), (m, want_m, ref_m), (v, want_v, ref_v)):
@@ -96,7 +98,7 @@ def test_twenty_steps_match_torch_adamw(isa: str, grad_dtype: torch.dtype) -> No
         param.grad = g.float()
         opt.step()
         ops.cpu_adamw_step_(
-            p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05,
+            p, g, m, v, step=step, hyper=AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05),
             param_bf16_out=out,
         )
     _assert_close(p, param.detach(), rtol=1e-5, atol=1e-6)
@@ -137,7 +139,7 @@ def test_out_of_place_equals_in_place_bitwise(
     else:
         dst = _separate(n, offset=3 if dst_layout == "offset" else 0)
     out_oop = torch.full((n,), 7.0, dtype=torch.bfloat16) if with_out else None
-    kwargs = {"step": 4, "weight_decay": 0.1, "grad_scale": 0.37, **HYPER}
+    kwargs = {"step": 4, "hyper": _hyper(0.1), "grad_scale": 0.37}
 
     ops.cpu_adamw_step_(dst[0], g, dst[1], dst[2], param_bf16_out=out_oop, source=src, **kwargs)
 
@@ -162,7 +164,7 @@ def test_double_buffered_steps_equal_in_place(isa: str, threads: int) -> None:
     src, dst = a, b
     for step in range(1, 5):
         g = _grad(n, torch.bfloat16, seed=step)
-        kwargs = {"step": step, "weight_decay": 0.01, "num_threads": threads, **HYPER}
+        kwargs = {"step": step, "hyper": _hyper(0.01), "num_threads": threads}
         if step == 3:  # mixed: exp_avg in place, param and exp_avg_sq out of place
             dst = (dst[0], src[1], dst[2])
         ops.cpu_adamw_step_(dst[0], g, dst[1], dst[2], param_bf16_out=out, source=src, **kwargs)
@@ -178,7 +180,7 @@ def test_undo_restores_the_pre_step_state(isa: str, n: int, grad_dtype: torch.dt
     p, m, v = _state(n, seed=5)
     g = _grad(n, grad_dtype, seed=6)
     before = (p.clone(), m.clone(), v.clone())
-    kwargs = {"step": 4, "weight_decay": 0.1, "grad_scale": 0.5, **HYPER}
+    kwargs = {"step": 4, "hyper": _hyper(0.1), "grad_scale": 0.5}
     ops.cpu_adamw_step_(p, g, m, v, **kwargs)
     after = (p.clone(), m.clone(), v.clone())
     out = torch.empty(n, dtype=torch.bfloat16)
@@ -208,7 +210,7 @@ def test_bf16_copy_rounds_special_values_like_torch(isa: str) -> None:
     m, v, g = torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16)
     before = p.clone()
-    ops.cpu_adamw_step_(p, g, m, v, step=1, lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+    ops.cpu_adamw_step_(p, g, m, v, step=1, hyper=AdamWHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0),
                         param_bf16_out=out)
     assert torch.equal(torch.isnan(p), torch.isnan(before))
     finite_or_inf = ~torch.isnan(before)

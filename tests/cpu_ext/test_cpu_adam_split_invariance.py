@@ -15,12 +15,14 @@ import pytest
 import torch
 
 from hf_superoffload import ops
+from hf_superoffload.ops import AdamWHyper
 
 _fallback = importlib.import_module("hf_superoffload.cpu_ext._fallback")
 
 SIZES = (1, 7, 17, 31, 33, 1001, 70001, 2**20 + 7)
 """Odd lengths: all tail, one body and a tail, several threads' chunks (>= 2 x 32Ki), streamed stores (>= 2**20)."""
-HYPER = {"step": 5, "lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "grad_scale": 0.37}
+STEP = {"step": 5, "hyper": AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1),
+         "grad_scale": 0.37}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -55,17 +57,16 @@ def _run(n: int, grad_dtype: torch.dtype, out_of_place: bool, mode: str, pieces:
         source = tuple(t[sl] for t in src) if out_of_place else None
         args = (dst[0][sl], g[sl], dst[1][sl], dst[2][sl])
         if mode == "full":
-            ops.cpu_adamw_step_(*args, **HYPER, param_bf16_out=out[sl], source=source, num_threads=threads)
+            ops.cpu_adamw_step_(*args, **STEP, param_bf16_out=out[sl], source=source, num_threads=threads)
         elif mode == "deferred":
-            ops.cpu_adamw_step_(*args, **HYPER, param_bf16_out=out[sl], source=source, num_threads=threads,
+            ops.cpu_adamw_step_(*args, **STEP, param_bf16_out=out[sl], source=source, num_threads=threads,
                                 store_moments=False)
-            ops.cpu_adamw_moments_(g[sl], dst[1][sl], dst[2][sl], beta1=HYPER["beta1"], beta2=HYPER["beta2"],
-                                   grad_scale=HYPER["grad_scale"], source=source[1:] if source else None,
-                                   num_threads=threads)
+            ops.cpu_adamw_moments_(g[sl], dst[1][sl], dst[2][sl], hyper=STEP["hyper"], grad_scale=STEP["grad_scale"],
+                                   source=source[1:] if source else None, num_threads=threads)
         else:
-            ops.cpu_adamw_step_(*args, **HYPER, param_bf16_out=out[sl], source=source, num_threads=threads,
+            ops.cpu_adamw_step_(*args, **STEP, param_bf16_out=out[sl], source=source, num_threads=threads,
                                 store_moments=False, store_master=False)
-            ops.cpu_adamw_step_(*args, **HYPER, source=source, num_threads=threads)
+            ops.cpu_adamw_step_(*args, **STEP, source=source, num_threads=threads)
     return [*dst, out]
 
 

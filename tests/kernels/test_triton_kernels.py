@@ -26,6 +26,7 @@ if _INTERPRETER:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import triton  # noqa: E402,F401  -- imported here on purpose: after TRITON_INTERPRET is set
+from hf_superoffload.cpu_ext import AdamWHyper  # noqa: E402
 from hf_superoffload.triton_kernels import _configs  # noqa: E402
 from hf_superoffload.triton_kernels import reference as ref  # noqa: E402
 
@@ -992,15 +993,15 @@ class _KernelChecks:
         param, m, v = self.t(p0.clone()), self.t(torch.zeros(n)), self.t(torch.zeros(n))
         out_bf16 = self.t(torch.empty(n, dtype=torch.bfloat16))
         tp = torch.nn.Parameter(self.t(p0.clone()))
-        kw = dict(lr=3e-3, betas=(beta1, 0.999), eps=1e-8, weight_decay=weight_decay)
-        opt = torch.optim.AdamW([tp], **kw, foreach=False)
+        hyper = AdamWHyper(lr=3e-3, beta1=beta1, beta2=0.999, eps=1e-8, weight_decay=weight_decay)
+        opt = torch.optim.AdamW([tp], lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay,
+                                foreach=False)
         for step in range(1, 6):
             g = self.t(torch.randn(n, generator=gen).to(grad_dtype))
             scale: float | torch.Tensor = 0.75 if step % 2 else self.t(torch.tensor(0.5))
             tp.grad = g.float() * scale
             opt.step()
-            tk.adamw_flat_(param, g, m, v, step=step, lr=3e-3, beta1=beta1, beta2=0.999, eps=1e-8,
-                           weight_decay=weight_decay, grad_scale=scale, param_bf16_out=out_bf16)  # fmt: skip
+            tk.adamw_flat_(param, g, m, v, step=step, hyper=hyper, grad_scale=scale, param_bf16_out=out_bf16)
             assert tk.last_backend("adamw_flat_") == "triton"
         st = opt.state[tp]
         torch.testing.assert_close(param, tp.detach(), rtol=1e-5, atol=1e-6)
@@ -1015,7 +1016,7 @@ class _KernelChecks:
                  self.t(torch.rand(n, generator=gen) * 1e-3)]  # fmt: skip
         g = self.t(torch.randn(n, generator=gen).bfloat16())
         twin = [s.clone() for s in state]
-        kw = dict(step=3, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+        kw = dict(step=3, hyper=AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1))
         tk.adamw_flat_(*state[:1], g, *state[1:], grad_scale=self.t(torch.tensor(0.25)), **kw)
         assert tk.last_backend("adamw_flat_") == "triton"
         ref.adamw_flat_(*twin[:1], g, *twin[1:], grad_scale=self.t(torch.tensor(0.25)), **kw)
@@ -1024,11 +1025,13 @@ class _KernelChecks:
 
     def test_adamw_rejects_bad_args(self) -> None:
         t = self.t(torch.zeros(4))
+        hyper = AdamWHyper(lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
         with pytest.raises(ValueError):
-            tk.adamw_flat_(t, t, t, t, step=0, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8, weight_decay=0.0)
+            tk.adamw_flat_(t, t, t, t, step=0, hyper=hyper)
         with pytest.raises(ValueError):
-            tk.adamw_flat_(t.double(), t, t, t, step=1, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8,
-                           weight_decay=0.0)  # fmt: skip
+            tk.adamw_flat_(t.double(), t, t, t, step=1, hyper=hyper)
+        with pytest.raises(ValueError, match="hyper must be an AdamWHyper"):
+            tk.adamw_flat_(t, t, t, t, step=1, hyper=(1.0, 0.9, 0.9, 1e-8, 0.0))  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not _INTERPRETER, reason="a GPU is present: Triton compiles natively here (see TestCuda)")
@@ -1094,13 +1097,13 @@ class TestCuda(_KernelChecks):
         flat = self.t(torch.randn(n + 10))
         p, m, v = self.t(torch.randn(n)), self.t(torch.zeros(n)), self.t(torch.zeros(n))
         scale = self.t(torch.tensor(0.5))
+        hyper = AdamWHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
 
         def run() -> None:
             tk.flatten_grads_with_stats_(grads, [n, 3, 7], out, stats)
             tk.scatter_flat_(flat, params, stochastic_rounding=True, seed=3)
             tk.upcast_(out[:n], m, scale)
-            tk.adamw_flat_(p, out[:n], m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                           weight_decay=0.0, grad_scale=scale)  # fmt: skip
+            tk.adamw_flat_(p, out[:n], m, v, step=1, hyper=hyper, grad_scale=scale)
 
         run()  # warm: compile, self-test, tables
         torch.cuda.synchronize()
@@ -1221,8 +1224,8 @@ def test_twin_adamw_matches_torch() -> None:
         g = torch.randn(300, generator=gen)
         tp.grad = g * 0.5
         opt.step()
-        ref.adamw_flat_(p, g, m, v, step=step, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.05,
-                        grad_scale=torch.tensor(0.5))  # fmt: skip
+        ref.adamw_flat_(p, g, m, v, step=step, hyper=AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6,
+                                                                weight_decay=0.05), grad_scale=torch.tensor(0.5))
     assert torch.equal(p, tp.detach())
 
 

@@ -29,40 +29,48 @@ BIND = "tests/runtime/test_binding_parity.py"
 SKIP = "tests/runtime/test_skip_after_speculation.py"
 DET = "tests/runtime/test_determinism.py"
 
-_STEP_CALL = ("            param, grad, exp_avg, exp_avg_sq, int(step), float(lr), float(beta1), float(beta2), "
-              "float(eps),\n            float(weight_decay), float(grad_scale), param_bf16_out, src_p,")
+_STEP_CALL = ("            param, grad, exp_avg, exp_avg_sq, int(step), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,\n"
+              "            hyper.weight_decay, float(grad_scale), param_bf16_out, src_p,")
+_HOST_STEP_ARGS = ("                    p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], "
+                   "grad_scale=scale,\n                    param_bf16_out=")
+_UNDO_ARGS = ("                        p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], "
+              "grad_scale=scale,\n                        param_bf16_out=None,")
+_REPLACE = '__import__("dataclasses").replace'
+"""``dataclasses.replace`` inside an inserted expression: the mutated modules need not import it."""
 _SKIP_UNDO = ("        if verdict.kind is StepVerdict.SKIP:\n            if speculated:\n"
               "                self._undo(b, ctx)\n")
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "lr_x1.15_from_step_4", "hf_superoffload/ops.py", _STEP_CALL,
-        _STEP_CALL.replace("float(lr),", "float(lr) * (1.15 if step >= 4 else 1.0),"),
+        _STEP_CALL.replace("hyper.lr,", "hyper.lr * (1.15 if step >= 4 else 1.0),"),
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
         "bias_correction_step_minus_1_host", "hf_superoffload/ops.py", _STEP_CALL,
-        _STEP_CALL.replace("int(step), float(lr),", "max(int(step) - 1, 1), float(lr),"),
+        _STEP_CALL.replace("int(step), hyper.lr,", "max(int(step) - 1, 1), hyper.lr,"),
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
         "bias_correction_step_minus_1_tail", "cpu_ext/reference.py",
-        "    bc1 = 1.0 - beta1**step\n    bc2_sqrt = math.sqrt(1.0 - beta2**step)\n    p.mul_(1.0 - lr * weight_decay)",
-        "    bc1 = 1.0 - beta1 ** max(step - 1, 1)\n    bc2_sqrt = math.sqrt(1.0 - beta2 ** max(step - 1, 1))\n"
-        "    p.mul_(1.0 - lr * weight_decay)",
+        "    bc1 = hyper.bias_correction1(step)\n    bc2_sqrt = math.sqrt(hyper.bias_correction2(step))\n"
+        "    p.mul_(1.0 - hyper.lr * hyper.weight_decay)",
+        "    bc1 = hyper.bias_correction1(max(step - 1, 1))\n"
+        "    bc2_sqrt = math.sqrt(hyper.bias_correction2(max(step - 1, 1)))\n"
+        "    p.mul_(1.0 - hyper.lr * hyper.weight_decay)",
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
-        "weight_decay_on_the_no_decay_group", "hf_superoffload/runtime/host_pass.py",
-        "                lr, beta1, beta2, eps, wd = hyper[r.group]\n                sl = slice(r.start, r.end)\n",
-        "                lr, beta1, beta2, eps, wd = hyper[r.group]\n                wd = max(h[4] for h in hyper)\n"
-        "                sl = slice(r.start, r.end)\n",
+        "weight_decay_on_the_no_decay_group", "hf_superoffload/runtime/host_pass.py", _HOST_STEP_ARGS,
+        _HOST_STEP_ARGS.replace(
+            "hyper=hypers[r.group],",
+            f"hyper={_REPLACE}(hypers[r.group], weight_decay=max(h.weight_decay for h in hypers)),"),
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
         "clip_coefficient_ignored_on_redo", "hf_superoffload/runtime/host_pass.py",
-        "self._cpu_step(b, ctx, verdict.hyper, verdict.grad_scale, store_moments",
-        "self._cpu_step(b, ctx, verdict.hyper, 1.0 / self._div if speculated else verdict.grad_scale, store_moments",
+        "self._cpu_step(b, ctx, verdict.hypers, verdict.grad_scale, store_moments",
+        "self._cpu_step(b, ctx, verdict.hypers, 1.0 / self._div if speculated else verdict.grad_scale, store_moments",
         (f"{BIND}::test_redo_parity[double_buffer]",),
     ),
     Mutation(
@@ -76,10 +84,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
     ),
     Mutation(
-        "inverse_undo_with_group_0_betas", "hf_superoffload/runtime/host_pass.py",
-        "                    lr, beta1, beta2, eps, wd = hyper[r.group]\n                    ops.cpu_adamw_undo_(",
-        "                    lr, beta1, beta2, eps, wd = hyper[r.group]\n                    beta1, beta2 = hyper[0][1:3]\n"
-        "                    ops.cpu_adamw_undo_(",
+        "inverse_undo_with_group_0_betas", "hf_superoffload/runtime/host_pass.py", _UNDO_ARGS,
+        _UNDO_ARGS.replace(
+            "hyper=hypers[r.group],",
+            f"hyper={_REPLACE}(hypers[r.group], beta1=hypers[0].beta1, beta2=hypers[0].beta2),"),
         (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
     ),
     Mutation(
@@ -97,8 +105,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "gpu_tail_uses_the_default_eps", "hf_superoffload/runtime/device_tail.py",
-        "beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, grad_scale=verdict.grad_scale,",
-        "beta1=beta1, beta2=beta2, eps=1e-8, weight_decay=wd, grad_scale=verdict.grad_scale,",
+        "hyper=verdict.hypers[r.group], grad_scale=verdict.grad_scale,",
+        f"hyper={_REPLACE}(verdict.hypers[r.group], eps=1e-8), grad_scale=verdict.grad_scale,",
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(
@@ -161,7 +169,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # beyond the issue's list: the other ways a speculative step can be kept or a state copy go stale
     Mutation(
         "speculation_committed_despite_changed_hyper_parameters", "hf_superoffload/runtime/validation.py",
-        "    if scale != 1.0 or (spec_hyper is not None and hyper != spec_hyper):",
+        "    if scale != 1.0 or (spec_hypers is not None and hypers != spec_hypers):",
         "    if scale != 1.0:",
         (f"{BIND}::test_lr_change_after_backward_redoes",),
     ),
