@@ -48,8 +48,8 @@ OURS = ("snippet", "host0", "host0_inverse", "trainer")
 
 
 def _model(preset: str, layers: int | None, device: Any, dtype: Any) -> Any:
+    from hf_superoffload.demo.presets import build_on
     from hf_superoffload.plan_cli import load_model_config
-    from hf_superoffload.presets import build_on
 
     cfg = load_model_config(preset)
     if layers:

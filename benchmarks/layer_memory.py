@@ -25,9 +25,9 @@ LAYERS = 4
 def measure(preset: str, batch: int, seq: int, device_name: str) -> dict[str, Any]:
     import torch
 
+    from hf_superoffload.demo.presets import build_on
     from hf_superoffload.plan_cli import load_model_config
     from hf_superoffload.planning.memory_model import ModelShape
-    from hf_superoffload.presets import build_on
 
     device = torch.device(device_name)
     cfg = load_model_config(preset)

@@ -43,7 +43,7 @@ import tempfile
 import time
 from typing import Any
 
-from hf_superoffload.presets import PRESETS, build_on
+from hf_superoffload.demo.presets import PRESETS, build_on
 
 PEAK_TFLOPS = {"cuda": 989.0}  # H200 SXM dense bf16; CPU: no MFU
 MODELS: dict[str, dict[str, int]] = {

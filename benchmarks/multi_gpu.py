@@ -81,7 +81,7 @@ def parse_row(name: str) -> dict[str, Any]:
 def _config(model: str, seq: int, layers: int | None) -> Any:
     from transformers import LlamaConfig
 
-    from hf_superoffload.presets import PRESETS
+    from hf_superoffload.demo.presets import PRESETS
 
     dims = dict(PRESETS[model])
     dims["vocab_size"] = dims.get("vocab_size") or 256  # the tiny preset leaves it to the caller
@@ -101,8 +101,8 @@ def worker(row: dict[str, Any], *, device_type: str, warmup: int, steps: int, wo
 
     from hf_superoffload import SuperOffloadOptimizer
     from hf_superoffload import sequence_parallel as sp
+    from hf_superoffload.demo.presets import build_on
     from hf_superoffload.planning.planner import Workload
-    from hf_superoffload.presets import build_on
     from hf_superoffload.sequence_parallel.loss import DEFAULT_CHUNK
 
     cuda = device_type == "cuda"

@@ -41,7 +41,7 @@ def rss_bytes() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="3.6b", help="a preset of hf_superoffload.presets")
+    ap.add_argument("--model", default="3.6b", help="a preset of hf_superoffload.demo.presets")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--settle", type=int, default=20, help="steps before the memory baseline is taken")
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
     from hf_superoffload.config import PlannerOverrides
-    from hf_superoffload.presets import PRESETS, build_on, llama_config
+    from hf_superoffload.demo.presets import PRESETS, build_on, llama_config
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("soak: no CUDA device; use --device cpu", file=sys.stderr)

@@ -184,11 +184,11 @@ def resolve_workload(name: str, *, config_json: str | None, preset: str | None, 
             if preset in WORKLOADS:
                 base = dataclasses.replace(WORKLOADS[preset], name="largest")
             else:
-                from hf_superoffload.presets import PRESETS
+                from hf_superoffload.demo.presets import PRESETS
 
                 if preset not in PRESETS or PRESETS[preset].get("vocab_size") is None:
                     raise SystemExit(f"--preset {preset!r}: use one of {sorted(WORKLOADS)} or a preset of "
-                                     "hf_superoffload.presets with a fixed vocabulary")
+                                     "hf_superoffload.demo.presets with a fixed vocabulary")
                 dims = {k: int(PRESETS[preset][k]) for k in _DIMS}
                 base = Workload("largest", **dims, batch_size=4, seq_len=2048)
         else:
@@ -311,7 +311,7 @@ def _build_model(wl: Workload, dev: Any, dtype: Any) -> tuple[Any, str]:
     import torch
     from transformers import LlamaConfig
 
-    from hf_superoffload.presets import build_on
+    from hf_superoffload.demo.presets import build_on
 
     cfg = LlamaConfig(**{k: getattr(wl, k) for k in _DIMS}, max_position_embeddings=wl.seq_len,
                       tie_word_embeddings=False)

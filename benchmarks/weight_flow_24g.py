@@ -89,8 +89,8 @@ def child(a: argparse.Namespace) -> dict:
     from transformers import LlamaConfig
 
     from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+    from hf_superoffload.demo.presets import build_on
     from hf_superoffload.planning.hardware import HardwareProfile
-    from hf_superoffload.presets import build_on
     from hf_superoffload.sequence_parallel import causal_lm_loss, shard_batch
 
     dev = torch.device("cuda", 0) if a.device == "cuda" else torch.device(a.device)  # torch 2.11 wants an index

@@ -30,7 +30,8 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 from transformers import get_linear_schedule_with_warmup
 
-from hf_superoffload.datasets_local import build_tokenizer, format_example, instruction_texts, packed_batches
+from hf_superoffload.demo.local_data import build_tokenizer, format_example, instruction_texts, packed_batches
+from hf_superoffload.demo.presets import PRESETS, llama_config
 from hf_superoffload.integrations.accelerate import (
     Preemption,
     SuperOffloadPlugin,
@@ -39,7 +40,6 @@ from hf_superoffload.integrations.accelerate import (
     prepare_superoffload,
     remove_stale_temp_files,
 )
-from hf_superoffload.presets import PRESETS, llama_config
 
 
 class TrainProgress:

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from transformers import DataCollatorForLanguageModeling, HfArgumentParser
 
-from hf_superoffload.datasets_local import build_tokenizer, instruction_dataset
+from hf_superoffload.demo.local_data import build_tokenizer, instruction_dataset
+from hf_superoffload.demo.presets import PRESETS, llama_config
 from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
-from hf_superoffload.presets import PRESETS, llama_config
 
 
 @dataclass

@@ -29,7 +29,7 @@ import torch
 from datasets import Dataset
 from transformers import HfArgumentParser
 
-from hf_superoffload.datasets_local import build_tokenizer
+from hf_superoffload.demo.local_data import build_tokenizer
 from hf_superoffload.integrations.trl import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
 
 # A minimal chat template for the tiny tokenizer (real chat models bring their own). The {% generation %}

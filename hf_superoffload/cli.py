@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ._cli_args import OneLineParser, float_in, int_in, model_spec, offload_config
-from .train_job import HUB_MODELS as _HUB
+from .demo.train_job import HUB_MODELS as _HUB
 
 __all__ = ["main"]
 
@@ -44,7 +44,7 @@ def _fill_defaults(args: argparse.Namespace, kind: str) -> None:
 def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, list[str], list[str], Any] | int:
     """Model, tokenizer, train and eval texts, and their sources; or the exit status of a one-line error."""
 
-    from . import train_job
+    from .demo import train_job
 
     spec = args.model or "auto"
     loaded = None
@@ -75,9 +75,9 @@ def _preset(args: argparse.Namespace, spec: str, device: torch.device) -> tuple[
     """A random-init preset, a tokenizer trained on its data (local unless --dataset names one), the texts."""
     from transformers import LlamaForCausalLM
 
-    from . import train_job
-    from .datasets_local import build_tokenizer
-    from .presets import llama_config
+    from .demo import train_job
+    from .demo.local_data import build_tokenizer
+    from .demo.presets import llama_config
 
     _fill_defaults(args, "preset")
     rows, data_src = train_job.load_rows("local" if args.dataset == "auto" else args.dataset, int(args.examples),
@@ -105,8 +105,9 @@ def _print_samples(when: str, samples: list[dict[str, str]]) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from . import SuperOffloadConfig, SuperOffloadOptimizer, ops, train_job
-    from .datasets_local import packed_batches
+    from . import SuperOffloadConfig, SuperOffloadOptimizer, ops
+    from .demo import train_job
+    from .demo.local_data import packed_batches
     from .planning.plan import OffloadPlan
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -190,7 +191,8 @@ def _finish(args: argparse.Namespace, model: Any, tokenizer: Any, opt: Any, devi
             eval_ids: torch.Tensor, *, before: tuple[float, list[dict[str, str]]], losses: list[torch.Tensor],
             elapsed: float) -> None:
     """Eval loss and samples after training, then the model, loss curve and metrics written to --output-dir."""
-    from . import ops, train_job
+    from . import ops
+    from .demo import train_job
 
     eval_before, samples_before = before
     tokens = args.batch_size * args.seq_len

@@ -55,7 +55,7 @@ def load_model_config(spec: str) -> Any:
     """A transformers config from a preset name, a ``config.json`` file, a local folder or a hub model id."""
     from transformers import AutoConfig
 
-    from .presets import PRESETS, llama_config
+    from .demo.presets import PRESETS, llama_config
 
     if spec in PRESETS:
         return llama_config(spec, vocab_size=None if PRESETS[spec]["vocab_size"] else 32000)
@@ -185,7 +185,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on an ``argparse`` subparsers object (``hf-superoffload plan ...``)."""
     p = subparsers.add_parser("plan", help="predict the offload plan, memory and step time of a run; exit 1 if it "
                               "cannot fit", description=__doc__.splitlines()[0])
-    from .presets import PRESETS
+    from .demo.presets import PRESETS
 
     memory = float_in(0.0, 1e6, lo_open=True, hint=" GiB")
     p.add_argument("--model", required=True, type=model_spec(tuple(PRESETS)),

@@ -120,7 +120,7 @@ class ModelShape:
         if isinstance(config, ModelShape):
             return config
         if isinstance(config, str):
-            from ..presets import PRESETS, llama_config
+            from ..demo.presets import PRESETS, llama_config
 
             if config not in PRESETS:
                 raise ValueError(f"unknown model preset {config!r}; choose one of {sorted(PRESETS)}")

@@ -19,7 +19,7 @@ pytest.importorskip("trl")
 from datasets import Dataset
 from trl import SFTConfig, SFTTrainer
 
-from hf_superoffload.datasets_local import build_tokenizer
+from hf_superoffload.demo.local_data import build_tokenizer
 from hf_superoffload.integrations.trl import SuperOffloadSFTConfig, SuperOffloadSFTTrainer
 from hf_superoffload.testing import tiny_llama
 

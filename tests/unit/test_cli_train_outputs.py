@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from hf_superoffload import train_job
 from hf_superoffload.cli import main
+from hf_superoffload.demo import train_job
 
 SMALL = ["--device", "cpu", "--seq-len", "32", "--batch-size", "4", "--log-every", "10", "--new-tokens", "6"]
 
@@ -21,8 +21,8 @@ SMALL = ["--device", "cpu", "--seq-len", "32", "--batch-size", "4", "--log-every
 def _model_folder(path: Path) -> Path:
     from transformers import LlamaForCausalLM
 
-    from hf_superoffload.datasets_local import build_tokenizer, format_example, instruction_texts
-    from hf_superoffload.presets import llama_config
+    from hf_superoffload.demo.local_data import build_tokenizer, format_example, instruction_texts
+    from hf_superoffload.demo.presets import llama_config
 
     tok = build_tokenizer([format_example(r) for r in instruction_texts(300)], vocab_size=320)
     tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}" \

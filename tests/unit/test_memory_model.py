@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from hf_superoffload import SuperOffloadConfig
+from hf_superoffload.demo.presets import PRESETS
 from hf_superoffload.plan_cli import arrival_numels, load_model_config
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import (
@@ -20,7 +21,6 @@ from hf_superoffload.planning.memory_model import (
     largest_model_that_fits,
 )
 from hf_superoffload.planning.planner import PlanError, make_plan
-from hf_superoffload.presets import PRESETS
 
 DATA = Path(__file__).parent / "data"
 GiB = 1024**3

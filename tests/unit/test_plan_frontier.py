@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_superoffload.demo.presets import PRESETS
 from hf_superoffload.plan_cli import main
-from hf_superoffload.presets import PRESETS
 
 
 def _plan(tmp_path: Path, layers: int, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:

@@ -116,7 +116,7 @@ def _messages(row: dict[str, Any]) -> list[dict[str, str]]:
 def format_row(tokenizer: Any, row: dict[str, Any]) -> str:
     """One training text: the tokenizer's chat template when it has one, the local ``### Instruction`` layout
     otherwise (the bundled tokenizer has no template)."""
-    from .datasets_local import format_example
+    from .local_data import format_example
 
     msgs = _messages(row)
     if getattr(tokenizer, "chat_template", None):
@@ -135,9 +135,9 @@ def load_rows(spec: str, n: int, seed: int) -> tuple[list[dict[str, Any]], str]:
     """``n`` rows of instruction data and where they came from. ``auto`` tries the Hub's small chat set and falls
     back to the local data; ``local`` is the local data; anything else is a hub dataset id (``id`` or
     ``id:subset``) and must load."""
-    from .datasets_local import instruction_texts
+    from .local_data import instruction_texts
 
-    local = (instruction_texts(n, seed=seed), "local synthetic instruction data (hf_superoffload.datasets_local)")
+    local = (instruction_texts(n, seed=seed), "local synthetic instruction data (hf_superoffload.demo.local_data)")
     if spec == "local" or (spec == "auto" and hub_unreachable()):
         return local
     name, subset = HUB_DATASET if spec == "auto" else [*spec.split(":", 1), None][:2]
