@@ -41,12 +41,13 @@ class KeptLayers:
         self.set(kept)
 
     def set(self, kept: int) -> None:
-        """Keep the activations of the last ``kept`` layers; checkpoint the others again."""
-        kept = max(0, min(kept, len(self.layers)))
-        for k, layer in enumerate(self.layers):
-            layer.gradient_checkpointing = k < len(self.layers) - kept
+        """Keep the activations of the last ``kept`` layers; checkpoint again those this object kept before. Only
+        the flags this object changed are touched (a layer the user turned off since stays off)."""
+        kept, n = max(0, min(kept, len(self.layers))), len(self.layers)
+        for k in range(n - max(kept, self.kept), n):
+            self.layers[k].gradient_checkpointing = k < n - kept
         self.kept = kept
 
     def restore(self) -> None:
-        """Every layer checkpoints again, as the model had it."""
+        """The kept layers checkpoint again, as the model had them."""
         self.set(0)

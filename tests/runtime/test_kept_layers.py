@@ -131,8 +131,11 @@ def test_kept_layers_object() -> None:
     assert len(layers) == LAYERS and layer_checkpointing(model)
     kept = KeptLayers(layers, 2)
     assert [m.gradient_checkpointing for m in layers] == [True] * (LAYERS - 2) + [False] * 2
+    kept.set(1)
+    assert [m.gradient_checkpointing for m in layers] == [True] * (LAYERS - 1) + [False]
+    layers[0].gradient_checkpointing = False  # the user's own change: left alone
     kept.restore()
-    assert all(m.gradient_checkpointing for m in layers)
+    assert [m.gradient_checkpointing for m in layers] == [False] + [True] * (LAYERS - 1)
     with pytest.raises(ValueError, match="use 0 to 6"):
         KeptLayers(layers, 7)
     assert not layer_checkpointing(_model(ckpt=False))
