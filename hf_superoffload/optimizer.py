@@ -19,7 +19,7 @@ from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
 from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
 from .planning.plan import OffloadPlan
-from .planning.planner import Workload, bisect_largest_int, device_holds, make_plan
+from .planning.planner import Workload, device_holds, make_plan, most_kept_layers
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
@@ -305,12 +305,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if not ok and self._kept is not None and self._kept.kept:
             # checkpoint kept layers again before refusing: the values are the same, only slower
             plan = self.plan
-
-            def holds(k: int) -> bool:
-                return device_holds(dataclasses.replace(plan, kept_layers=k), larger, budget, 1)[0]
-
-            if holds(0):
-                kept = bisect_largest_int(0, self._kept.kept, holds)
+            if device_holds(dataclasses.replace(plan, kept_layers=0), larger, budget, 1)[0]:
+                kept = most_kept_layers(plan, larger, budget, 1, self._kept.kept)
                 logger.info("hf_superoffload: a training batch of %d x %d tokens: %d decoder layer(s) keep their "
                             "activations instead of %d, so that it fits", shape[0], shape[1], kept, self._kept.kept)
                 self._kept.set(kept)

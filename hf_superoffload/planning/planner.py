@@ -270,6 +270,16 @@ class _HostRoomError(PlanError):
 # kept layer costs what the memory model says to 0.1% (192.6 KB per token at 8B) and saves 5.9 ms of backward per
 # 8,192 tokens at 8B. Only for stationary weights with plain per-layer checkpointing (no kept attention, tiled
 # MLP or sequence parallelism), and only with a known device budget; the values computed are the same either way.
+def most_kept_layers(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, world_size: int,
+                     at_most: int) -> int:
+    """The most kept layers, up to ``at_most``, with which the device holds ``plan`` for ``workload`` (0 when none
+    do, or the plan does not fit even with every layer checkpointed)."""
+    def holds(k: int) -> bool:
+        return device_holds(dataclasses.replace(plan, kept_layers=k), workload, profile, world_size)[0]
+
+    return bisect_largest_int(0, at_most, holds) if holds(0) else 0
+
+
 def _with_kept_layers(plan: OffloadPlan | None, workload: Workload | None, profile: HardwareProfile,
                       world_size: int) -> OffloadPlan | None:
     """``plan`` with the most kept layers the device holds beside it ([Note: kept layers])."""
@@ -277,11 +287,8 @@ def _with_kept_layers(plan: OffloadPlan | None, workload: Workload | None, profi
             or not workload.grad_ckpt or plan.weight_mode is WeightMode.FLOW or workload.keep_attention
             or workload.sequence_parallel > 1 or workload.mlp_tile_tokens is not None):
         return plan
-    if not device_holds(plan, workload, profile, world_size)[0]:
-        return plan
     layers = ModelShape.from_config(workload.model).num_layers
-    kept = bisect_largest_int(0, layers, lambda k: device_holds(dataclasses.replace(plan, kept_layers=k), workload,
-                                                                 profile, world_size)[0])
+    kept = most_kept_layers(plan, workload, profile, world_size, layers)
     if not kept:
         return plan
     note = (f"activation checkpointing: the last {kept} of {layers} decoder layers keep their activations, no "
