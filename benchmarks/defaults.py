@@ -64,8 +64,26 @@ def _model(preset: str, layers: int | None, device: Any, dtype: Any) -> Any:
     return model
 
 
+def settings_config(settings: dict[str, Any], base: Any = None) -> Any:
+    """A ``SuperOffloadConfig`` from ``--set`` pairs (``PlannerOverrides`` fields go to its ``overrides``)."""
+    import dataclasses
+
+    from hf_superoffload import SuperOffloadConfig
+    from hf_superoffload.config import PlannerOverrides
+
+    top = {f.name for f in dataclasses.fields(SuperOffloadConfig)}
+    over = {f.name for f in dataclasses.fields(PlannerOverrides)}
+    unknown = sorted(set(settings) - top - over)
+    if unknown:
+        raise SystemExit(f"--set {unknown[0]}: not a SuperOffloadConfig or PlannerOverrides field")
+    base = base or SuperOffloadConfig()
+    ov = dataclasses.replace(base.overrides, **{k: v for k, v in settings.items() if k in over})
+    return dataclasses.replace(base, overrides=ov, **{k: v for k, v in settings.items() if k in top})
+
+
 def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None, seq: int, warmup: int,
-            steps: int, device_name: str, gpu_cap_gib: float | None = None) -> dict[str, Any]:
+            steps: int, device_name: str, gpu_cap_gib: float | None = None, settings: dict[str, Any] | None = None,
+            profile_dir: str | None = None) -> dict[str, Any]:
     import torch
 
     device = torch.device(device_name)
@@ -86,6 +104,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     batches = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device) for _ in range(accum)]
 
     if system == "trainer":
+        if settings:
+            raise SystemExit("--set applies to the optimizer systems, not to the trainer")
         return _run_trainer(rec, model, batches, batch, accum, seq, n, warmup, steps, device)
     opt: Any
     if system == "gpu_fp32":
@@ -115,6 +135,9 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
 
         config = {"host0": SuperOffloadConfig(gpu_resident_buckets=0),
                   "host0_inverse": SuperOffloadConfig(gpu_resident_buckets=0, rollback="inverse")}.get(system)
+        if settings:  # a row that names its settings (not the defaults)
+            config = settings_config(settings, config)
+            rec["settings"] = settings
         # the README snippet, as written: no workload, no settings
         opt = SuperOffloadOptimizer(model, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=CLIP,
                                     config=config)
@@ -175,6 +198,12 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
             torch.cuda.synchronize(device)
             phases["step_and_pass_s"] = time.perf_counter() - t
             rec["phases"] = phases
+        if profile_dir:  # one more step under torch.profiler, every thread: where the time goes
+            sys.path.insert(0, str(Path(__file__).parent))
+            import suite  # its module body imports only the standard library
+
+            tag = f"{system}_{preset}_b{batch}_a{accum}"
+            rec["profile"] = suite._profile(system, step, sync, device, 1, Path(profile_dir), tag)
     return rec
 
 
@@ -293,6 +322,16 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int) -> dict[s
             "optimizer_step_s": None if step is None else step.step_s + (accum - 1) * step.gpu_s}
 
 
+def _setting(kv: str) -> tuple[str, Any]:
+    key, sep, value = kv.partition("=")
+    if not sep:
+        raise SystemExit(f"--set {kv!r}: use KEY=VALUE")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def parse_row(spec: str) -> tuple[str, int, int, int | None]:
     parts = spec.split(":")
     if not 2 <= len(parts) <= 4:
@@ -312,13 +351,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-cap-gib", type=float, default=None,
                     help="cap the GPU memory every row may use (torch.cuda.set_per_process_memory_fraction)")
     ap.add_argument("--out", required=True, help="a .jsonl file; one record per system and row")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="SuperOffloadConfig / PlannerOverrides fields for our systems (VALUE read as JSON, else a "
+                         "string); the record names them (a row with settings is not the defaults)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="profile one more step of our systems into this directory (Chrome trace + breakdown)")
     ap.add_argument("--worker", nargs=5, metavar=("SYSTEM", "PRESET", "BATCH", "ACCUM", "LAYERS"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    settings = dict(_setting(kv) for kv in args.set)
     if args.worker:
         system, preset, batch, accum, layers = args.worker
         rec = run_one(system, preset, int(batch), int(accum), int(layers) or None, args.seq, args.warmup,
-                      args.steps, args.device, args.gpu_cap_gib)
+                      args.steps, args.device, args.gpu_cap_gib, settings if system in OURS else None,
+                      args.profile_dir if system in OURS else None)
         with open(args.out, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return 0
@@ -333,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                    "--device", args.device, "--out", str(out)]
             if args.gpu_cap_gib is not None:
                 cmd += ["--gpu-cap-gib", str(args.gpu_cap_gib)]
+            if args.set:
+                cmd += ["--set", *args.set]
+            if args.profile_dir:
+                cmd += ["--profile-dir", args.profile_dir]
             try:
                 proc = subprocess.run(cmd, timeout=args.timeout, capture_output=True, text=True, env=os.environ)
                 status = f"rc={proc.returncode}"

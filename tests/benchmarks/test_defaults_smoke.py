@@ -25,3 +25,17 @@ def test_snippet_and_trainer_rows_record_their_plans(tmp_path: Path) -> None:
         assert r["step_s"]["n"] == 2 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
         assert r["plan"]["host_params"] + r["plan"]["device_params"] > 0
         assert r["last_step"]["verdict"] in ("commit", "redo", "skip")
+
+
+def test_named_settings_and_profile(tmp_path: Path) -> None:
+    """``--set`` reaches the optimizer (and the record names it); ``--profile-dir`` leaves a trace and a breakdown."""
+    out = tmp_path / "d.jsonl"
+    subprocess.run([sys.executable, str(SCRIPT), "--rows", "tiny:2", "--systems", "snippet", "--device", "cpu",
+                    "--seq", "32", "--warmup", "1", "--steps", "2", "--set", "gpu_resident_buckets=0",
+                    "d2h_lead_buckets=1", "--profile-dir", str(tmp_path / "traces"), "--out", str(out)],
+                   check=True, timeout=600)
+    (r,) = map(json.loads, out.read_text().splitlines())
+    assert r["status"] == "ok", r
+    assert r["settings"] == {"gpu_resident_buckets": 0, "d2h_lead_buckets": 1}
+    assert r["plan"]["device_params"] == 0 and r["plan"]["d2h_lead"] == 1
+    assert r["profile"]["steps"] == 1 and list((tmp_path / "traces").glob("*.json.gz"))
