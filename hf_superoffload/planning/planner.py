@@ -400,9 +400,11 @@ def make_plan(
     return dataclasses.replace(plan, notes=(note, *plan.notes[1:]))
 
 
-# Tails whose worst-case predicted steps are this close count as equal: the larger tail is taken (the roofline's
-# own error is several percent, and a larger tail also needs less host RAM and CPU).
-_TAIL_TIME_TIE = 0.01
+# Tails whose worst-case predicted steps are this close count as equal: the larger tail is taken (it needs less host
+# RAM and CPU). Only a near-flat optimum: the roofline's absolute error is a few percent, but neighbouring tails share
+# every term but the host share and the kept layers, and a 1% band gave away a kept layer (about 0.7% of the step)
+# at 8B, batch 16 and batch 8.
+_TAIL_TIME_TIE = 0.002
 # Candidate tails evaluated in the first, coarse pass of the fastest-tail search.
 _TAIL_PROBES = 48
 
@@ -665,8 +667,11 @@ def _make_plan(
     )
 
 
-# Bucket-sized pinned buffers that receive the later micro-batches' gradients in HostAccumulation.LANDING.
-LANDING_RING_SLOTS = 4
+# Bucket-sized pinned buffers that receive the later micro-batches' gradients in HostAccumulation.LANDING. The
+# backward's hook waits for a free slot, and while it waits the GPU's queue drains: with 4 slots the 8B weight-flow
+# backward (24 GiB cap) spent ~60% of its time in that wait and the GPU was 60-67% busy; 16 slots (~0.5 GB pinned
+# at 32 MB buckets) let the GPU run ahead of the worker's adds.
+LANDING_RING_SLOTS = 16
 
 
 def landing_ring_slots(host_shards: Sequence[int]) -> tuple[int, ...]:

@@ -323,18 +323,19 @@ def test_config_validation():
 
 
 def test_the_landing_ring_pays_for_one_giant_bucket_once():
-    """The ring's slots are the few largest host shards: one LM-head-sized slot, not four of them."""
+    """The ring's slots are the few largest host shards: one LM-head-sized slot, not one per slot."""
     from hf_superoffload.planning.planner import landing_ring_slots
 
     shards = [700_000_000] + [70_000_000] * 30 + [5_000]
-    assert landing_ring_slots(shards) == (700_000_000, 70_000_000, 70_000_000, 70_000_000)
+    rest = (70_000_000,) * (LANDING_RING_SLOTS - 1)
+    assert landing_ring_slots(shards) == (700_000_000, *rest)
     assert landing_ring_slots([3, 1]) == (3, 1) and landing_ring_slots([]) == ()
     numels = [70_000_000] * 30 + [700_000_000]  # the LM head arrives first in backward: a host bucket
     cfg = SuperOffloadConfig(weight_placement="stationary", accumulate_on_host=True,
                              host_accumulation_dtype="landing", rollback="inverse", gpu_resident_buckets=0)
     plan = make_plan(numels[::-1], element_size=2, config=cfg, profile=_profile(host_gib=64))
-    assert plan.landing_ring == (700_000_000, 70_000_000, 70_000_000, 70_000_000)
-    assert plan.accumulation_bytes() == 2 * (700_000_000 + 3 * 70_000_000)
+    assert plan.landing_ring == (700_000_000, *rest)
+    assert plan.accumulation_bytes() == 2 * (700_000_000 + (LANDING_RING_SLOTS - 1) * 70_000_000)
 
 
 def test_a_hand_built_landing_plan_without_a_large_enough_ring_slot_is_refused():
