@@ -33,6 +33,7 @@ import torch
 # The banned-api rule resolves `.` to the bare folder name; relative is what the ban asks for
 from ..cpu_ext._hyper import AdamWHyper, require_hyper
 from . import reference as _ref
+from .reference import sumsq_nonfinite  # eager on every device: no kernel of its own
 
 __all__ = [
     "adamw_flat_",
@@ -41,6 +42,7 @@ __all__ = [
     "last_backend",
     "scatter_flat_",
     "spread_stats_rows",
+    "sumsq_nonfinite",
     "triton_status",
     "upcast_",
 ]
@@ -206,7 +208,9 @@ def flatten_grads_with_stats_(
     reduced deterministically in the launch, by its last program or a tiny second launch (see
     :mod:`._configs`); with ``[rows, 2]``, ``rows >= spread_stats_rows(device, sizes)``, each program adds its
     partial to its own row and the reader sums the rows (``stats.sum(0)``, deterministic too): no serial
-    reduction at the end of the launch ([Note: spread statistics] in docs/design.md). Non-contiguous
+    reduction at the end of the launch ([Note: spread statistics] in docs/design.md). The eager twin (CPU
+    tensors without the interpreter, or no Triton) sums in fixed blocks of its own, the same bits whatever
+    torch's thread count ([Note: determinism]). Non-contiguous
     gradients are first made contiguous (a temporary copy); a call mixing devices goes to the twin.
 
     Args:

@@ -8,8 +8,9 @@ Layouts shared with the Triton kernels:
 
 The Triton kernels match these twins bit for bit on every value except NaN bit patterns (torch's own
 fp32 -> bf16 NaN encoding depends on which CPU code path runs), the AdamW arithmetic (same operation order,
-fp32 rounding tolerance: contraction into FMAs may differ). Stochastic rounding uses the same counter-based
-hash (:func:`noise16`) on both sides, so it matches bit for bit as well.
+fp32 rounding tolerance: contraction into FMAs may differ) and the sum of squares (each side adds in a fixed
+order of its own, so the two agree to fp32 rounding and each gives the same bits run to run). Stochastic
+rounding uses the same counter-based hash (:func:`noise16`) on both sides, so it matches bit for bit as well.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from ..cpu_ext import AdamWHyper
 from ..cpu_ext import reference as _adamw_reference
 
 __all__ = [
+    "STATS_BLOCK",
     "adamw_flat_",
     "flatten_grads_with_stats_",
     "noise16",
     "scatter_flat_",
     "sr_keys",
     "stochastic_round_to_bf16",
+    "sumsq_nonfinite",
     "upcast_",
 ]
 
@@ -60,10 +63,50 @@ def flatten_grads_with_stats_(
             dst.copy_(g.reshape(-1))
         offset += n
     if stats is not None:
-        f = out.to(torch.float32)
         row = stats if stats.dim() == 1 else stats[0]  # indexing, not view(): any strides
-        row[0] += torch.sum(f * f)
-        row[1] += (~torch.isfinite(f)).sum().to(torch.float32)
+        row += sumsq_nonfinite(out)
+
+
+STATS_BLOCK = 4096
+"""Elements per block of the sum of squares' fixed order ([Note: determinism] in docs/design.md).
+Below torch's parallel grain (32768 elements), so one thread sums a block in one order, and a sum over blocks
+splits the blocks among threads, never a block: the same bits whatever ``torch.set_num_threads`` says. A plain
+``torch.sum`` over a whole bucket instead adds per-thread partials, and its last bit followed the thread count."""
+
+_STATS_CHUNK = 64 * STATS_BLOCK
+"""Elements upcast and squared at a time on the CPU (elsewhere the whole tensor is one chunk: one launch per
+op). NOTE: its 1 MiB of fp32 temporaries stays in cache, where the unblocked ``torch.sum(f * f)`` streamed
+64 MiB ones: on one torch thread a 16 Mi-element bucket's statistics took 0.2-0.6x the time
+([Note: determinism] in docs/design.md)."""
+
+
+def sumsq_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """``[sum of squares, non-finite count]`` (float32 ``[2]``, on ``x``'s device) of ``x``'s values in fp32.
+
+    The squares are summed per block of :data:`STATS_BLOCK` consecutive elements (the last one padded with
+    zeros), then the blocks' sums the same way until one block is left: a fixed order, so the same bits whatever
+    torch's thread count. The count is an integer sum (exact in any order).
+    """
+    flat = x.reshape(-1)
+    n = flat.numel()
+    blocks: list[torch.Tensor] = []
+    bad = torch.zeros((), dtype=torch.int64, device=x.device)
+    chunk = _STATS_CHUNK if x.device.type == "cpu" else max(n, 1)
+    for start in range(0, n, chunk):
+        f = flat[start : start + chunk].to(torch.float32)
+        bad += f.numel() - torch.isfinite(f).sum()
+        whole = f.numel() - f.numel() % STATS_BLOCK
+        if whole:
+            rows = f[:whole].view(-1, STATS_BLOCK)
+            blocks.append((rows * rows).sum(dim=1))
+        if whole < f.numel():  # the last block, in the last chunk
+            last = f.new_zeros(1, STATS_BLOCK)
+            last[0, : f.numel() - whole] = f[whole:]
+            blocks.append((last * last).sum(dim=1))
+    sums = torch.cat(blocks) if blocks else torch.zeros(1, device=x.device)
+    while sums.numel() > STATS_BLOCK:  # more than 16 Mi elements: the block sums in blocks again
+        sums = torch.cat([sums, sums.new_zeros(-sums.numel() % STATS_BLOCK)]).view(-1, STATS_BLOCK).sum(dim=1)
+    return torch.stack([sums.sum(), bad.to(torch.float32)])
 
 
 def scatter_flat_(

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..triton_kernels import flatten_grads_with_stats_, scatter_flat_
+from ..triton_kernels import flatten_grads_with_stats_, scatter_flat_, sumsq_nonfinite
 from .bucket import DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .cpu_worker import CpuWorker
@@ -24,11 +24,9 @@ __all__ = ["Sharding", "add_stats_"]
 
 def add_stats_(x: torch.Tensor, stats: torch.Tensor) -> None:
     """``stats``' column sums ``+= [sum of squares, non-finite count]`` of ``x`` as stored, into its first row
-    (``stats`` is ``[2]`` or ``[rows, 2]``; no host sync)."""
-    xf = x.float()
+    (``stats`` is ``[2]`` or ``[rows, 2]``; no host sync), summed in a fixed order."""
     row = stats if stats.dim() == 1 else stats[0]
-    row[0] += xf.square().sum()
-    row[1] += (~torch.isfinite(xf)).sum()
+    row += sumsq_nonfinite(x)
 
 
 class Sharding:

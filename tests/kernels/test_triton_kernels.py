@@ -1229,6 +1229,37 @@ def test_twin_adamw_matches_torch() -> None:
     assert torch.equal(p, tp.detach())
 
 
+@pytest.mark.parametrize("n", [1, 4095, 4097, 100_003, 1_000_003])
+def test_twin_statistics_do_not_depend_on_torch_threads(n: int) -> None:
+    """The twin's sum of squares (the CPU engine's gradient norm) gives the same bits for 1, 2 and 3 torch threads,
+    past the parallel grain too, and agrees with an fp64 sum to fp32 rounding; the count finds every non-finite
+    value. A plain ``torch.sum`` split by the thread count ([Note: determinism]). The readers' ``[rows, 2]``
+    column sums rely on torch splitting such a sum by column, never within one: checked here too."""
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 8).to(torch.bfloat16)
+    rows = torch.rand(3, 40_000 + n % 7, 2, generator=gen)  # past the grain
+    prev = torch.get_num_threads()
+    seen = set()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            stats = torch.zeros(5, 2)
+            ref.flatten_grads_with_stats_([x[: n // 2].float(), x[n // 2 :].float()], [n // 2, n - n // 2],
+                                          torch.empty(n, dtype=torch.bfloat16), stats)
+            seen.add((stats.view(torch.int32).numpy().tobytes(),
+                      rows.view(-1, 2).sum(dim=0).view(torch.int32).numpy().tobytes()))
+    finally:
+        torch.set_num_threads(prev)
+    assert len(seen) == 1, "the bits followed the torch thread count"
+    torch.testing.assert_close(stats[0, 0].double(), (x.double() ** 2).sum(), rtol=1e-6, atol=0.0)
+    assert stats[0, 1].item() == 0.0 and stats[1:].abs().sum().item() == 0.0  # the twin adds into row 0
+    bad = x.clone()
+    bad[n // 3 :: 50_000] = float("inf")
+    bad[n // 2] = float("nan")
+    got = ref.sumsq_nonfinite(bad)
+    assert torch.isnan(got[0]) and got[1].item() == (~torch.isfinite(bad)).sum().item()
+
+
 def test_kernel2_heads_and_scalar_rows() -> None:
     """Kernel 2's per-program records: row range and first row; empty programs get zeros."""
     from hf_superoffload.triton_kernels import _kernels

@@ -193,6 +193,13 @@ MUTATIONS: tuple[Mutation, ...] = (
          f"{DET}::test_inverse_rollback_skip_does_not_depend_on_which_buckets_were_speculated"),
     ),
     Mutation(
+        "gradient_statistics_summed_by_torch_threads", "triton_kernels/reference.py",
+        "        row += sumsq_nonfinite(out)\n",
+        "        f = out.to(torch.float32)\n        row[0] += torch.sum(f * f)\n"
+        "        row[1] += (~torch.isfinite(f)).sum().to(torch.float32)\n",
+        (f"{DET}::test_same_bits_whatever_torch_threads",),
+    ),
+    Mutation(
         "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/upload.py",
         "source = b.staging if b.staging is not None else b.pmv[copy][0]",
         "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self.layout.copies][0]",

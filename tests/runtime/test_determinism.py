@@ -81,11 +81,12 @@ def _worker_after_the_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
 def _train(*, threads: int, speculation: bool, steps: int = 8, max_grad_norm: float | None = None,
            wait_before_step: float = 0.0, accum: int = 1, model_kw: dict[str, Any] | None = None,
            poison_step: int | None = None, drain_before_poison: bool = False,
-           **config: Any) -> tuple[str, list[float], list[Any]]:
+           bucket_stats: list[torch.Tensor] | None = None, **config: Any) -> tuple[str, list[float], list[Any]]:
     """Train the tiny model; returns the digest, the gradient norms and each step's StepStats.
 
     ``poison_step``: in that step the first layer's gradient (the last host bucket to arrive but the embedding's)
-    is NaN; ``drain_before_poison`` lets the worker speculate every bucket offloaded before it first."""
+    is NaN; ``drain_before_poison`` lets the worker speculate every bucket offloaded before it first.
+    ``bucket_stats`` receives a copy of each step's per-bucket statistics rows."""
     model = tiny_llama(seed=0, **(model_kw or {}))
     cfg = SuperOffloadConfig(**{**SMALL, **config}, speculation=speculation, cpu_threads=threads)
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_grad_norm, config=cfg)
@@ -112,6 +113,8 @@ def _train(*, threads: int, speculation: bool, steps: int = 8, max_grad_norm: fl
                 time.sleep(wait_before_step)  # the worker speculates every bucket before the verdict
             opt.step()
             opt.zero_grad()
+            if bucket_stats is not None:
+                bucket_stats.append(opt.engine.layout.grad_stats.clone())
             st = opt.engine.stats
             norms.append(st.grad_norm)
             stats.append(st)
@@ -190,6 +193,36 @@ def test_inverse_rollback_never_undoes_without_clipping(monkeypatch: pytest.Monk
         got, norms, stats = _train(threads=2, speculation=True, rollback="inverse")
     assert all(s.wasted_buckets == 0 for s in stats) and sum(s.speculated_buckets for s in stats) > 0
     assert (got, norms) == (want, want_norms)
+
+
+def test_same_bits_whatever_torch_threads() -> None:
+    """On a CPU device each bucket's statistics come from the flatten kernel's eager twin. Summed by ``torch.sum``,
+    a bucket past torch's parallel grain (32 Ki elements; these hold up to ~260 Ki) was added in per-thread
+    partials whose last bit followed ``torch.set_num_threads``, and with clipping the coefficient, so the weights,
+    followed it too. The twin adds fixed blocks in a fixed order: 1, 2 and 3 torch threads give the same per-bucket
+    statistics, norms, weights and optimizer state, bit for bit."""
+    kw: dict[str, Any] = {"steps": 6, "max_grad_norm": 1.0, "threads": 2, "speculation": True,
+                          "rollback": "double_buffer", "bucket_size_mb": 2.0,
+                          "model_kw": {"hidden_size": 256, "intermediate_size": 1024}}
+    prev = torch.get_num_threads()
+    runs = {}
+    try:
+        for torch_threads in (1, 2, 3):
+            torch.set_num_threads(torch_threads)
+            rows: list[torch.Tensor] = []
+            digest, norms, stats = _train(bucket_stats=rows, **kw)
+            runs[torch_threads] = digest, norms, [r.view(torch.int32) for r in rows]
+    finally:
+        torch.set_num_threads(prev)
+    assert max(p.numel() for p in tiny_llama(**kw["model_kw"]).parameters()) > 32768  # past the grain
+    assert any(s.verdict == "redo" for s in stats), "clipping must fire for the norm to reach the weights"
+    want_digest, want_norms, want_rows = runs[1]
+    for torch_threads in (2, 3):
+        digest, norms, rows = runs[torch_threads]
+        for step, (a, b) in enumerate(zip(want_rows, rows, strict=True)):
+            assert torch.equal(a, b), f"bucket statistics of step {step}, {torch_threads} torch threads"
+        assert norms == want_norms, f"{torch_threads} torch threads"
+        assert digest == want_digest, f"{torch_threads} torch threads"
 
 
 def test_host_accumulation_norm_does_not_depend_on_cpu_threads() -> None:
