@@ -182,13 +182,39 @@ class HostPass:
                 ctx.verdict = verdict
             pending = [(b, b.state is BucketState.SPECULATED) for b in self.layout.host_buckets
                        if b.state in (BucketState.SPECULATED, BucketState.DEFERRED)]
+            # before the verdict a RUNNING bucket is being stepped speculatively; an OFFLOADED one is not reached yet
+            speculated = sum(b.state in (BucketState.SPECULATED, BucketState.RUNNING) for b in self.layout.host_buckets)
+            unreached = [b for b in self.layout.host_buckets if b.state is BucketState.OFFLOADED]
         if failed:  # wait until the worker records the failure, then raise it
             with contextlib.suppress(TimeoutError):
                 self._worker.drain(self._timeout_s)
             self._worker.raise_if_failed()
             raise RuntimeError("hf_superoffload: a CPU task of this step failed")  # not reached: the worker failed
+        self._telemetry.add(speculated_buckets=speculated,
+                            wasted_buckets=self._wasted(ctx, verdict, speculated, unreached))
         pending.sort(key=lambda e: self.layout.need_order(e[0]))  # the worker may start on the first one early
         return pending
+
+    def _wasted(self, ctx: StepContext, verdict: Verdict, speculated: int, unreached: list[HostBucket]) -> int:
+        """``StepStats.wasted_buckets`` of this step, known when its verdict is published: every bucket stepped
+        before a REDO or SKIP verdict, and under [Note: one path per bucket] every unreached bucket with a finite
+        gradient (the worker steps it speculatively too, then undoes it). Counted here, not as the worker undoes,
+        so the step's own StepStats holds each bucket once, whatever the timing."""
+        if verdict.kind is StepVerdict.COMMIT:
+            return 0  # decide(): the speculative hyper-parameters and scale are the verdict's, so every step stands
+        if not (ctx.one_path and unreached):
+            return speculated
+        return speculated + sum(self._finite(unreached))
+
+    def _finite(self, buckets: list[HostBucket]) -> list[bool]:
+        """Whether each bucket's gradient is finite, as its first CPU task will find (one device read: only a
+        speculative in-place step that clips or skips asks, for the buckets the worker has not reached)."""
+        plain = [b.index for b in buckets if not b.accumulated]
+        counts = self.layout.grad_stats[plain, :, 1].sum(dim=1).tolist() if plain else []
+        nonfinite = dict(zip(plain, counts, strict=True))
+        assert self._accum is not None or len(plain) == len(buckets)
+        return [(self._accum.stats(b)[1] if b.accumulated else nonfinite[b.index]) == 0  # type: ignore[union-attr]
+                for b in buckets]
 
     def queue_finishes(self, ctx: StepContext, verdict: Verdict, pending: list[tuple[HostBucket, bool]]) -> None:
         """Queue each pending bucket's ``finish_task`` (``pending`` from :meth:`publish`)."""
@@ -252,7 +278,6 @@ class HostPass:
             self._finish(b, ctx, verdict, speculated=speculate)
             return
         self._cpu_step(b, ctx, ctx.spec_hypers, 1.0 / self._div)
-        self._telemetry.add(speculated_buckets=1)
         with self.lock:
             verdict = ctx.verdict
             if verdict is None:
@@ -316,8 +341,6 @@ class HostPass:
             raise
 
     def _finish_unguarded(self, b: HostBucket, ctx: StepContext, verdict: Verdict, *, speculated: bool) -> None:
-        if speculated and not (verdict.kind is StepVerdict.COMMIT and b.applied == (verdict.hypers, verdict.grad_scale)):
-            self._telemetry.add(wasted_buckets=1)
         if verdict.kind is StepVerdict.SKIP:
             if speculated:
                 self._undo(b, ctx)

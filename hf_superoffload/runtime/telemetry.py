@@ -35,10 +35,14 @@ class StepStats:
     d2h_bytes: int = 0
     h2d_bytes: int = 0
     speculated_buckets: int = 0
-    """Host buckets stepped before validation."""
+    """Host buckets of this step whose speculative step had begun when ``step()`` published its verdict."""
     wasted_buckets: int = 0
-    """Speculative steps of buckets that had to be undone (redo or skip); with the inverse rollback also those the
-    worker ran after the verdict ([Note: one path per bucket] in host_pass.py)."""
+    """Host buckets of this step whose speculative step does not stand, each counted once: on a REDO or SKIP
+    verdict every bucket speculated before it (undone; on REDO stepped again), and with the inverse rollback in a
+    speculative step also every bucket with a finite gradient the worker reaches after it (stepped speculatively,
+    then undone: [Note: one path per bucket] in host_pass.py); 0 on COMMIT. Both counts belong to this step
+    whatever the worker's timing: ``step()`` counts them when it publishes the verdict, although the undo and
+    redo run after it returns (their seconds land in the next iteration's ``cpu_s``)."""
     master_deferred_buckets: int = 0
     """The share in force for this step: how many host buckets' verdict-known passes leave the fp32 master to the
     commit ([Note: adaptive master deferral]; 0 without deferred moments)."""

@@ -200,6 +200,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{DET}::test_same_bits_whatever_torch_threads",),
     ),
     Mutation(
+        "wasted_buckets_miss_those_reached_after_the_verdict", "hf_superoffload/runtime/host_pass.py",
+        "        if not (ctx.one_path and unreached):\n", "        if True:\n",
+        (f"{SKIP}::test_wasted_buckets_count_each_undone_bucket_once[inverse-after_the_verdict]",),
+    ),
+    Mutation(
         "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/upload.py",
         "source = b.staging if b.staging is not None else b.pmv[copy][0]",
         "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self.layout.copies][0]",

@@ -27,6 +27,9 @@ from hf_superoffload.testing import tiny_llama
 _spec = importlib.util.spec_from_file_location("_forced_reference", Path(__file__).with_name("_forced_reference.py"))
 fr = sys.modules.setdefault("_forced_reference", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(fr)
+_spec = importlib.util.spec_from_file_location("_determinism", Path(__file__).with_name("test_determinism.py"))
+timing = sys.modules.setdefault("_determinism", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(timing)  # the forced worker timings
 
 BEFORE, AFTER = 3, 3  # steps before and after the poisoned one
 
@@ -50,6 +53,29 @@ def train(model: Any, opt: Any, data: list[torch.Tensor]) -> list[Any]:
         opt.zero_grad()
         stats.append(opt.last_step_stats)
     return stats
+
+
+def poisoned_step(model: Any, opt: Any, ids: torch.Tensor, *, drain: bool = True) -> Any:
+    """One step whose first layer's gradient is NaN; with ``drain`` the worker has stepped every bucket offloaded
+    before it (they are speculated) by the time the NaN arrives."""
+    def poison(g: torch.Tensor) -> torch.Tensor:
+        if drain:
+            opt.engine._worker.drain(60.0)
+        return torch.full_like(g, float("nan"))
+
+    handle = model.model.layers[0].self_attn.q_proj.weight.register_hook(poison)
+    try:
+        skipped = train(model, opt, [ids])[0]
+    finally:
+        handle.remove()
+    assert skipped.verdict == "skip"
+    return skipped
+
+
+def finite_host_buckets(model: Any, opt: Any) -> int:
+    """Host buckets whose gradient stays finite in the poisoned step (all but the first layer's q_proj's)."""
+    q = model.model.layers[0].self_attn.q_proj.weight
+    return sum(all(p is not q for p in b.params) for b in opt.engine.host_buckets)
 
 
 def snapshot(model: Any, opt: Any) -> tuple[dict[str, torch.Tensor], list[int], list[torch.Tensor]]:
@@ -104,27 +130,47 @@ def test_skip_after_speculation_restores_the_state(placement: str, rollback: str
     train(model, opt, data[:BEFORE])
     before = snapshot(model, opt)
 
-    def poison(g: torch.Tensor) -> torch.Tensor:
-        opt.engine._worker.drain(60.0)  # the buckets offloaded so far are stepped (speculated) by now
-        return torch.full_like(g, float("nan"))
-
-    handle = model.model.layers[0].self_attn.q_proj.weight.register_hook(poison)
-    skipped = train(model, opt, data[BEFORE : BEFORE + 1])[0]
-    handle.remove()
-    assert skipped.verdict == "skip" and opt.skipped_steps == 1
-    assert skipped.speculated_buckets > 0
+    skipped = poisoned_step(model, opt, data[BEFORE])
+    assert opt.skipped_steps == 1 and skipped.speculated_buckets > 0
+    # every speculated bucket is undone; with the inverse rollback the embedding's too, reached after the verdict
+    want = skipped.speculated_buckets if rollback == "double_buffer" else finite_host_buckets(model, opt)
+    assert skipped.wasted_buckets == want > 0
     after = snapshot(model, opt)
     assert_same(before, after, rollback)
 
     resumed = train(model, opt, data[BEFORE + 1 :])
-    # the skipped step's buckets are finished (undone) after its step() returned: counted in the next iteration.
-    # Not checked under the inverse rollback: there a bucket the worker reaches after the verdict also takes the
-    # speculative path ([Note: one path per bucket] in runtime/host_pass.py) and its undo is not yet counted as
-    # wasted in every timing (CI saw 12 wasted of 13 speculated); the state check above holds either way.
-    if rollback != "inverse":
-        assert skipped.wasted_buckets + resumed[0].wasted_buckets >= skipped.speculated_buckets
-    assert all(s.verdict == "commit" and s.wasted_buckets == 0 for s in resumed[1:])
+    assert all(s.verdict == "commit" and s.wasted_buckets == 0 for s in resumed)
 
     model_b, opt_b = build(placement, rollback)  # the same training without the poisoned batch
     train(model_b, opt_b, data[:BEFORE] + data[BEFORE + 1 :])
     assert_same(snapshot(model, opt), snapshot(model_b, opt_b), rollback, resumed=AFTER)
+
+
+@pytest.mark.parametrize("when", ["before_the_verdict", "after_the_verdict", "jittered"])
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+def test_wasted_buckets_count_each_undone_bucket_once(rollback: str, when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """StepStats.wasted_buckets of a skipped step counts each bucket whose speculative step is undone once, in
+    that step's own StepStats, whatever the worker's timing: the buckets speculated before the verdict (double
+    buffer), or every bucket with a finite gradient (inverse: those reached after the verdict take the speculative
+    path too). The steps around it waste nothing."""
+    data = fr.batches(4)
+    if when == "after_the_verdict":
+        timing._worker_after_the_verdict(monkeypatch)
+    elif when == "jittered":
+        timing._jitter(monkeypatch, 7)
+    model, opt = build("stationary", rollback)
+    try:
+        stats = train(model, opt, data[:2])
+        skipped = poisoned_step(model, opt, data[2], drain=when == "before_the_verdict")
+        stats += train(model, opt, data[3:])
+        if when == "before_the_verdict":
+            assert skipped.speculated_buckets > 0
+        elif when == "after_the_verdict":
+            assert skipped.speculated_buckets == 0
+        if rollback == "double_buffer":
+            assert skipped.wasted_buckets == skipped.speculated_buckets
+        else:
+            assert skipped.wasted_buckets == finite_host_buckets(model, opt) >= skipped.speculated_buckets
+        assert all(s.verdict == "commit" and s.wasted_buckets == 0 for s in stats)
+    finally:
+        opt.close()
