@@ -4,7 +4,8 @@
 there is one and on the CPU otherwise (the whole offload path still runs: buckets, worker, speculation,
 validation). With the Hub reachable it fine-tunes a pretrained instruct model on a small public instruction
 dataset; offline it trains the bundled tiny model on the local instruction data and says so. Either way it
-reports eval loss and sample generations before and after, and writes the model, a loss curve and metrics.
+reports eval loss and sample generations before and after, and writes the model, a loss curve and metrics
+(with ``--save-state`` also the optimizer state, which ``hf-superoffload export`` turns into the fp32 masters).
 """
 
 from __future__ import annotations
@@ -213,6 +214,12 @@ def _finish(args: argparse.Namespace, model: Any, tokenizer: Any, opt: Any, devi
     }
     for line in train_job.save_outputs(args.output_dir, model, tokenizer, opt, metrics):
         print(line)
+    if args.save_state:  # the model files hold the bf16 weights; the exact fp32 values live in this state
+        from .integrations._common import save_optimizer_state
+
+        save_optimizer_state(opt, args.output_dir, STATE_FILE)
+        print(f"optimizer state (fp32 masters and moments): {args.output_dir}/{STATE_FILE}; the fp32 model: "
+              f"hf-superoffload export {args.output_dir} {args.output_dir}-fp32")
 
 
 def _progress(total: int) -> Any:
@@ -247,6 +254,7 @@ def _output_dir(text: str) -> str:
     return text
 
 
+STATE_FILE = "superoffload_optimizer.pt"  # a name hf-superoffload export reads
 _TRAIN_PRESETS = ("tiny", "small", "1b", "3.6b", "8b", "14b")
 _MANY = 10**9  # steps, warmup and logging intervals beyond this are typos, not runs
 
@@ -276,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     t.add_argument("--output-dir", default="superoffload-train-out", type=_output_dir,
                    help="where the model, loss_curve.png and metrics.json go")
+    t.add_argument("--save-state", action="store_true", help=f"also write the optimizer state ({STATE_FILE}: "
+                   "fp32 masters and moments) to --output-dir, for hf-superoffload export")
     t.set_defaults(func=_train)
     from .plan_cli import add_plan_parser
 

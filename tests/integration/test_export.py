@@ -141,3 +141,26 @@ def test_a_data_parallel_checkpoint_is_merged_from_its_rank_shards(hf: Any, tmp_
 
     with pytest.raises(ExportError, match="cannot merge the 1 optimizer shards"):
         export_checkpoint(ckpt, tmp_path / "out2")
+
+
+def test_cli_train_with_save_state_exports_its_masters(tmp_path: Path, capsys: Any) -> None:
+    """``hf-superoffload train --save-state`` leaves a folder that ``export`` turns into the fp32 masters: the
+    exported weights equal the state file's masters (read from the arenas by name), whose bf16 rounding is the
+    model the run saved. Without ``--save-state`` no state is written."""
+    small = ["--model", "tiny", "--device", "cpu", "--steps", "3", "--seq-len", "32", "--batch-size", "2",
+             "--examples", "200", "--new-tokens", "2", "--log-every", "1"]
+    assert main(["train", *small, "--output-dir", str(tmp_path / "plain")]) == 0
+    assert not (tmp_path / "plain" / "superoffload_optimizer.pt").exists()
+    run = tmp_path / "run"
+    assert main(["train", *small, "--save-state", "--output-dir", str(run)]) == 0
+    assert f"hf-superoffload export {run} {run}-fp32" in capsys.readouterr().out
+    assert main(["export", str(run), str(tmp_path / "fp32")]) == 0
+
+    sd = torch.load(run / "superoffload_optimizer.pt", map_location="cpu", weights_only=True)["superoffload"]
+    exported = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.float32).named_parameters())
+    trained = dict(AutoModelForCausalLM.from_pretrained(run, dtype=torch.bfloat16).named_parameters())
+    assert len(sd["names"]) == len(trained)
+    for name, numel, shape, (side, off) in zip(sd["names"], sd["numels"], sd["shapes"], sd["locations"]):
+        master = sd[side]["master"][off : off + numel].view(shape)
+        assert torch.equal(exported[name].detach(), master), name
+        assert torch.equal(trained[name].detach(), master.to(torch.bfloat16)), name
