@@ -44,7 +44,7 @@ _DEFAULTS: dict[str, Any] = dict(
     output_dir="out/train_with_trainer", max_steps=30, per_device_train_batch_size=8, per_device_eval_batch_size=8,
     gradient_accumulation_steps=2, learning_rate=1e-3, weight_decay=0.1, adam_beta2=0.95, warmup_steps=3,
     lr_scheduler_type="linear", max_grad_norm=1.0, logging_steps=5, eval_strategy="steps", eval_steps=15,
-    save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
+    save_strategy="no", report_to="none", seed=0,
 )
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "is_our_temp_file",
     "last_complete_checkpoint",
     "mark_checkpoint_complete",
+    "progress_postfix",
     "refuse_other_model",
     "remove_stale_temp_files",
     "show_plan",
@@ -364,6 +365,13 @@ def warn_if_threads_throttled(optimizer: SuperOffloadOptimizer) -> None:
             "native op (see cpu_ext/_build.py), or launch with `accelerate launch --num_cpu_threads_per_process %d` "
             "(or export OMP_NUM_THREADS=%d).", have, os.environ.get("OMP_NUM_THREADS", "unset"), want, want, want,
         )
+
+
+def progress_postfix(loss: float, tokens_per_s: float, gpu_wait_s: float | None) -> str:
+    """The numbers a progress bar shows beside the step count: the loss, the throughput and how long the step
+    waited for the CPU (the first thing to read when a run is slower than planned)."""
+    text = f"loss {loss:.4f}  tok/s {tokens_per_s:,.0f}"
+    return text if gpu_wait_s is None else f"{text}  gpu_wait {float(gpu_wait_s) * 1e3:.1f} ms"
 
 
 def show_plan(text: str) -> None:

@@ -32,6 +32,8 @@ What it changes in Trainer (transformers 5.17-5.24; every other behaviour is Tra
   through the stdlib logger ``hf_superoffload`` when logging is configured to show its INFO records, else printed
   on stdout (see :func:`show_plan`; an explicit ``args.log_level`` above info silences it); it is also kept in
   ``state.log_history`` (``{"superoffload/plan": text, "step": ...}``, saved in ``trainer_state.json``).
+  Trainer's progress bar shows the loss, tokens/s (the input tokens of all processes) and the GPU wait of the
+  latest logging window beside the step count.
 
 Decision on ``Trainer(args=SuperOffloadArguments(...))`` (the plain Trainer): it is **refused** with a
 ``TypeError`` naming ``SuperOffloadTrainer``, raised from ``Trainer.__init__`` (through the documented
@@ -61,11 +63,12 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import time
 import warnings
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import ProgressCallback, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -77,6 +80,7 @@ from ._common import (
     TelemetryWindow,
     atomic_torch_save,
     last_complete_checkpoint,
+    progress_postfix,
     read_optimizer_state,
     refuse_other_model,
     remove_stale_temp_files,
@@ -144,6 +148,7 @@ class SuperOffloadTrainer(Trainer):
             root.setLevel(args.get_process_log_level())
         self._superoffload: SuperOffloadOptimizer | None = None
         self._telemetry = TelemetryWindow()
+        self._tokens_seen = 0  # this process's input tokens since construction, for the progress bar's rate
         with building_superoffload_trainer():
             super().__init__(model, args, *rest, **kwargs)
         _route_prepare_model(self)
@@ -161,6 +166,8 @@ class SuperOffloadTrainer(Trainer):
             enable_tiled_mlp(self.model, tile_tokens=self.args.tiled_mlp_tokens)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        self._tokens_seen += ids.numel() if isinstance(ids, torch.Tensor) else 0  # shape only: no device sync
         if self._sp_groups is None:
             return super().training_step(model, inputs, num_items_in_batch)
         from ._sequence_parallel import sequence_parallel_training_step
@@ -308,6 +315,19 @@ class _SuperOffloadCallback(TrainerCallback):
     def __init__(self, trainer: SuperOffloadTrainer) -> None:
         self._trainer = trainer
         self.preemption = Preemption()
+        self._rate_from = (0.0, 0)  # (perf_counter, tokens seen) at the last log: the bar's tokens/s window
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """Loss, tokens/s and GPU wait on the Trainer's progress bar, refreshed at every training log."""
+        if not logs or "loss" not in logs:
+            return
+        now, tokens = time.perf_counter(), self._trainer._tokens_seen
+        (since, tokens_before), self._rate_from = self._rate_from, (now, tokens)
+        bar = next((cb.training_bar for cb in self._trainer.callback_handler.callbacks
+                    if isinstance(cb, ProgressCallback) and cb.training_bar is not None), None)
+        if bar is not None:
+            rate = (tokens - tokens_before) * args.world_size / max(now - since, 1e-9)
+            bar.set_postfix_str(progress_postfix(float(logs["loss"]), rate, logs.get("superoffload/gpu_wait_s")))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.preemption.should_stop():  # every rank, every step: [Note: preemption agreement]
@@ -336,6 +356,7 @@ class _SuperOffloadCallback(TrainerCallback):
             else:  # [Note: workload from the first batch]: planned at the first training forward
                 opt.plan_listeners.append(log_plan)
         self._trainer._telemetry.reset()
+        self._rate_from = (time.perf_counter(), self._trainer._tokens_seen)
         self.preemption.install()
 
     def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
