@@ -16,6 +16,7 @@ def test_accelerate_two_processes_save_and_resume_bit_exactly(launcher, tmp_path
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     fin = launcher(WORKER, 2, [str(full), "8", "-", "3"], env={"ACCELERATE_USE_CPU": "true"})
     assert fin.returncodes == [0, 0], "\n".join(o[-3000:] for o in fin.outputs)
+    assert [o.count("hf_superoffload plan:") for o in fin.outputs] == [1, 0]  # the main process shows it, once
     files = set(os.listdir(full / "ckpt"))
     assert {"optimizer_rank0.pt", "optimizer_rank1.pt"} <= files, files
     fin = launcher(WORKER, 2, [str(resumed), "4", str(full / "ckpt")], env={"ACCELERATE_USE_CPU": "true"})

@@ -23,6 +23,7 @@ def test_two_processes_train_like_one_on_the_same_global_batches(launcher, tmp_p
     assert fin.returncodes == [0], fin.outputs[0][-3000:]
     fin = launcher(WORKER, 2, [str(two), "8", "2"])
     assert fin.returncodes == [0, 0], "\n".join(o[-3000:] for o in fin.outputs)
+    assert [o.count("hf_superoffload plan:") for o in fin.outputs] == [1, 0]  # the main process shows it, once
     a, b = _losses(one), _losses(two)
     assert len(a) == len(b) == 8
     for k, (x, y) in enumerate(zip(a, b)):
