@@ -88,7 +88,7 @@ tok.chat_template = ("{% for m in messages %}<|bos|>{{ m['role'] }}: {% if m['ro
                      "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant: {% endif %}")
 shape = {"tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2),
-         # ~0.4B without Qwen's 152k vocabulary (the local tokenizer has 512 tokens)
+         # 0.36B: Qwen2.5-0.5B's depth without its 152k vocabulary (the local tokenizer has 512 tokens)
          "small": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                        num_key_value_heads=2)}[size]
 cfg = Qwen2Config(**shape, vocab_size=len(tok), max_position_embeddings=512, tie_word_embeddings=True,
