@@ -19,7 +19,7 @@ from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
 from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
 from .planning.plan import OffloadPlan
-from .planning.planner import Workload, device_holds, make_plan, most_kept_layers
+from .planning.planner import Workload, device_holds, make_plan, most_kept_layers, shrink_tail
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
@@ -236,11 +236,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             profile = dataclasses.replace(profile, device_free_bytes=cuda_free_bytes(device)[0])
         return _count_own_weights_as_free(profile, self._model, device)
 
+    def _planning_workload(self, workload: Workload) -> Workload:
+        if workload.grad_ckpt and layer_checkpointing(self._model):
+            return dataclasses.replace(workload, layer_checkpointing=True)  # [Note: kept layers]
+        return workload
+
     def _make_plan(self, workload: Workload | None, profile: HardwareProfile) -> OffloadPlan:
-        if workload is not None and workload.grad_ckpt and layer_checkpointing(self._model):
-            workload = dataclasses.replace(workload, layer_checkpointing=True)  # [Note: kept layers]
         return make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config, profile=profile,
-                         workload=workload, **self._ranks)
+                         workload=None if workload is None else self._planning_workload(workload), **self._ranks)
 
     def _build(self, workload: Workload | None, plan: OffloadPlan | None = None,
                profile: HardwareProfile | None = None) -> OffloadEngine:
@@ -276,7 +279,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._built = engine
         self._provisional = None
         if plan.kept_layers:  # before this forward's layers run: it is the first one that trains
-            self._kept = KeptLayers(checkpointed_layers(self._model), plan.kept_layers)
+            self._set_kept_layers(plan.kept_layers)
         if self.workload is not None and self._comm is None:
             # [Note: workload from the first batch]: a later, larger batch is checked against this plan's memory
             budget = profile or self._profile
@@ -290,6 +293,14 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             listener(plan)
         return engine
 
+    def _set_kept_layers(self, kept: int) -> None:
+        """[Note: kept layers]: the last ``kept`` decoder layers skip checkpointing."""
+        if self._kept is None:
+            if not kept:
+                return
+            self._kept = KeptLayers(checkpointed_layers(self._model), kept)
+        self._kept.set(kept)
+
     def _check_batch(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      budget: HardwareProfile) -> None:
         """Forward pre-hook once planned: a training batch with more tokens than any checked so far must fit the
@@ -302,15 +313,26 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             return
         larger = dataclasses.replace(self.workload, batch_size=shape[0], seq_len=shape[1])
         ok, why = device_holds(self.plan, larger, budget, 1)
-        if not ok and self._kept is not None and self._kept.kept:
-            # checkpoint kept layers again before refusing: the values are the same, only slower
-            plan = self.plan
-            if device_holds(dataclasses.replace(plan, kept_layers=0), larger, budget, 1)[0]:
-                kept = most_kept_layers(plan, larger, budget, 1, self._kept.kept)
-                logger.info("hf_superoffload: a training batch of %d x %d tokens: %d decoder layer(s) keep their "
-                            "activations instead of %d, so that it fits", shape[0], shape[1], kept, self._kept.kept)
-                self._kept.set(kept)
-                self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
+        plan = self.plan
+        # checkpoint kept layers again before moving anything: the values are the same, only slower
+        if (not ok and self._kept is not None and self._kept.kept
+                and device_holds(dataclasses.replace(plan, kept_layers=0), larger, budget, 1)[0]):
+            kept = most_kept_layers(plan, larger, budget, 1, self._kept.kept)
+            logger.info("hf_superoffload: a training batch of %d x %d tokens: %d decoder layer(s) keep their "
+                        "activations instead of %d, so that it fits", shape[0], shape[1], kept, self._kept.kept)
+            self._kept.set(kept)
+            self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
+            ok = True
+        if not ok and self._built.can_move_to_host:
+            # [Note: moving the tail to the host] in planning/planner.py: before this forward allocates anything
+            shrunk = shrink_tail(plan, self._planning_workload(larger), budget,
+                                 numels=[p.numel() for p in self._ordered], element_size=2, config=self.config)
+            if shrunk is not None:
+                moved = self._built.move_to_host(shrunk)
+                self._set_kept_layers(shrunk.kept_layers)
+                logger.info("hf_superoffload: a training batch of %d x %d tokens: %d parameters (%d bucket(s)) moved "
+                            "their optimizer state to the host so that it fits", shape[0], shape[1], moved,
+                            len(plan.device_buckets) - len(shrunk.device_buckets))
                 ok = True
         if not ok:
             w = self.workload

@@ -25,7 +25,7 @@ from .step_time import predict_step_time
 
 __all__ = ["AUTO_D2H_LEAD", "LANDING_RING_SLOTS", "PlanError", "Workload", "d2h_lead", "device_holds",
            "landing_ring_slots", "make_plan", "partition_buckets",
-           "share_count", "split_cores"]
+           "share_count", "shrink_tail", "split_cores"]
 
 AUTO_D2H_LEAD = 4
 """``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state ([Note: D2H lead] in docs/design.md)."""
@@ -491,6 +491,54 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
     why = (f"{est.gpu_required_bytes / gib:.1f} of {budget / gib:.1f} GiB usable device memory predicted "
            f"({_DEVICE_MARGIN:.0%} of the free memory kept spare)")
     return est.gpu_required_bytes <= budget and host_ok, why
+
+
+# [Note: moving the tail to the host]
+# A later batch longer than the one the plan was made for may need more activation memory than the device tail
+# leaves. Before its forward runs, the optimizer asks for the plan with the fewest device buckets moved to the host
+# that still fits (the first device buckets in gradient-arrival order become the last host buckets; bucket
+# boundaries and every switch the engine was built with stay: rollback, cast side, deferred stores, host
+# accumulation), and the engine moves their fp32 master and moments at that quiet point. The plan is exactly the
+# one ``make_plan`` gives for that tail size with those switches, so training on equals having started with it.
+# The move briefly holds more host memory than either plan: each host arena is regrown one at a time, and the
+# remaining tail's state waits on the host while its device arenas are reallocated at their new size.
+def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
+                element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
+    """[Note: moving the tail to the host]: the plan with the fewest of ``plan``'s device buckets moved to the host
+    with which the device holds ``workload`` (with the most kept layers beside it) and the host holds the moved
+    state; ``None`` if even no device tail fits, or the host cannot take what must move. One process, stationary
+    weights."""
+    if plan.world_size != 1 or plan.weight_mode is not WeightMode.STATIONARY or profile.device_free_bytes is None:
+        return None
+    pinned = config.replace(
+        weight_placement="stationary", rollback=plan.rollback.value, cast_side=plan.cast_side.value,
+        accumulate_on_host=plan.host_accumulation is not HostAccumulation.OFF,
+        host_accumulation_dtype=("auto" if plan.host_accumulation is HostAccumulation.OFF
+                                 else plan.host_accumulation.value),
+        overrides=config.overrides.replace(
+            defer_moments=plan.defer_moments,
+            defer_master={MasterDeferral.OFF: False, MasterDeferral.ALL: True, MasterDeferral.ADAPTIVE: "auto"}.get(
+                plan.defer_master, config.overrides.defer_master)))
+    same = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory", "host_accumulation",
+            "defer_moments", "defer_master", "nonspeculative_in_place")
+    host = profile.host_available_bytes
+    tail = len(plan.device_buckets)
+    for k in range(tail - 1, -1, -1):
+        try:
+            shrunk = make_plan(numels, element_size=element_size, config=pinned.replace(gpu_resident_buckets=k),
+                               profile=profile, workload=workload)
+        except PlanError:
+            return None  # the host cannot hold this tail's host share; a smaller tail needs more
+        if any(getattr(shrunk, f) != getattr(plan, f) for f in same):
+            return None
+        if not device_holds(shrunk, workload, profile, 1)[0]:
+            continue
+        est = estimate(workload.model, plan_like=PlanLike.from_plan(shrunk), **workload.estimate_kwargs())
+        during = max(4 * shrunk.host_numel, 12 * shrunk.device_numel)  # one regrown arena, or the staged tail
+        if host is not None and est.host_peak_bytes + during > host:
+            return None
+        return shrunk
+    return None
 
 
 def _make_plan(

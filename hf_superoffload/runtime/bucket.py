@@ -191,6 +191,14 @@ class HostBucket(_BucketBase):
         self.staging = None
         self.home = None
 
+    def drop_views(self) -> None:
+        """Forget the views of the host arenas (the layout regrows them, then binds the bucket again). Idle only."""
+        self._expect(BucketState.IDLE, BucketState.UPLOADED)
+        assert self.pending is None, "a moment store was still pending when the arenas were regrown"
+        self.pmv, self.landings, self.d2h = [], (), None
+        del self.landing, self.grad
+        self.staging = self.home = None
+
     def next_landing(self) -> torch.Tensor:
         """The landing buffer this step's gradient goes to (training thread, at the flush): with two, the one a
         pending moment commit does not read (the buffers alternate from step to step)."""

@@ -43,7 +43,6 @@ class MomentCommits:
     enabled: bool
     master_count: int
     _mode: MasterDeferral
-    _plan: OffloadPlan
     _worker: CpuWorker
     _telemetry: Telemetry
     _timeout_s: float
@@ -58,7 +57,7 @@ class MomentCommits:
 
     def __init__(self, *, plan: OffloadPlan, layout: BucketLayout, worker: CpuWorker, telemetry: Telemetry,
                  timeout_s: float, mark_inconsistent: Callable[[], None]) -> None:
-        self._plan, self.layout = plan, layout
+        self.layout = layout
         self.enabled = plan.defer_moments
         self._mode = plan.defer_master
         self._worker, self._telemetry = worker, telemetry
@@ -70,6 +69,19 @@ class MomentCommits:
         self._clock = [0.0, 0.0]
         self._rate = 0.0
         self._done_at = None
+
+    @property
+    def _plan(self) -> OffloadPlan:
+        """The layout's plan (a move to the host replaces it: [Note: moving the tail to the host])."""
+        return self.layout.plan
+
+    def relayout(self) -> None:
+        """Device buckets became host buckets ([Note: moving the tail to the host]): the share counts them too."""
+        self._shards = [b.spec.shard for b in self.layout.host_buckets]
+        if self._mode is MasterDeferral.ALL:
+            self.master_count = len(self._shards)
+        elif self._mode is MasterDeferral.SHARE:
+            self.master_count = self._plan.master_buckets
 
     def defers_master(self, b: HostBucket) -> bool:
         """Whether ``b``'s verdict-known pass of this step leaves the fp32 master to the commit."""

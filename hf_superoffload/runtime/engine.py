@@ -126,8 +126,10 @@ class OffloadEngine:
         self.layout = layout = BucketLayout(plan=plan, params=self.params, is_cuda=self.streams.is_cuda,
                                             data_parallel=comm is not None)
         self._accum = None
+        # one process, stationary weights: gated even when this plan's gate is off, as a move to the host may
+        # turn it on ([Note: moving the tail to the host] in planning/planner.py); an idle gate thread costs nothing
         self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity,
-                                 gated=plan.d2h_gate)
+                                 gated=plan.d2h_gate or (comm is None and plan.weight_mode is WeightMode.STATIONARY))
         if plan.host_accumulation is not HostAccumulation.OFF:
             self._accum = HostAccumulator(
                 mode=plan.host_accumulation, buckets=layout.host_buckets, host_numel=plan.host_numel,
@@ -172,6 +174,32 @@ class OffloadEngine:
         if dataclasses.replace(plan, kept_layers=self.plan.kept_layers, notes=self.plan.notes) != self.plan:
             raise ValueError("amend_plan changes the kept layers only; the engine is built for the rest of its plan")
         self.plan = plan
+
+    @property
+    def can_move_to_host(self) -> bool:
+        """Whether :meth:`move_to_host` may run now: one process, stationary weights, no host accumulation, between
+        steps."""
+        return (self.comm is None and self._flow is None and self._accum is None and self.plan.device_numel > 0
+                and not self.step_in_progress)
+
+    def move_to_host(self, plan: OffloadPlan) -> int:
+        """Train on with ``plan``, which moves the first device buckets to the host ([Note: moving the tail to the
+        host] in planning/planner.py). At a quiet point only: no step in progress (the optimizer calls it in a
+        training forward's pre-hook). Returns how many parameters moved."""
+        if not self.can_move_to_host:
+            raise RuntimeError("the device tail moves to the host between steps, in one process with stationary "
+                               "weights and without host accumulation")
+        self.synchronize()  # every upload done, the device weights final
+        self.commit_moments()  # deferred stores read the landing arenas the move regrows
+        if not self.plan.host_numel:
+            logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), plan.cpu_threads)
+        moved = self.layout.move_to_host(plan)
+        self.plan = plan
+        self.hooks.relayout()
+        self.commits.relayout()
+        if plan.upload_thread:
+            self.uploads.start_thread(self._wake_all)
+        return sum(p.numel() for b in moved for p in b.params)
 
     # -- the host buckets, as the integrations and tests read them ------------------------------------
     @property

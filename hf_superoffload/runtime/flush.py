@@ -47,7 +47,6 @@ class GradFlush:
     present: list[int]
     _d2h_in_flight: collections.deque[Handoff]
     """Host buckets' gradient copies issued by the backward and not waited for yet ([Note: D2H lead])."""
-    _plan: OffloadPlan
     _streams: StreamSet
     _param_group: list[int]
     _param_steps: Callable[[], Sequence[int]]
@@ -70,7 +69,7 @@ class GradFlush:
             begin_step: the current step's context (the first flush of a step opens it).
             abort: drops the step in progress after a flush failed.
         """
-        self._plan, self.layout, self._streams = plan, layout, streams
+        self.layout, self._streams = layout, streams
         self._param_group, self._param_steps = list(param_group), param_steps
         self._worker, self._telemetry, self._uploads, self._host_pass = worker, telemetry, uploads, host_pass
         self._accum, self._sharding = accum, sharding
@@ -78,6 +77,11 @@ class GradFlush:
         self._d2h_in_flight = collections.deque()
         self.arrived, self.flushed, self.present = [], [], []
         self.reset()
+
+    @property
+    def _plan(self) -> OffloadPlan:
+        """The layout's plan (a move to the host replaces it: [Note: moving the tail to the host])."""
+        return self.layout.plan
 
     def flush_rest(self) -> None:
         """Flush every bucket not flushed yet in this step (``step()``: parameters that received no gradient)."""

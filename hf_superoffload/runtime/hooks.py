@@ -42,6 +42,12 @@ class Hooks:
     unhooked: set[int]
     early_waits: list[HostBucket]
     _handles: list[RemovableHandle]
+    """The gradient hooks and the roots' early waits."""
+    _forward_handles: list[RemovableHandle]
+    """The forward pre-hooks of the modules owning host parameters (rebuilt when buckets move to the host)."""
+    _modules: list[torch.nn.Module]
+    _track_unhooked: bool
+    _early_hooked: bool
     _host_bucket_of: dict[int, HostBucket]
     """The host bucket of each host parameter, by ``id``."""
     _index_of: dict[int, int]
@@ -60,19 +66,35 @@ class Hooks:
         self._handles = []
         for i, p in enumerate(layout.params):
             self._handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i, on_grad)))
-        owner: dict[int, HostBucket] = {id(p): b for b in layout.host_buckets for p in b.params}
-        self._host_bucket_of = owner
-        index_of = self._index_of = {id(p): i for i, p in enumerate(layout.params)}
-        for m in modules:
-            mine = [p for p in m.parameters(recurse=False) if id(p) in owner]
-            if mine:
-                ordered = sorted({owner[id(p)] for p in mine}, key=lambda b: b.index)
-                indices = frozenset(index_of[id(p)] for p in mine)
-                self._handles.append(m.register_forward_pre_hook(self._make_pre_forward(ordered, indices)))
+        self._index_of = {id(p): i for i, p in enumerate(layout.params)}
+        self._modules, self._forward_handles, self._early_hooked = list(modules), [], False
+        self._hook_forwards()
+        self._track_unhooked = track_unhooked
         self.hooked = set() if track_unhooked else None
         self.unhooked = set()
         self.early_waits = []
         self.roots = forward_roots(modules[0]) if modules else []
+
+    def _hook_forwards(self) -> None:
+        """A forward pre-hook on every module that owns host parameters: it waits for their buckets."""
+        owner: dict[int, HostBucket] = {id(p): b for b in self.layout.host_buckets for p in b.params}
+        self._host_bucket_of = owner
+        for m in self._modules:
+            mine = [p for p in m.parameters(recurse=False) if id(p) in owner]
+            if mine:
+                ordered = sorted({owner[id(p)] for p in mine}, key=lambda b: b.index)
+                indices = frozenset(self._index_of[id(p)] for p in mine)
+                self._forward_handles.append(m.register_forward_pre_hook(self._make_pre_forward(ordered, indices)))
+
+    def relayout(self) -> None:
+        """Device buckets became host buckets ([Note: moving the tail to the host]): the forward hooks wait for the
+        new set, and the next step learns the unhooked reads of the moved parameters as the first step did."""
+        for h in self._forward_handles:
+            h.remove()
+        self._forward_handles = []
+        self._hook_forwards()
+        if self._track_unhooked:
+            self.hooked = set()
 
     def _make_grad_hook(self, i: int, on_grad: Callable[[int], None]) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -127,8 +149,10 @@ class Hooks:
         names = {id(p): n for n, p in self.roots[0].named_parameters()} if self.roots else {}
         unhooked = sorted(self.unhooked)
         self.early_waits = sorted({self.layout.bucket_of[i] for i in unhooked}, key=lambda b: b.index)  # type: ignore[misc]
-        for r in self.roots:
-            self._handles.append(r.register_forward_pre_hook(self._wait_early))
+        if not self._early_hooked:
+            self._early_hooked = True
+            for r in self.roots:
+                self._handles.append(r.register_forward_pre_hook(self._wait_early))
         shown = [names.get(id(params[i]), f"parameter {i}") for i in unhooked]
         logger.warning(
             "hf_superoffload: %d parameter(s) (%s) got gradients although the forward of the module owning them "
@@ -138,5 +162,5 @@ class Hooks:
             len(unhooked), ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else ""), len(self.early_waits))
 
     def remove(self) -> None:
-        for h in self._handles:
+        for h in self._handles + self._forward_handles:
             h.remove()

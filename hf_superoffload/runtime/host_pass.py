@@ -117,7 +117,6 @@ class HostPass:
     """The step in progress: from its first offloaded gradient until its ``step()`` (or abort)."""
     _pass_ctx: StepContext | None
     """The last validated step's context: its pass runs until the next ``step()`` (StepStats.pass_s)."""
-    _plan: OffloadPlan
     _gatherer: CpuWorker | None
     """Data parallel: the thread of the last step's all-gathers (they precede this step's reduce-scatters)."""
     _governor: SpeculationGovernor
@@ -144,7 +143,7 @@ class HostPass:
             max_grad_norm_fn: the clipping threshold, read when a step opens (a partial norm above it stops
                 speculating).
         """
-        self._plan, self.layout, self.lock = plan, layout, lock
+        self.layout, self.lock = layout, lock
         self.ctx = self._pass_ctx = None
         self._governor, self._hypers_fn, self._max_grad_norm_fn = governor, hypers_fn, max_grad_norm_fn
         self._gatherer = gatherer
@@ -152,6 +151,11 @@ class HostPass:
         self._telemetry, self._commits, self._uploads, self._accum = telemetry, commits, uploads, accum
         self._div = grad_divisor
         self._mark_inconsistent = mark_inconsistent
+
+    @property
+    def _plan(self) -> OffloadPlan:
+        """The layout's plan (a move to the host replaces it: [Note: moving the tail to the host])."""
+        return self.layout.plan
 
     # -- training thread: the step's context -------------------------------------------------------------
     def begin_step(self) -> StepContext:

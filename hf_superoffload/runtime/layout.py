@@ -25,7 +25,7 @@ from .bucket import DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .host_memory import HostBuffer
 
-__all__ = ["BucketLayout", "check_plan"]
+__all__ = ["BucketLayout", "check_move", "check_plan"]
 
 
 def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
@@ -59,6 +59,30 @@ def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
                          "ensures it; build the plan with make_plan)")
 
 
+def check_move(old: OffloadPlan, new: OffloadPlan) -> None:
+    """Refuse a ``new`` plan that does more than move ``old``'s first device buckets to the host with the same
+    bucket boundaries (what ``planner.shrink_tail`` returns; the engine is built for everything else)."""
+    if old.world_size != 1 or old.weight_mode is not WeightMode.STATIONARY:
+        raise ValueError("moving the device tail to the host needs one process and stationary weights")
+    if old.host_accumulation is not HostAccumulation.OFF:
+        raise ValueError("moving the device tail to the host is not supported with host gradient accumulation")
+    places = [(s.param_indices, s.numel) for s in old.buckets], [(s.param_indices, s.numel) for s in new.buckets]
+    if places[0] != places[1]:
+        raise ValueError("the new plan cuts the buckets differently; only the device tail's size may change")
+    n_host = len(old.host_buckets)
+    moved = len(new.host_buckets) - n_host
+    if moved <= 0 or new.buckets[:n_host] != old.buckets[:n_host] or any(
+            s.placement is not Placement.HOST for s in new.buckets[: n_host + moved]):
+        raise ValueError("the new plan must move the first device buckets to the host, and keep the host buckets")
+    switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory", "defer_moments",
+                "defer_master", "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation",
+                "landing_ring")
+    changed = [f for f in switches if getattr(old, f) != getattr(new, f)]
+    if changed:
+        raise ValueError(f"a move to the host keeps the engine's switches; the new plan changes {changed}: build it "
+                         "with planner.shrink_tail")
+
+
 class BucketLayout:
     """Owns the arenas and the buckets of one engine, and which host state copy is committed.
 
@@ -85,6 +109,8 @@ class BucketLayout:
     cur: int
     cast_on_cpu: bool
     full_home: bool
+    _pin: bool
+    """Whether the DMA-touched host arenas are page-locked."""
     dev_master: torch.Tensor
     dev_exp_avg: torch.Tensor
     dev_exp_avg_sq: torch.Tensor
@@ -106,57 +132,38 @@ class BucketLayout:
         dev = self.device
         pin = plan.pin_memory and dev.type == "cuda"
         n_host = plan.host_numel
-        # [Note: casts]: gradients always cross in the model dtype (the fused CPU Adam upcasts in registers).
-        # CPU cast -> a bf16 staging arena written by the Adam pass; GPU cast -> the fp32 master itself is the
-        # (pinned) upload source, and the GPU casts: no staging arena (2 B/param less host RAM).
         self.cast_on_cpu = plan.cast_side is CastSide.CPU
-        copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
-        self.arenas = {}
-        for k in range(copies):
-            self.arenas[f"master{k}"] = HostBuffer(n_host, torch.float32, pin=pin and not self.cast_on_cpu,
-                                                   name=f"fp32 master (copy {k})")
-            self.arenas[f"exp_avg{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg (copy {k})")
-            self.arenas[f"exp_avg_sq{k}"] = HostBuffer(n_host, torch.float32, pin=False, name=f"exp_avg_sq (copy {k})")
-        self.arenas["landing"] = HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing")
-        if plan.defer_moments:  # a deferred step's gradient outlives the next step's D2H ([Note: deferred moments])
-            self.arenas["landing1"] = HostBuffer(n_host, self.dtype, pin=pin, name="gradient landing (second)")
-        if self.cast_on_cpu:
-            self.arenas["staging"] = HostBuffer(n_host, self.dtype, pin=pin, name="weight staging")
+        self.copies = copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
+        self._pin = pin
+        self.arenas = {name: HostBuffer(n_host, dtype, pin=pinned, name=what)
+                       for name, (dtype, pinned, what) in self._host_arena_kinds().items()}
         # weight flow + data parallel: staging holds this rank's shard only; the streamed weights need every
         # rank's, so each rank keeps the whole bf16 weights of the host buckets ([Note: data parallel sharding])
         self.full_home = plan.weight_mode is WeightMode.FLOW and data_parallel
         if self.full_home:
             full = sum(spec.numel for spec in plan.host_buckets)
             self.arenas["weights"] = HostBuffer(full, self.dtype, pin=pin, name="bf16 weights (weight flow)")
-        self.copies = copies
         self.cur = 0
         # The device tail's state is allocated by allocate_device_state(): under weight flow only once the
         # streamer has released the host buckets' weights, which the plan counted as free device memory (an 8B
         # model under a 24 GiB cap otherwise holds all 16 GB of its bf16 weights beside the tail's 10 GB of state).
         self.dev_master = self.dev_exp_avg = self.dev_exp_avg_sq = torch.empty(0, dtype=torch.float32, device=dev)
         self._device_state = False
-        a = {k: v.tensor for k, v in self.arenas.items()}
         for k in range(copies):
-            a[f"exp_avg{k}"].zero_()
-            a[f"exp_avg_sq{k}"].zero_()
+            self.arenas[f"exp_avg{k}"].tensor.zero_()
+            self.arenas[f"exp_avg_sq{k}"].tensor.zero_()
 
         self.host_buckets, self.device_buckets, self.buckets = [], [], []
         home_offset = 0
         self.bucket_of = [None] * len(self.params)  # type: ignore[list-item]
         for spec in plan.buckets:
             ps = [self.params[i] for i in spec.param_indices]
-            sl = slice(spec.offset, spec.offset + spec.shard)
             b: HostBucket | DeviceBucket
             if spec.placement is Placement.HOST:
                 b = HostBucket(spec, ps)
-                b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(copies)]
-                b.landings = tuple(a[k][sl] for k in ("landing", "landing1") if k in a)
-                b.landing = b.landings[0]
-                b.grad = b.landing
-                b.staging = a["staging"][sl] if self.cast_on_cpu else None
-                b.home = b.staging
+                self._bind_host(b)
                 if self.full_home:
-                    b.home = a["weights"][home_offset : home_offset + spec.numel]
+                    b.home = self.arenas["weights"].tensor[home_offset : home_offset + spec.numel]
                     home_offset += spec.numel
                 self.host_buckets.append(b)
             else:
@@ -180,22 +187,114 @@ class BucketLayout:
         if plan.weight_mode is not WeightMode.FLOW:
             self.allocate_device_state()
 
+    def _host_arena_kinds(self) -> dict[str, tuple[torch.dtype, bool, str]]:
+        """Each host arena of ``host_numel`` elements the plan needs: (dtype, page-locked, what it holds).
+
+        [Note: casts]: gradients always cross in the model dtype (the fused CPU Adam upcasts in registers). CPU cast
+        -> a bf16 staging arena written by the Adam pass; GPU cast -> the fp32 master itself is the (pinned) upload
+        source, and the GPU casts: no staging arena (2 B/param less host RAM)."""
+        pin, kinds = self._pin, {}
+        for k in range(self.copies):
+            kinds[f"master{k}"] = (torch.float32, pin and not self.cast_on_cpu, f"fp32 master (copy {k})")
+            kinds[f"exp_avg{k}"] = (torch.float32, False, f"exp_avg (copy {k})")
+            kinds[f"exp_avg_sq{k}"] = (torch.float32, False, f"exp_avg_sq (copy {k})")
+        kinds["landing"] = (self.dtype, pin, "gradient landing")
+        if self.plan.defer_moments:  # a deferred step's gradient outlives the next step's D2H ([Note: deferred moments])
+            kinds["landing1"] = (self.dtype, pin, "gradient landing (second)")
+        if self.cast_on_cpu:
+            kinds["staging"] = (self.dtype, pin, "weight staging")
+        return kinds
+
+    def _bind_host(self, b: HostBucket) -> None:
+        """Point ``b``'s state, landing and staging views at its slice of the host arenas."""
+        a = {k: v.tensor for k, v in self.arenas.items()}
+        sl = slice(b.spec.offset, b.spec.offset + b.spec.shard)
+        b.pmv = [(a[f"master{k}"][sl], a[f"exp_avg{k}"][sl], a[f"exp_avg_sq{k}"][sl]) for k in range(self.copies)]
+        b.landings = tuple(a[k][sl] for k in ("landing", "landing1") if k in a)
+        b.landing = b.grad = b.landings[0]
+        b.staging = b.home = a["staging"][sl] if self.cast_on_cpu else None
+
     def allocate_device_state(self) -> None:
         """Allocate the device tail's fp32 master and Adam moments and seed the masters from its parameters
         (resident under either weight mode). Idempotent."""
         if self._device_state:
             return
         self._device_state = True
+        self._allocate_device_arenas()
+        for b in self.device_buckets:
+            b.exp_avg.zero_()
+            b.exp_avg_sq.zero_()
+        with torch.no_grad():
+            self.load_masters_from_params(self.device_buckets)
+
+    def _allocate_device_arenas(self) -> None:
         n_dev, dev = self.plan.device_numel, self.device
         self.dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
-        self.dev_exp_avg = torch.zeros(n_dev, dtype=torch.float32, device=dev)
-        self.dev_exp_avg_sq = torch.zeros(n_dev, dtype=torch.float32, device=dev)
+        self.dev_exp_avg = torch.empty(n_dev, dtype=torch.float32, device=dev)
+        self.dev_exp_avg_sq = torch.empty(n_dev, dtype=torch.float32, device=dev)
         for b in self.device_buckets:
             sl = slice(b.spec.offset, b.spec.offset + b.spec.shard)
             b.master = self.dev_master[sl]
             b.exp_avg, b.exp_avg_sq = self.dev_exp_avg[sl], self.dev_exp_avg_sq[sl]
-        with torch.no_grad():
-            self.load_masters_from_params(self.device_buckets)
+
+    @property
+    def device_state_bytes(self) -> int:
+        """Bytes of the device tail's fp32 master and moments (what a move to the host returns to the device)."""
+        return sum(t.untyped_storage().nbytes() for t in (self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq))
+
+    @torch.no_grad()
+    def move_to_host(self, plan: OffloadPlan) -> list[HostBucket]:
+        """[Note: moving the tail to the host] in planning/planner.py: make ``plan``, which moves the first device
+        buckets of the current plan to the host and changes nothing else the layout holds, concrete. Their fp32
+        master and moments are copied bit for bit into every host state copy (staging: their bf16 weights); the
+        device arenas are reallocated at the tail's new size, so the moved buckets' device memory is freed.
+        Quiet point only: no step in flight, every upload done, no moment store pending. Returns the new host
+        buckets."""
+        old = self.plan
+        check_move(old, plan)
+        moved = [s.index for s in plan.buckets if s.placement is not old.buckets[s.index].placement]
+        n_old = old.host_numel
+        for b in self.host_buckets:
+            b.drop_views()  # each old arena is freed as soon as its regrown copy holds its contents
+        self.plan = plan
+        for name, (dtype, pinned, what) in self._host_arena_kinds().items():
+            grown = HostBuffer(plan.host_numel, dtype, pin=pinned, name=what)
+            grown.tensor[:n_old].copy_(self.arenas[name].tensor[:n_old])
+            self.arenas[name] = grown
+        leaving = {b.index: b for b in self.device_buckets if b.index in moved}
+        host_new = [HostBucket(plan.buckets[i], leaving[i].params) for i in moved]
+        for b in host_new:
+            self._bind_host(b)
+            d = leaving[b.index]
+            for pmv in b.pmv:  # every copy: a double buffer's other copy is written before it is read
+                for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):
+                    dst.copy_(src)
+            if b.staging is not None:
+                b.staging.copy_(b.pmv[0][0])
+        # the rest of the tail moves to its new offsets through host memory: its old arenas are freed before the
+        # new ones are allocated, so the device never holds both
+        staying = [b for b in self.device_buckets if b.index not in leaving]
+        held = [tuple(t.to("cpu", copy=True) for t in (b.master, b.exp_avg, b.exp_avg_sq)) for b in staying]
+        none = torch.empty(0, dtype=torch.float32, device=self.device)
+        for b in self.device_buckets:
+            b.master = b.exp_avg = b.exp_avg_sq = none
+        self.dev_master = self.dev_exp_avg = self.dev_exp_avg_sq = none
+        for b in staying:
+            b.spec = plan.buckets[b.index]
+        self.device_buckets = staying
+        self._allocate_device_arenas()
+        for b, saved in zip(staying, held, strict=True):
+            for dst, src in zip((b.master, b.exp_avg, b.exp_avg_sq), saved, strict=True):
+                dst.copy_(src)
+        for b in self.host_buckets:
+            self._bind_host(b)
+        self.host_buckets += host_new
+        self.buckets = sorted(self.host_buckets + self.device_buckets, key=lambda b: b.index)
+        for b in self.buckets:
+            for i in b.spec.param_indices:
+                self.bucket_of[i] = b
+        self.host_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
+        return host_new
 
     def need_order(self, b: HostBucket | DeviceBucket) -> int:
         """Priority: the next forward needs the last-arriving bucket first."""

@@ -68,6 +68,11 @@ class Uploads:
         self._seq = 0
         self.unwaited = set()
 
+    def start_thread(self, on_error: Callable[[], None]) -> None:
+        """Start the upload thread a plan asks for once it has host buckets ([Note: moving the tail to the host])."""
+        if self.thread is None:
+            self.thread = CpuWorker(device=self.layout.device, on_error=on_error, name="superoffload-upload")
+
     # -- CPU side ----------------------------------------------------------------------------------
     def hand_over(self, b: HostBucket, copy: int) -> None:
         """Upload ``b``'s weights from state copy ``copy``: on the upload thread when the CPU worker calls it (the

@@ -28,6 +28,8 @@ class Mutation:
 BIND = "tests/runtime/test_binding_parity.py"
 SKIP = "tests/runtime/test_skip_after_speculation.py"
 DET = "tests/runtime/test_determinism.py"
+MOVE = "tests/runtime/test_tail_move.py"
+_MOVE_COPY = "for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):"
 
 _STEP_CALL = ("            param, grad, exp_avg, exp_avg_sq, int(step), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,\n"
               "            hyper.weight_decay, float(grad_scale), param_bf16_out, src_p,")
@@ -209,5 +211,16 @@ MUTATIONS: tuple[Mutation, ...] = (
         "source = b.staging if b.staging is not None else b.pmv[copy][0]",
         "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self.layout.copies][0]",
         (f"{BIND}::test_gpu_cast_parity",),
+    ),
+    Mutation(  # [Note: moving the tail to the host]: the moved buckets' second moments stay behind
+        "tail_move_drops_exp_avg_sq", "hf_superoffload/runtime/layout.py", _MOVE_COPY,
+        _MOVE_COPY.replace("d.exp_avg_sq)", "d.exp_avg.mul(0))"),
+        (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[inverse-speculative]",),
+    ),
+    Mutation(  # the state of the last device buckets (the wrong end of the tail) goes to the moved ones
+        "tail_move_copies_the_wrong_end", "hf_superoffload/runtime/layout.py",
+        "            d = leaving[b.index]\n",
+        "            d = self.device_buckets[len(self.device_buckets) - len(leaving) + moved.index(b.index)]\n",
+        (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[double_buffer-verdict-first]",),
     ),
 )

@@ -1,0 +1,229 @@
+"""[Note: moving the tail to the host] (planning/planner.py): a later batch longer than the plan was made for moves
+the first device buckets' optimizer state to the host before its forward runs, and training on equals having
+started with that smaller tail, bit for bit: weights, the whole optimizer state, gradient norms and checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+import weakref
+
+import pytest
+import torch
+
+from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.planning import hardware
+from hf_superoffload.planning.hardware import HardwareProfile
+from hf_superoffload.planning.memory_model import PlanLike, estimate
+from hf_superoffload.planning.plan import OffloadPlan, Placement
+from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
+from hf_superoffload.testing import tiny_llama
+
+GiB = 1024**3
+LAYERS = 4
+BATCH, SHORT, LONG = 2, 24, 32  # on the budget below, 2 x 32 tokens leave room for a smaller tail only
+
+
+def _model() -> torch.nn.Module:
+    model = tiny_llama(seed=3, num_hidden_layers=LAYERS)
+    model.train()
+    return model
+
+
+def _budget(model: torch.nn.Module) -> int:
+    """Free device memory whose plan for the short batch keeps about half of the optimizer on the device."""
+    n = sum(p.numel() for p in model.parameters())
+    need = [estimate(model.config, batch_size=BATCH, seq_len=SHORT, grad_ckpt=False, chunked_loss=True,
+                     plan_like=PlanLike(device_numel=d, host_numel=n - d, bucket_bytes=2 * n // 8)).gpu_required_bytes
+            for d in (0, n)]
+    return int((need[0] + need[1]) / 2 / (1 - 0.04))
+
+
+def _profile(budget: int) -> HardwareProfile:
+    return HardwareProfile(device_type="cpu", device_free_bytes=budget, host_available_bytes=64 * GiB, cpu_threads=2)
+
+
+@pytest.fixture
+def device_budget(monkeypatch: pytest.MonkeyPatch):
+    """Pretend the device has ``budget`` bytes free (what ``HardwareProfile.read`` reports on a GPU)."""
+
+    def set_budget(budget: int) -> None:
+        monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: _profile(budget)))
+
+    return set_budget
+
+
+def _batches(seqs: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 128, (BATCH, s), generator=g) for s in seqs]
+
+
+def _train(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
+    norms = []
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    return norms
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _snapshot(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
+    opt.synchronize()
+    out = [p.detach().clone() for p in model.parameters()]
+    return out + [t.clone() for t in _tensors(opt.state_dict()["superoffload"])]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _runtime_fields(plan: OffloadPlan) -> OffloadPlan:
+    """``plan`` without what the runtime does not read."""
+    return dataclasses.replace(plan, notes=(), kept_layers=0)
+
+
+def _saved(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> dict[str, object]:
+    opt.synchronize()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def _started_with(saved: dict[str, object], config: SuperOffloadConfig, k: int) -> tuple[SuperOffloadOptimizer,
+                                                                                          torch.nn.Module]:
+    """A run started with ``k`` device buckets (planned for the long batch), from the saved state."""
+    model = _model()
+    model.load_state_dict(saved["model"])
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                config=config.replace(gpu_resident_buckets=k),
+                                workload=Workload(model.config, BATCH, LONG, grad_ckpt=False))
+    opt.load_state_dict(saved["opt"])
+    return opt, model
+
+
+@pytest.mark.parametrize("speculation", [True, False], ids=["speculative", "verdict-first"])
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budget, rollback: str,
+                                                                     speculation: bool) -> None:
+    """The tail's buckets step on the device before the move and on the host after it (different AdamW kernels,
+    rounded differently), so the reference starts with the smaller tail from the state just before the move."""
+    config = SuperOffloadConfig(rollback=rollback, speculation=speculation)
+    model = _model()
+    device_budget(_budget(model))
+    data = _batches([SHORT] * 3 + [LONG] * 3)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False, config=config)
+    _train(opt, model, data[:3])
+    tail = len(opt.plan.device_buckets)
+    assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail for the short batch"
+    before = _saved(opt, model)
+    norms = _train(opt, model, data[3:])
+    k = len(opt.plan.device_buckets)
+    assert 0 < k < tail, "the long batch should move some, not all, device buckets to the host"
+    assert opt.engine.layout.plan is opt.plan
+    assert {b.index for b in opt.engine.host_buckets} == {s.index for s in opt.plan.host_buckets}
+
+    ref, ref_model = _started_with(before, config, k)
+    assert _runtime_fields(ref.plan) == _runtime_fields(opt.plan)
+    assert _train(ref, ref_model, data[3:]) == norms
+    assert any(n > 1.0 for n in norms) and any(n < 1.0 for n in norms), "clipping should fire in some steps"
+    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+    # what the engine really holds is what a run started with the smaller tail allocates
+    ours, theirs = opt.engine.layout, ref.engine.layout
+    assert {n: a.nbytes for n, a in ours.arenas.items()} == {n: a.nbytes for n, a in theirs.arenas.items()}
+    assert ours.device_state_bytes == theirs.device_state_bytes == 12 * opt.plan.device_numel
+    opt.close()
+    ref.close()
+
+
+def test_the_shrunk_plan_is_make_plans_for_that_tail(device_budget) -> None:
+    """The planner's shrunk plan is exactly ``make_plan(gpu_resident_buckets=k)`` for the longer workload, and k is
+    the largest tail that fits it: one bucket more does not."""
+    model = _model()
+    profile = _profile(_budget(model))
+    numels = [p.numel() for p in reversed(list(model.parameters()))]
+    config = SuperOffloadConfig(rollback="double_buffer")
+    short = Workload(model.config, BATCH, SHORT, grad_ckpt=False, chunked_loss=True)
+    plan = make_plan(numels, element_size=2, config=config, profile=profile, workload=short)
+    long = dataclasses.replace(short, seq_len=LONG)
+    shrunk = shrink_tail(plan, long, profile, numels=numels, element_size=2, config=config)
+    assert shrunk is not None
+    k = len(shrunk.device_buckets)
+    assert 0 < k < len(plan.device_buckets)
+    for field in dataclasses.fields(shrunk):
+        if field.name != "notes":
+            fresh = make_plan(numels, element_size=2, config=config.replace(gpu_resident_buckets=k), profile=profile,
+                              workload=long)
+            assert getattr(shrunk, field.name) == getattr(fresh, field.name), field.name
+    # the fewest moved: the moved buckets are the first device buckets, the host buckets stay where they were
+    assert shrunk.buckets[: len(plan.host_buckets)] == plan.buckets[: len(plan.host_buckets)]
+    assert [s.placement for s in shrunk.buckets] == [Placement.HOST] * (len(shrunk.buckets) - k) + [Placement.DEVICE] * k
+    bigger = make_plan(numels, element_size=2, config=config.replace(gpu_resident_buckets=k + 1), profile=profile,
+                       workload=long)
+    assert not device_holds(bigger, long, profile, 1)[0]
+    assert device_holds(shrunk, long, profile, 1)[0]
+    too_long = dataclasses.replace(short, seq_len=40 * SHORT)
+    assert shrink_tail(plan, too_long, profile, numels=numels, element_size=2, config=config) is None
+
+
+def test_the_moved_device_memory_is_freed(device_budget) -> None:
+    model = _model()
+    device_budget(_budget(model))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    _train(opt, model, _batches([SHORT]))
+    layout = opt.engine.layout
+    before = layout.device_state_bytes
+    old = weakref.ref(layout.dev_exp_avg_sq)
+    _train(opt, model, _batches([LONG]))
+    gc.collect()
+    assert old() is None, "the old device arenas must not be kept alive by a stale view"
+    assert layout.device_state_bytes == 12 * opt.plan.device_numel < before
+    assert all(a.tensor.numel() == opt.plan.host_numel for k, a in layout.arenas.items() if k != "gradient statistics")
+    opt.close()
+
+
+def test_a_checkpoint_after_the_move_resumes_bit_identically(device_budget) -> None:
+    model = _model()
+    device_budget(_budget(model))
+    data = _batches([SHORT] * 2 + [LONG] * 4)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    _train(opt, model, data[:4])  # the move happens at the first long batch
+    k = len(opt.plan.device_buckets)
+    saved = _saved(opt, model)
+    norms = _train(opt, model, data[4:])
+    fresh, fresh_model = _started_with(saved, SuperOffloadConfig(), k)
+    assert _train(fresh, fresh_model, data[4:]) == norms
+    assert _same(_snapshot(opt, model), _snapshot(fresh, fresh_model))
+    opt.load_state_dict(saved["opt"])  # and it loads back into the moved engine
+    model.load_state_dict(saved["model"])
+    assert _train(opt, model, data[4:]) == norms
+    opt.close()
+    fresh.close()
+
+
+def test_a_batch_no_tail_fits_is_refused_and_changes_nothing(device_budget) -> None:
+    model = _model()
+    device_budget(_budget(model))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    _train(opt, model, _batches([SHORT] * 2))
+    plan, before = opt.plan, _snapshot(opt, model)
+    long = torch.randint(0, 128, (BATCH, 40 * SHORT), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(RuntimeError, match=r"does not fit the plan made for 2 x 24.*nothing was run or changed") as e:
+        model(input_ids=long, labels=long)
+    assert "\n" not in str(e.value)
+    assert opt.plan is plan and opt.engine.layout.plan is plan
+    assert _same(before, _snapshot(opt, model))
+    _train(opt, model, _batches([SHORT]))  # the run goes on
+    opt.close()
