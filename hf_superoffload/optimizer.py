@@ -304,8 +304,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def _check_batch(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                      budget: HardwareProfile) -> None:
         """Forward pre-hook once planned: a training batch with more tokens than any checked so far must fit the
-        plan's device memory by the memory model, or it is refused here, before its forward allocates anything
-        (a CUDA out-of-memory error mid-step would leave a half-done step; this leaves everything as it was)."""
+        plan's device memory by the memory model, with fewer kept layers or with device buckets moved to the host
+        ([Note: moving the tail to the host]), or it is refused here, before its forward allocates anything (a CUDA
+        out-of-memory error mid-step would leave a half-done step; this leaves everything as it was)."""
         if not (torch.is_grad_enabled() and module.training) or self.workload is None:
             return
         shape = _batch_shape(args, kwargs)

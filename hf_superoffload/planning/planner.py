@@ -499,9 +499,13 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
 # that still fits (the first device buckets in gradient-arrival order become the last host buckets; bucket
 # boundaries and every switch the engine was built with stay: rollback, cast side, deferred stores, host
 # accumulation), and the engine moves their fp32 master and moments at that quiet point. The plan is exactly the
-# one ``make_plan`` gives for that tail size with those switches, so training on equals having started with it.
-# The move briefly holds more host memory than either plan: each host arena is regrown one at a time, and the
-# remaining tail's state waits on the host while its device arenas are reallocated at their new size.
+# one ``make_plan`` gives for that tail size with those switches, so training on equals a run started with it from
+# the same state, bit for bit (not one started with it from the first step: before the move the tail's buckets
+# stepped with the device AdamW, which rounds differently from the CPU Adam). The move runs in the forward pre-hook,
+# between steps, after every upload; not under data parallelism, weight flow or host accumulation (the batch is
+# refused as before). It briefly holds more host memory than either plan: each host arena is regrown one at a time,
+# and the remaining tail's state waits on the host while its device arenas are reallocated at their new size, so
+# that the device never holds the old and the new arenas at once.
 def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
                 element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
     """[Note: moving the tail to the host]: the plan with the fewest of ``plan``'s device buckets moved to the host

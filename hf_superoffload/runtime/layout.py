@@ -1,7 +1,8 @@
 """The plan made concrete: the host and device arenas, the buckets viewing them, the gradient statistics.
 
 The first stage of the data flow (plan -> hooks -> buckets -> host pass -> commit -> upload): everything here is
-allocated once, at construction, from the frozen :class:`OffloadPlan`; later stages only read and write views.
+allocated at construction from the frozen :class:`OffloadPlan`, and again only when a later plan moves the first
+device buckets to the host (:meth:`BucketLayout.move_to_host`); later stages only read and write views.
 [Note: casts] and [Note: spread statistics] in docs/design.md say why the arenas look the way they do.
 """
 
