@@ -48,6 +48,8 @@ class Hooks:
     _modules: list[torch.nn.Module]
     _track_unhooked: bool
     _early_hooked: bool
+    _learned: set[int]
+    """``unhooked`` when the early waits were last set up."""
     _host_bucket_of: dict[int, HostBucket]
     """The host bucket of each host parameter, by ``id``."""
     _index_of: dict[int, int]
@@ -71,7 +73,7 @@ class Hooks:
         self._hook_forwards()
         self._track_unhooked = track_unhooked
         self.hooked = set() if track_unhooked else None
-        self.unhooked = set()
+        self.unhooked, self._learned = set(), set()
         self.early_waits = []
         self.roots = forward_roots(modules[0]) if modules else []
 
@@ -143,8 +145,9 @@ class Hooks:
         if self.hooked is None:
             return
         self.hooked = None
-        if not self.unhooked:
-            return
+        if not self.unhooked or self.unhooked == self._learned:
+            return  # nothing new since the last lesson (a move to the host relearns: [Note: moving the tail to the host])
+        self._learned = set(self.unhooked)
         params = self.layout.params
         names = {id(p): n for n, p in self.roots[0].named_parameters()} if self.roots else {}
         unhooked = sorted(self.unhooked)

@@ -25,8 +25,10 @@ LAYERS = 4
 BATCH, SHORT, LONG = 2, 24, 32  # on the budget below, 2 x 32 tokens leave room for a smaller tail only
 
 
-def _model() -> torch.nn.Module:
+def _model(ckpt: bool = False) -> torch.nn.Module:
     model = tiny_llama(seed=3, num_hidden_layers=LAYERS)
+    if ckpt:
+        model.activation_checkpointing_enable()
     model.train()
     return model
 
@@ -102,14 +104,14 @@ def _saved(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> dict[str, obje
     return torch.load(buf, weights_only=False)
 
 
-def _started_with(saved: dict[str, object], config: SuperOffloadConfig, k: int) -> tuple[SuperOffloadOptimizer,
-                                                                                          torch.nn.Module]:
+def _started_with(saved: dict[str, object], config: SuperOffloadConfig, k: int, *, seq: int = LONG,
+                  ckpt: bool = False) -> tuple[SuperOffloadOptimizer, torch.nn.Module]:
     """A run started with ``k`` device buckets (planned for the long batch), from the saved state."""
-    model = _model()
+    model = _model(ckpt)
     model.load_state_dict(saved["model"])
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
                                 config=config.replace(gpu_resident_buckets=k),
-                                workload=Workload(model.config, BATCH, LONG, grad_ckpt=False))
+                                workload=Workload(model.config, BATCH, seq, grad_ckpt=ckpt))
     opt.load_state_dict(saved["opt"])
     return opt, model
 
@@ -144,6 +146,30 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
     ours, theirs = opt.engine.layout, ref.engine.layout
     assert {n: a.nbytes for n, a in ours.arenas.items()} == {n: a.nbytes for n, a in theirs.arenas.items()}
     assert ours.device_state_bytes == theirs.device_state_bytes == 12 * opt.plan.device_numel
+    opt.close()
+    ref.close()
+
+
+def test_a_move_also_sets_the_kept_layers_of_its_plan(device_budget) -> None:
+    """Under per-layer checkpointing the kept layers are given back first; when that is not enough, the shrunk
+    plan's kept layers (the most the device holds beside the smaller tail) are applied with the move."""
+    model = _model(ckpt=True)
+    device_budget(int((1074000000 + 350000) / 0.96))  # the tiny model's fixed costs, then room for one kept layer
+    data = _batches([SHORT] * 2 + [2 * SHORT] * 2)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    _train(opt, model, data[:2])
+    tail, kept = len(opt.plan.device_buckets), opt.plan.kept_layers
+    assert tail and kept, "the budget should keep a layer beside a partial tail"
+    before = _saved(opt, model)
+    norms = _train(opt, model, data[2:])
+    k = len(opt.plan.device_buckets)
+    assert k < tail
+    unchecked = sum(not layer.gradient_checkpointing for layer in model.model.layers)
+    assert unchecked == opt.plan.kept_layers
+    ref, ref_model = _started_with(before, SuperOffloadConfig(), k, seq=2 * SHORT, ckpt=True)
+    assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
+    assert _train(ref, ref_model, data[2:]) == norms
+    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
     opt.close()
     ref.close()
 
