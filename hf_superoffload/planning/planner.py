@@ -497,8 +497,9 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
 # A later batch longer than the one the plan was made for may need more activation memory than the device tail
 # leaves. Before its forward runs, the optimizer asks for the plan with the fewest device buckets moved to the host
 # that still fits (the first device buckets in gradient-arrival order become the last host buckets; bucket
-# boundaries and every switch the engine was built with stay: rollback, cast side, deferred stores, host
-# accumulation), and the engine moves their fp32 master and moments at that quiet point. The plan is exactly the
+# boundaries and the switches that shape the host arenas stay: rollback, cast side, host accumulation; the deferred
+# stores, the D2H lead and gate and the upload thread follow the new host share), and the engine moves their fp32
+# master and moments at that quiet point. The plan is exactly the
 # one ``make_plan`` gives for that tail size with those switches, so training on equals a run started with it from
 # the same state, bit for bit (not one started with it from the first step: before the move the tail's buckets
 # stepped with the device AdamW, which rounds differently from the CPU Adam). The move runs in the forward pre-hook,
@@ -518,13 +519,9 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
         weight_placement="stationary", rollback=plan.rollback.value, cast_side=plan.cast_side.value,
         accumulate_on_host=plan.host_accumulation is not HostAccumulation.OFF,
         host_accumulation_dtype=("auto" if plan.host_accumulation is HostAccumulation.OFF
-                                 else plan.host_accumulation.value),
-        overrides=config.overrides.replace(
-            defer_moments=plan.defer_moments,
-            defer_master={MasterDeferral.OFF: False, MasterDeferral.ALL: True, MasterDeferral.ADAPTIVE: "auto"}.get(
-                plan.defer_master, config.overrides.defer_master)))
+                                 else plan.host_accumulation.value))
     same = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory", "host_accumulation",
-            "defer_moments", "defer_master", "nonspeculative_in_place")
+            "nonspeculative_in_place")
     host = profile.host_available_bytes
     tail = len(plan.device_buckets)
     for k in range(tail - 1, -1, -1):

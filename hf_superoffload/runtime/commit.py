@@ -76,12 +76,17 @@ class MomentCommits:
         return self.layout.plan
 
     def relayout(self) -> None:
-        """Device buckets became host buckets ([Note: moving the tail to the host]): the share counts them too."""
+        """Device buckets became host buckets ([Note: moving the tail to the host]): the share counts them too, and
+        the deferred stores follow the new plan (nothing is pending: the engine committed it before the move)."""
+        plan = self._plan
         self._shards = [b.spec.shard for b in self.layout.host_buckets]
+        if self._mode is not plan.defer_master:
+            self._mode, self.master_count = plan.defer_master, plan.master_buckets
+        self.enabled = plan.defer_moments
         if self._mode is MasterDeferral.ALL:
             self.master_count = len(self._shards)
         elif self._mode is MasterDeferral.SHARE:
-            self.master_count = self._plan.master_buckets
+            self.master_count = plan.master_buckets
 
     def defers_master(self, b: HostBucket) -> bool:
         """Whether ``b``'s verdict-known pass of this step leaves the fp32 master to the commit."""

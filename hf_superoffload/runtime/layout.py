@@ -75,9 +75,8 @@ def check_move(old: OffloadPlan, new: OffloadPlan) -> None:
     if moved <= 0 or new.buckets[:n_host] != old.buckets[:n_host] or any(
             s.placement is not Placement.HOST for s in new.buckets[: n_host + moved]):
         raise ValueError("the new plan must move the first device buckets to the host, and keep the host buckets")
-    switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory", "defer_moments",
-                "defer_master", "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation",
-                "landing_ring")
+    switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory",
+                "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation", "landing_ring")
     changed = [f for f in switches if getattr(old, f) != getattr(new, f)]
     if changed:
         raise ValueError(f"a move to the host keeps the engine's switches; the new plan changes {changed}: build it "
@@ -257,10 +256,15 @@ class BucketLayout:
         n_old = old.host_numel
         for b in self.host_buckets:
             b.drop_views()  # each old arena is freed as soon as its regrown copy holds its contents
+        before = self._host_arena_kinds()
         self.plan = plan
-        for name, (dtype, pinned, what) in self._host_arena_kinds().items():
+        kinds = self._host_arena_kinds()
+        for name in before.keys() - kinds.keys():  # the second landing arena, when deferred stores turn off
+            del self.arenas[name]
+        for name, (dtype, pinned, what) in kinds.items():
             grown = HostBuffer(plan.host_numel, dtype, pin=pinned, name=what)
-            grown.tensor[:n_old].copy_(self.arenas[name].tensor[:n_old])
+            if name in before:
+                grown.tensor[:n_old].copy_(self.arenas[name].tensor[:n_old])
             self.arenas[name] = grown
         leaving = {b.index: b for b in self.device_buckets if b.index in moved}
         host_new = [HostBucket(plan.buckets[i], leaving[i].params) for i in moved]

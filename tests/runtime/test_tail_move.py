@@ -150,6 +150,32 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
     ref.close()
 
 
+def test_a_tail_holding_every_bucket_moves_to_empty_host_arenas(device_budget) -> None:
+    """The short batch leaves room for the whole optimizer on the device (no host arenas at all); the long one
+    moves the first buckets to a host that had none."""
+    model = _model()
+    n = sum(p.numel() for p in model.parameters())
+    need = [estimate(model.config, batch_size=BATCH, seq_len=s, grad_ckpt=False, chunked_loss=True,
+                     plan_like=PlanLike(device_numel=n, bucket_bytes=2 * n // 8)).gpu_required_bytes
+            for s in (SHORT, LONG)]
+    device_budget(int((need[0] + need[1]) / 2 / (1 - 0.04)))
+    data = _batches([SHORT] * 2 + [LONG] * 2)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    _train(opt, model, data[:2])
+    assert opt.plan.host_numel == 0
+    before = _saved(opt, model)
+    norms = _train(opt, model, data[2:])
+    k = len(opt.plan.device_buckets)
+    assert 0 < k < len(opt.plan.buckets)
+    assert opt.plan.defer_moments and "landing1" in opt.engine.layout.arenas, "deferred stores follow the host share"
+    ref, ref_model = _started_with(before, SuperOffloadConfig(), k)
+    assert _runtime_fields(ref.plan) == _runtime_fields(opt.plan)
+    assert _train(ref, ref_model, data[2:]) == norms
+    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+    opt.close()
+    ref.close()
+
+
 def test_a_move_also_sets_the_kept_layers_of_its_plan(device_budget) -> None:
     """Under per-layer checkpointing the kept layers are given back first; when that is not enough, the shrunk
     plan's kept layers (the most the device holds beside the smaller tail) are applied with the move."""
