@@ -265,6 +265,35 @@ def test_a_checkpoint_after_the_move_resumes_bit_identically(device_budget) -> N
     fresh.close()
 
 
+def test_the_export_after_a_move_holds_the_masters(device_budget, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from hf_superoffload import export_checkpoint
+
+    model = _model()
+    device_budget(_budget(model))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    data = _batches([SHORT] * 2 + [LONG])
+    _train(opt, model, data[:2])
+    tail = len(opt.plan.device_buckets)
+    _train(opt, model, data[2:])
+    assert len(opt.plan.device_buckets) < tail
+    ckpt = tmp_path / "checkpoint-3"
+    ckpt.mkdir()
+    torch.save(opt.state_dict(), ckpt / "optimizer.pt")
+    model.config.save_pretrained(ckpt)
+    flat, names = opt.engine.flat_state(), {id(p): n for n, p in model.named_parameters()}
+    masters = {}
+    for i, p in enumerate(opt.engine.params):
+        placement, off = opt.engine.param_location(i)
+        side = flat["host" if placement is Placement.HOST else "device"]["master"]
+        masters[names[id(p)]] = side[off : off + p.numel()].view(p.shape).clone()
+    loaded = dict(AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "out"),
+                                                       dtype=torch.float32).named_parameters())
+    assert all(torch.equal(loaded[n].detach(), m) for n, m in masters.items())
+    opt.close()
+
+
 def test_a_batch_no_tail_fits_is_refused_and_changes_nothing(device_budget) -> None:
     model = _model()
     device_budget(_budget(model))
