@@ -111,7 +111,8 @@ class GradFlush:
             raise RuntimeError(
                 f"parameter {i} received a gradient after its bucket was offloaded in this step. "
                 "For gradient accumulation, run the non-final micro-batches inside `with optimizer.no_sync():` "
-                "(Trainer and Accelerate do this for you); call optimizer.step() before the next backward."
+                "(SuperOffloadTrainer and prepare_superoffload do this for you; a plain Trainer or accelerator.prepare "
+                "does not: use those); call optimizer.step() before the next backward."
             )
         arrived = self.arrived[b.index]
         if i in arrived:

@@ -117,3 +117,15 @@ def test_an_optimizer_of_another_model_is_refused_by_superoffload_trainer(tmp_pa
     with pytest.raises(ValueError, match=r"SuperOffloadTrainer\(optimizers=\(\.\.\.\)\): the SuperOffloadOptimizer was "
                                          r"built for another model"):
         SuperOffloadTrainer(model=tiny_llama(seed=0), args=args, optimizers=(other, None))
+
+
+def test_accumulating_without_no_sync_names_the_adapters_that_handle_it() -> None:
+    """A second backward before ``step()`` outside ``no_sync()`` (what a plain Trainer or ``accelerator.prepare``
+    does with accumulation) is refused in one line that names the adapters doing it right."""
+    model = tiny_llama()
+    opt = SuperOffloadOptimizer(model, lr=1e-3, config=SuperOffloadConfig(gpu_resident_buckets=0), log_plan=False)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match=r"no_sync.*SuperOffloadTrainer and prepare_superoffload"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    opt.close()
