@@ -402,8 +402,8 @@ def make_plan(
 
 # Tails whose worst-case predicted steps are this close count as equal: the larger tail is taken (it needs less host
 # RAM and CPU). Only a near-flat optimum: the roofline's absolute error is a few percent, but neighbouring tails share
-# every term but the host share and the kept layers, and a 1% band gave away a kept layer (about 0.7% of the step)
-# at 8B, batch 16 and batch 8.
+# every term but the host share and the kept layers, and a 1% band gave away a kept layer at 8B batch 8 and 16
+# (predicted 0.8%, measured 0.4% at batch 16: benchmarks docs, "What the defaults do").
 _TAIL_TIME_TIE = 0.002
 # Candidate tails evaluated in the first, coarse pass of the fastest-tail search.
 _TAIL_PROBES = 48
