@@ -315,11 +315,12 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int) -> dict[s
                                                                                grad_ckpt=True)
     est = estimate(shape, plan_like=plan_like, **run)
     step = predict_step_time(shape, plan_like, HardwareProfile.h200_pcie(), batch_size=batch, seq_len=seq,
-                             grad_ckpt=True, clipping_every_step=True)  # clipping at 1.0 fires on this random data
+                             grad_ckpt=True, clipping_every_step=True,  # clipping at 1.0 fires on this random data
+                             micro_batches=accum)
     return {"gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": est.host_expected_bytes / 1e9,
-            # one micro-batch's step; with accumulation the GPU part repeats per micro-batch
             "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s,
-            "optimizer_step_s": None if step is None else step.step_s + (accum - 1) * step.gpu_s}
+            "micro_batch_s": None if step is None else step.micro_batch_s,
+            "optimizer_step_s": None if step is None else step.step_s}
 
 
 def _setting(kv: str) -> tuple[str, Any]:

@@ -193,6 +193,8 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int_in(1, 1 << 16), required=True)
     p.add_argument("--seq-len", type=int_in(1, MAX_SEQ), required=True)
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing")
+    p.add_argument("--grad-accum", type=int_in(1, 1 << 16), default=1, metavar="M",
+                   help="micro-batches per optimizer step (gradient accumulation; the step time covers all M)")
     p.add_argument("--gpu-mem", type=memory, default=None, help="free GPU memory in GiB (overrides the profile)")
     p.add_argument("--host-mem", type=memory, default=None, help="available host RAM in GiB (overrides the profile)")
     p.add_argument("--profile", default="measure", help="measure (this machine), gh200, h200, rtx4090 or a JSON "
@@ -260,7 +262,7 @@ def main_plan(args: argparse.Namespace) -> int:
     sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk, mlp_tile_tokens=args.tiled_mlp or None,
                  keep_attention=args.keep_attention, chunked_loss=cfg.chunked_loss)
     # transformers decoders checkpoint per layer: the plan may keep some ([Note: kept layers])
-    workload = Workload(shape, **run, **sp_kw, layer_checkpointing=args.grad_ckpt)
+    workload = Workload(shape, **run, **sp_kw, layer_checkpointing=args.grad_ckpt, accumulation=args.grad_accum > 1)
     ranks: dict[str, Any] = {}
     if world > 1:  # one rank per GPU of this host; the profile's cores are split between them
         cores = list(range(profile.cpu_cores)) if profile.cpu_cores else None
@@ -283,10 +285,11 @@ def main_plan(args: argparse.Namespace) -> int:
         reasons.append(f"the planner refuses: {e}")
         plan, plan_like = None, PlanLike.all_host(sum(numels))
     step = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp, data_parallel=dp,
-                             mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention)
+                             mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention,
+                             micro_batches=args.grad_accum)
     clipped = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp, data_parallel=dp,
                                 mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention,
-                                clipping_every_step=True)
+                                clipping_every_step=True, micro_batches=args.grad_accum)
     if step is not None and plan is not None and plan.rollback.value == "snapshot":
         plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
     est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
@@ -389,7 +392,9 @@ def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfil
     if st is None:
         lines.append("predicted step: unknown (the profile lacks measured GPU/link rates; try --profile h200)")
     else:
-        lines.append(f"predicted step: {st['step_s']:.3f} s (GPU {st['gpu_s']:.3f}, CPU Adam {st['cpu_s']:.3f} "
+        accum = "" if st["micro_batches"] == 1 else (f"{st['micro_batches']} micro-batches, each before the last "
+                                                      f"{st['micro_batch_s']:.3f} s; the last: ")
+        lines.append(f"predicted step: {st['step_s']:.3f} s ({accum}GPU {st['gpu_s']:.3f}, CPU Adam {st['cpu_s']:.3f} "
                      f"against a {st['backward_window_s']:.3f} s backward, exposed {st['exposed_s']:.3f}, device tail "
                      f"{st['tail_s']:.3f}; {st['speculated_fraction']:.0%} of host buckets speculated); "
                      f"{out['step_time_clipping_every_step_s']:.3f} s while clipping fires every step")

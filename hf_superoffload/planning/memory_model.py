@@ -207,6 +207,8 @@ class PlanLike:
         d2h_lead_buckets: ``OffloadPlan.d2h_lead_buckets``: flattened gradient buckets that may wait for their D2H
             on the GPU ([Note: D2H lead]); one is already in ``INFLIGHT_BUCKETS``.
         kept_layers: ``OffloadPlan.kept_layers``: under checkpointing, decoder layers that keep their activations.
+        host_accumulation: ``OffloadPlan.host_accumulation``: ``"off"`` (micro-batches sum on the device),
+            ``"fp32"`` or ``"landing"`` (the host sums them: the step-time roofline's micro-batch adds).
     """
 
     device_numel: int = 0
@@ -221,6 +223,7 @@ class PlanLike:
     deferred_landing_bytes: int = 0
     d2h_lead_buckets: int = 0
     kept_layers: int = 0
+    host_accumulation: Literal["off", "fp32", "landing"] = "off"
 
     def __post_init__(self) -> None:
         if self.kept_layers < 0:
@@ -244,7 +247,8 @@ class PlanLike:
                    deferred_landing_bytes=plan.deferred_landing_bytes(),
                    weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
                    bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu",
-                   d2h_lead_buckets=plan.d2h_lead_buckets, kept_layers=plan.kept_layers)
+                   d2h_lead_buckets=plan.d2h_lead_buckets, kept_layers=plan.kept_layers,
+                   host_accumulation=plan.host_accumulation.value)
 
     @classmethod
     def all_host(cls, numel: int, **kw: Any) -> PlanLike:  # every optimizer state on the host, no device tail

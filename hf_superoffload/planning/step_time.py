@@ -43,7 +43,20 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   is exposed before the forward's first layer. ``collectives_s = rs_s + ag_s``, ``collectives_exposed_s`` the
   share of ``exposed`` that only the collectives cause. Not modelled: NCCL's SMs slowing the backward's GEMMs,
   and Ulysses' all-to-alls (inside ``gpu_s``' efficiency). Modelled from the mechanism, not yet calibrated.
-* ``step_s = gpu_s + tail_s + exposed``. While clipping fires on every step, speculation pauses: nothing is
+* gradient accumulation over M micro-batches: the M - 1 before the last run ``micro_batch_s`` each, and the
+  optimizer step is ``step_s = (M - 1) micro_batch_s + gpu_s + tail_s + exposed`` (the last micro-batch carries
+  the step's own terms above; its CPU pass overlaps the next step's first forward). A non-final micro-batch is
+  its forward, ``max(W_f, fetch)`` under weight flow, plus its backward ``max(W_b, link, adds)``: with host
+  accumulation ([Note: host accumulation] in docs/weight_flow.md) every micro-batch's host gradients cross the
+  link (2 B/param, beside the flow's backward fetch at the concurrent rates), and the worker sums them into the
+  accumulator while the DMA writes the next ones and the fetch reads the weights, all in host memory: per
+  parameter 6 B for the bf16 landing add (read slot and sum, write sum) or 10 B for the fp32 arena, plus the
+  gradient's 2 B landing and, under flow, the weights' 2 B read, at ``ACCUMULATE_DRAM_EFFICIENCY`` of
+  ``host_memory_gbps``. Fitted on one row: 8B batch 4 x 8 under a 24 GiB cap (weight flow, landing adds, 7.26B
+  host parameters) moved 72.6 GB per backward in 0.98 s, 0.60 of the box's 123.2 GB/s STREAM rate (the adds'
+  own share ran at ~65 GB/s in the profile); its step measured 11.05 s against 9.17 predicted without this term
+  (on device accumulation, a micro-batch is ``gpu_s``: gradients stay in ``.grad``).
+* ``step_s = gpu_s + tail_s + exposed`` for one micro-batch. While clipping fires on every step, speculation pauses: nothing is
   stepped in the backward, and the whole pass (``H / R``, no DMA contention; 20/28 of it with deferred moment
   stores) is ``rem``, overlapping only the next forward (3.6B all-host, batch 8: 1.30 s predicted, 1.274
   measured).
@@ -56,7 +69,7 @@ from dataclasses import dataclass
 from .hardware import HardwareProfile
 from .memory_model import ModelShape, PlanLike
 
-__all__ = ["ATTENTION_EFFICIENCY", "GEMM_EFFICIENCY", "PEER_GBPS_ASSUMED", "StepTime", "collective_seconds",
+__all__ = ["ACCUMULATE_ADD_BYTES", "ACCUMULATE_DRAM_EFFICIENCY", "ATTENTION_EFFICIENCY", "GEMM_EFFICIENCY", "PEER_GBPS_ASSUMED", "StepTime", "collective_seconds",
            "predict_step_time"]
 
 GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate ...
@@ -67,6 +80,12 @@ def gemm_efficiency(hidden_size: int) -> float:
     """The share of the profile's GEMM rate a training step reaches ([Note: step-time roofline])."""
     return GEMM_EFFICIENCY * min(1.0, hidden_size / GEMM_EFFICIENCY_WIDTH) ** 0.4
 ATTENTION_EFFICIENCY = 0.6  # ... and of the causal attention term (fitted where it dominates: 8B at 256k tokens)
+# [Note: step-time roofline]: host accumulation's adds, the gradient DMA landing and the flow's weight reads share
+# host memory at this fraction of the STREAM rate (fitted on the 24 GiB-cap 8B row's profile).
+ACCUMULATE_DRAM_EFFICIENCY = 0.6
+ACCUMULATE_ADD_BYTES = {"landing": 6, "fp32": 10}
+"""Host-memory bytes per parameter of one micro-batch's accumulation add: read the landed gradient and the sum,
+write the sum (bf16 landing buffer, or the fp32 arena)."""
 # NCCL bus bandwidth between GPUs of one host when the profile has no ``peer_gbps``: NVLink 4 (H100/H200 HGX),
 # 450 GB/s per direction nominal, 350-370 GB/s reached by nccl-tests' reduce-scatter and all-gather. Assumed.
 PEER_GBPS_ASSUMED = 350.0
@@ -88,6 +107,9 @@ class StepTime:
     speculated_fraction: float
     collectives_s: float = 0.0
     collectives_exposed_s: float = 0.0
+    micro_batch_s: float = 0.0
+    """A non-final micro-batch of gradient accumulation (``gpu_s`` when gradients accumulate on the device)."""
+    micro_batches: int = 1
 
 
 def collective_seconds(numel: int, world_size: int, peer_gbps: float) -> float:
@@ -101,7 +123,7 @@ def collective_seconds(numel: int, world_size: int, peer_gbps: float) -> float:
 def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareProfile, *, batch_size: int,
                       seq_len: int, grad_ckpt: bool, sequence_parallel: int = 1, data_parallel: int = 1,
                       mlp_tile_tokens: int | None = None, keep_attention: bool = False,
-                      clipping_every_step: bool = False) -> StepTime | None:
+                      clipping_every_step: bool = False, micro_batches: int = 1) -> StepTime | None:
     """The roofline of [Note: step-time roofline] for one rank; ``None`` when the profile lacks a rate it needs.
 
     ``sequence_parallel`` P: each of the P ranks on this host computes 1/P of every layer (its tokens outside
@@ -112,7 +134,10 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     MLP's backward runs one more MLP forward (2 FLOPs per MLP weight and token). ``keep_attention``: checkpointing
     keeps attention's outputs, so attention runs forward once (6 instead of 8 FLOPs per attention "parameter").
     ``clipping_every_step``: speculation pauses (every verdict is a redo), so the whole CPU pass starts at the
-    verdict, free of the backward's DMA, and with deferred moment stores moves 20 of 28 B/param."""
+    verdict, free of the backward's DMA, and with deferred moment stores moves 20 of 28 B/param.
+    ``micro_batches`` M: micro-batches per optimizer step; ``step_s`` is then the whole optimizer step."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches}: use the number of micro-batches per optimizer step (>= 1)")
     p, host = profile, plan_like.host_numel
     need = (p.matmul_tflops, p.cpu_adam_gparams, p.h2d_gbps, p.d2h_gbps, p.device_memory_gbps)
     if any(x is None for x in need):
@@ -162,5 +187,22 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
 
     exposed = exposed_s(rs_s, ag_s, 2 * one_bucket)
     tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
-    return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed, gpu_s + tail_s + exposed,
-                    spec / cpu_s if cpu_s > 0 else 1.0, rs_s + ag_s, exposed - exposed_s(0.0, 0.0, 0.0))
+    micro = _micro_batch_s(plan_like, p, w_f, w_b, host_bw)
+    return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed,
+                    (micro_batches - 1) * micro + gpu_s + tail_s + exposed,
+                    spec / cpu_s if cpu_s > 0 else 1.0, rs_s + ag_s, exposed - exposed_s(0.0, 0.0, 0.0),
+                    micro, micro_batches)
+
+
+def _micro_batch_s(plan_like: PlanLike, p: HardwareProfile, w_f: float, w_b: float, host_bw: float) -> float:
+    """A non-final micro-batch of gradient accumulation ([Note: step-time roofline]): its forward and backward,
+    each bound by the GPU, the link or, with host accumulation, host memory."""
+    host, flow = plan_like.host_numel, plan_like.weight_mode == "flow"
+    assert p.h2d_gbps is not None and p.d2h_gbps is not None
+    h2d_c, d2h_c = (p.h2d_concurrent_gbps or p.h2d_gbps) * 1e9, (p.d2h_concurrent_gbps or p.d2h_gbps) * 1e9
+    forward = max(w_f, 2 * host / (p.h2d_gbps * 1e9)) if flow else w_f
+    adds = ACCUMULATE_ADD_BYTES.get(plan_like.host_accumulation)
+    fetch = 2 * host / h2d_c if flow else 0.0
+    down = 0.0 if adds is None else 2 * host / (d2h_c if flow else p.d2h_gbps * 1e9)
+    dram = 0.0 if adds is None else host * (adds + 2 + (2 if flow else 0)) / (host_bw * ACCUMULATE_DRAM_EFFICIENCY)
+    return forward + max(w_b, fetch, down, dram)

@@ -295,3 +295,18 @@ def test_step_time_predictions_hold_against_the_measured_default_rows():
         st = predict_step_time(shape, PlanLike.from_plan(plan), h200, batch_size=batch, seq_len=2048, grad_ckpt=True,
                                clipping_every_step=True)
         assert st.step_s == pytest.approx(measured, rel=0.10), (name, config)
+
+
+def test_grad_accum_prices_every_micro_batch(capsys):
+    """``--grad-accum M``: the step covers all M micro-batches; under a 24 GiB GPU the plan streams the weights and
+    sums on the host, so a micro-batch costs more than its GPU work ([Note: step-time roofline])."""
+    args = ("--model", "8b", "--batch-size", "4", "--seq-len", "2048", "--grad-ckpt", "--profile", "h200",
+            "--gpu-mem", "22")
+    _, one = plan_json(capsys, *args)
+    rc, eight = plan_json(capsys, *args, "--grad-accum", "8")
+    assert rc == EXIT_FITS and eight["plan"]["weight_mode"] == "flow"
+    st = eight["step_time_s"]
+    assert st["micro_batches"] == 8 and st["micro_batch_s"] > st["gpu_s"]
+    assert st["step_s"] == pytest.approx(7 * st["micro_batch_s"] + one["step_time_s"]["step_s"], rel=0.02)
+    rc, out, _ = plan(capsys, *args, "--grad-accum", "8")
+    assert "8 micro-batches, each before the last" in out
