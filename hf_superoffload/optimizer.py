@@ -18,8 +18,17 @@ from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_d
 from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
 from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
+from .planning.memory_model import ModelShape, PlanLike, estimate
 from .planning.plan import OffloadPlan
-from .planning.planner import Workload, device_holds, make_plan, most_kept_layers, shrink_tail
+from .planning.planner import (
+    CALIBRATION_STEPS,
+    Workload,
+    calibrated_budget,
+    device_holds,
+    make_plan,
+    most_kept_layers,
+    shrink_tail,
+)
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
@@ -155,6 +164,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._growth_hook: Any = None
         self._kept: KeptLayers | None = None  # [Note: kept layers]: the layers the plan leaves unchecked
         self._fitted_tokens = 0  # the most tokens per training batch checked against the plan's device memory
+        self._fitted: Workload | None = None  # ... and that batch's workload
+        self._budget: HardwareProfile | None = None  # the device budget later batches are checked against
+        self._steps_taken = 0
+        self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
+        self._other_at_plan = 0  # device bytes allocated at the first batch that are not the model's weights
         self._fp32_values: list[torch.Tensor | None] | None = None
         infer = profile_read and not converted and self._infers_workload()
         if comm is not None:
@@ -234,10 +248,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         profile, device = self._profile, self._ordered[0].device
         if device.type == "cuda":
             profile = dataclasses.replace(profile, device_free_bytes=cuda_free_bytes(device)[0])
+            self._other_at_plan = max(0, torch.cuda.memory_allocated(device) - _own_weight_bytes(self._model, device))
         return _count_own_weights_as_free(profile, self._model, device)
 
     def _planning_workload(self, workload: Workload) -> Workload:
-        if workload.grad_ckpt and layer_checkpointing(self._model):
+        # once kept layers are set the model no longer checkpoints every layer: the optimizer's own doing
+        if workload.grad_ckpt and (self._kept is not None or layer_checkpointing(self._model)):
             return dataclasses.replace(workload, layer_checkpointing=True)  # [Note: kept layers]
         return workload
 
@@ -285,8 +301,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             budget = profile or self._profile
             if budget.device_free_bytes is not None:
                 self._fitted_tokens = self.workload.batch_size * self.workload.seq_len
-                self._growth_hook = self._model.register_forward_pre_hook(
-                    lambda m, a, k: self._check_batch(m, a, k, budget), with_kwargs=True, prepend=True)
+                self._fitted, self._budget = self.workload, budget
+                self._growth_hook = self._model.register_forward_pre_hook(self._check_batch, with_kwargs=True,
+                                                                          prepend=True)
         if self._log_plan:
             logger.info("%s", plan.summary())
         for listener in self.plan_listeners:
@@ -301,40 +318,20 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._kept = KeptLayers(checkpointed_layers(self._model), kept)
         self._kept.set(kept)
 
-    def _check_batch(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     budget: HardwareProfile) -> None:
+    def _check_batch(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook once planned: a training batch with more tokens than any checked so far must fit the
         plan's device memory by the memory model, with fewer kept layers or with device buckets moved to the host
         ([Note: moving the tail to the host]), or it is refused here, before its forward allocates anything (a CUDA
         out-of-memory error mid-step would leave a half-done step; this leaves everything as it was)."""
         if not (torch.is_grad_enabled() and module.training) or self.workload is None:
             return
+        if not self._calibrated and self._steps_taken >= CALIBRATION_STEPS:
+            self._calibrate()
         shape = _batch_shape(args, kwargs)
         if shape is None or shape[0] * shape[1] <= self._fitted_tokens:
             return
         larger = dataclasses.replace(self.workload, batch_size=shape[0], seq_len=shape[1])
-        ok, why = device_holds(self.plan, larger, budget, 1)
-        plan = self.plan
-        # checkpoint kept layers again before moving anything: the values are the same, only slower
-        if (not ok and self._kept is not None and self._kept.kept
-                and device_holds(dataclasses.replace(plan, kept_layers=0), larger, budget, 1)[0]):
-            kept = most_kept_layers(plan, larger, budget, 1, self._kept.kept)
-            logger.info("hf_superoffload: a training batch of %d x %d tokens: %d decoder layer(s) keep their "
-                        "activations instead of %d, so that it fits", shape[0], shape[1], kept, self._kept.kept)
-            self._kept.set(kept)
-            self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
-            ok = True
-        if not ok and self._built.can_move_to_host:
-            # [Note: moving the tail to the host] in planning/planner.py: before this forward allocates anything
-            shrunk = shrink_tail(plan, self._planning_workload(larger), budget,
-                                 numels=[p.numel() for p in self._ordered], element_size=2, config=self.config)
-            if shrunk is not None:
-                moved = self._built.move_to_host(shrunk)
-                self._set_kept_layers(shrunk.kept_layers)
-                logger.info("hf_superoffload: a training batch of %d x %d tokens: %d parameters (%d bucket(s)) moved "
-                            "their optimizer state to the host so that it fits", shape[0], shape[1], moved,
-                            len(plan.device_buckets) - len(shrunk.device_buckets))
-                ok = True
+        ok, why = self._fit(larger, f"a training batch of {shape[0]} x {shape[1]} tokens")
         if not ok:
             w = self.workload
             raise RuntimeError(
@@ -343,7 +340,69 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 f"SuperOffloadOptimizer(..., workload=Workload(model.config, batch_size={shape[0]}, "
                 f"seq_len={shape[1]}, grad_ckpt={w.grad_ckpt})), or superoffload_max_seq_len with the Trainer; or cap "
                 "the batches' length")
-        self._fitted_tokens = shape[0] * shape[1]
+        self._fitted_tokens, self._fitted = shape[0] * shape[1], larger
+
+    def _calibrate(self) -> None:
+        """[Note: calibration from the measured peak] in planning/planner.py: once, before the forward after the
+        first ``CALIBRATION_STEPS`` steps, restate the device budget from what this process reserved at its peak,
+        then give the room to kept layers or, if the memory model was short, take it back (kept layers first,
+        then device buckets to the host)."""
+        self._calibrated = True
+        need = _measured_device_need(self.device, self._other_at_plan)
+        if need is None or self._budget is None or self._fitted is None:
+            return
+        workload = self._planning_workload(self._fitted)
+        plan = self.plan
+        est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
+        self._budget = calibrated_budget(self._budget, predicted_required=est.gpu_required_bytes, measured_need=need)
+        gib = 1024**3
+        logger.info("hf_superoffload: calibrated on the first %d steps: %.1f GiB reserved at the peak, %.1f GiB "
+                    "predicted with the allocator's slack", CALIBRATION_STEPS, need / gib,
+                    est.gpu_required_bytes / gib)
+        ok, why = self._fit(self._fitted, "the measured peak")
+        if not ok:  # the next forward would likely run out of memory; nothing has changed yet
+            raise RuntimeError(f"hf_superoffload: the first {CALIBRATION_STEPS} steps reserved {need / gib:.1f} GiB "
+                               f"of device memory, more than the plan leaves room for ({why}) and no device bucket "
+                               "can move to the host; set SuperOffloadConfig(gpu_resident_buckets=0) or a shorter "
+                               "batch")
+        if workload.layer_checkpointing:  # [Note: kept layers]: room the model did not see goes to them
+            plan = self.plan
+            layers = ModelShape.from_config(workload.model).num_layers
+            kept = most_kept_layers(plan, workload, self._budget, 1, layers)
+            if kept > plan.kept_layers:
+                logger.info("hf_superoffload: the measured peak leaves room: %d decoder layer(s) keep their "
+                            "activations instead of %d", kept, plan.kept_layers)
+                self._set_kept_layers(kept)
+                self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
+
+    def _fit(self, workload: Workload, what: str) -> tuple[bool, str]:
+        """Make the plan hold ``workload`` on the device budget: as it is, with fewer kept layers, or with device
+        buckets moved to the host ([Note: moving the tail to the host]); ``(False, why)`` if none does (nothing
+        changed then)."""
+        budget = self._budget
+        assert budget is not None and self._built is not None
+        ok, why = device_holds(self.plan, workload, budget, 1)
+        plan = self.plan
+        # checkpoint kept layers again before moving anything: the values are the same, only slower
+        if (not ok and self._kept is not None and self._kept.kept
+                and device_holds(dataclasses.replace(plan, kept_layers=0), workload, budget, 1)[0]):
+            kept = most_kept_layers(plan, workload, budget, 1, self._kept.kept)
+            logger.info("hf_superoffload: %s: %d decoder layer(s) keep their activations instead of %d, so that it "
+                        "fits", what, kept, self._kept.kept)
+            self._kept.set(kept)
+            self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
+            ok = True
+        if not ok and self._built.can_move_to_host:
+            # [Note: moving the tail to the host] in planning/planner.py: before this forward allocates anything
+            shrunk = shrink_tail(plan, self._planning_workload(workload), budget,
+                                 numels=[p.numel() for p in self._ordered], element_size=2, config=self.config)
+            if shrunk is not None:
+                moved = self._built.move_to_host(shrunk)
+                self._set_kept_layers(shrunk.kept_layers)
+                logger.info("hf_superoffload: %s: %d parameters (%d bucket(s)) moved their optimizer state to the "
+                            "host so that it fits", what, moved, len(plan.device_buckets) - len(shrunk.device_buckets))
+                ok = True
+        return ok, why
 
     @property
     def _engine(self) -> OffloadEngine:
@@ -434,6 +493,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._engine.abort_step()
             raise
         self.last_grad_norm = stats.grad_norm
+        self._steps_taken += 1
         if stats.verdict == StepVerdict.SKIP.value:
             self.skipped_steps += 1
             logger.warning("hf_superoffload: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
@@ -595,18 +655,33 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             engine.close()
 
 
-def _count_own_weights_as_free(profile: HardwareProfile, model: torch.nn.Module, device: torch.device) -> HardwareProfile:
-    """The memory model counts the model's resident weights in a workload's need, so the budget it is checked
-    against is the free device memory *plus* what those weights already take (and this process's allocator
-    cache, which it can reuse); otherwise the weights would count twice and the GPU tail come out too small."""
-    if profile.device_free_bytes is None or device.type != "cuda":
-        return profile
+def _measured_device_need(device: torch.device, other_at_plan: int) -> int | None:
+    """[Note: calibration from the measured peak]: the device bytes this run has needed at its peak, as the plan
+    counts them (``None`` off CUDA): the allocator's reserved high-water mark, less what was allocated at the first
+    batch besides the model's weights (the budget already left that out)."""
+    if device.type != "cuda":
+        return None
+    return max(0, torch.cuda.max_memory_reserved(device) - other_at_plan)
+
+
+def _own_weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of the model's parameters resident on ``device`` (shared storages once)."""
     seen: set[int] = set()
     own = 0
     for p in model.parameters():
         if p.device == device and p.data_ptr() not in seen:
             seen.add(p.data_ptr())
             own += p.numel() * p.element_size()
+    return own
+
+
+def _count_own_weights_as_free(profile: HardwareProfile, model: torch.nn.Module, device: torch.device) -> HardwareProfile:
+    """The memory model counts the model's resident weights in a workload's need, so the budget it is checked
+    against is the free device memory *plus* what those weights already take (and this process's allocator
+    cache, which it can reuse); otherwise the weights would count twice and the GPU tail come out too small."""
+    if profile.device_free_bytes is None or device.type != "cuda":
+        return profile
+    own = _own_weight_bytes(model, device)
     cache = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return dataclasses.replace(profile, device_free_bytes=profile.device_free_bytes + own + max(0, cache))
 

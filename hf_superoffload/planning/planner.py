@@ -23,7 +23,8 @@ from .plan import (
 )
 from .step_time import predict_step_time
 
-__all__ = ["AUTO_D2H_LEAD", "LANDING_RING_SLOTS", "PlanError", "Workload", "d2h_lead", "device_holds",
+__all__ = ["AUTO_D2H_LEAD", "CALIBRATED_MARGIN", "CALIBRATION_STEPS", "LANDING_RING_SLOTS", "PlanError", "Workload", "calibrated_budget",
+           "d2h_lead", "device_holds",
            "landing_ring_slots", "make_plan", "partition_buckets",
            "share_count", "shrink_tail", "split_cores"]
 
@@ -491,6 +492,40 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
     why = (f"{est.gpu_required_bytes / gib:.1f} of {budget / gib:.1f} GiB usable device memory predicted "
            f"({_DEVICE_MARGIN:.0%} of the free memory kept spare)")
     return est.gpu_required_bytes <= budget and host_ok, why
+
+
+# [Note: calibration from the measured peak]
+# The plan made at the first batch rests on the memory model, which holds within ~1.5% on the GPU for the
+# decoders it knows, and on margins for what it does not model: the allocator's slack (5% + 1 GiB) and
+# ``_DEVICE_MARGIN`` (4% of the free memory). Once the first ``CALIBRATION_STEPS`` optimizer steps have run (their
+# forward, backward, device AdamW and the uploads that overlap the next forward), the optimizer reads what this
+# process really reserved at its peak, the allocator's own high-water mark, which includes its fragmentation, and
+# replaces those margins by the measurement: a plan fits the calibrated budget when the measured need plus what
+# the memory model says the change adds stays under the free memory less ``CALIBRATED_MARGIN``. Where the model
+# was cautious the room goes to kept layers (the step gets faster, the values stay the same); where it was short
+# the kept layers go first, then device buckets move to the host ([Note: moving the tail to the host]), before
+# the next forward allocates anything. Once per run: later batches are checked against the calibrated budget.
+CALIBRATED_MARGIN = 0.02
+"""Share of the free device memory kept spare above a measured peak (what the next steps may fragment more)."""
+CALIBRATION_STEPS = 2
+"""Optimizer steps measured before the calibration (the second one's uploads overlap a forward, as every later
+step's do)."""
+
+
+def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, measured_need: int) -> HardwareProfile:
+    """``profile`` with the device's free memory restated so that :func:`device_holds` (which keeps
+    ``_DEVICE_MARGIN`` spare and adds the allocator's slack to every prediction) accepts a plan exactly when
+    ``measured_need + (its prediction - predicted_required) <= free * (1 - CALIBRATED_MARGIN)``:
+    ``predicted_required`` is what the memory model said the measured plan and batch need ([Note: calibration from
+    the measured peak])."""
+    free = profile.device_free_bytes
+    if free is None:
+        raise ValueError("calibrated_budget needs a profile that knows the device's free memory")
+    if measured_need < 0 or predicted_required < 0:
+        raise ValueError(f"measured_need={measured_need}, predicted_required={predicted_required}: use byte counts "
+                         ">= 0")
+    usable = free * (1.0 - CALIBRATED_MARGIN) + predicted_required - measured_need
+    return dataclasses.replace(profile, device_free_bytes=max(0, int(usable / (1.0 - _DEVICE_MARGIN))))
 
 
 # [Note: moving the tail to the host]

@@ -1,0 +1,235 @@
+"""[Note: calibration from the measured peak] (planning/planner.py): after the first steps the optimizer restates
+the device budget from what the process really reserved, gives room the memory model did not see to kept layers
+and takes back what it overcounted (kept layers first, then device buckets to the host), before the next forward.
+On CPU the measurement is simulated (``_measured_device_need``) beside a simulated device budget; the values trained
+are those of a run that started with the calibrated plan, bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+
+from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload import optimizer as optimizer_module
+from hf_superoffload.planning import hardware
+from hf_superoffload.planning.hardware import HardwareProfile
+from hf_superoffload.planning.memory_model import PlanLike, estimate
+from hf_superoffload.planning.planner import CALIBRATED_MARGIN, CALIBRATION_STEPS, Workload, calibrated_budget
+from hf_superoffload.testing import tiny_llama
+
+GiB = 1024**3
+BATCH, SEQ = 2, 24
+
+
+def _model(ckpt: bool) -> torch.nn.Module:
+    model = tiny_llama(seed=3, num_hidden_layers=4)
+    if ckpt:
+        model.activation_checkpointing_enable()
+    model.train()
+    return model
+
+
+@pytest.fixture
+def device(monkeypatch: pytest.MonkeyPatch):
+    """A simulated device: ``budget(bytes)`` sets the free memory the first batch's plan sees, ``measure(fn)`` what
+    the calibration reads as this run's peak (``fn(opt)``; ``None``: nothing measured, as on a CPU)."""
+
+    class Device:
+        opt: SuperOffloadOptimizer | None = None
+        reads = 0
+
+        def budget(self, free: int) -> None:
+            profile = HardwareProfile(device_type="cpu", device_free_bytes=free, host_available_bytes=64 * GiB,
+                                      cpu_threads=2)
+            monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
+
+        def measure(self, fn) -> None:
+            def measured(device: torch.device, other: int) -> int | None:
+                self.reads += 1
+                return None if self.opt is None else fn(self.opt)
+
+            monkeypatch.setattr(optimizer_module, "_measured_device_need", measured)
+
+    return Device()
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(n)]
+
+
+def _train(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
+    norms = []
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        norms.append(opt.last_grad_norm)
+    return norms
+
+
+def _snapshot(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
+    opt.synchronize()
+    state = opt.state_dict()["superoffload"]
+    tensors: list[torch.Tensor] = []
+
+    def walk(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            tensors.append(obj.clone())
+        elif isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k])
+        elif isinstance(obj, list | tuple):
+            for v in obj:
+                walk(v)
+
+    walk(state)
+    return [p.detach().clone() for p in model.parameters()] + tensors
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _required(opt: SuperOffloadOptimizer, **plan_like: int) -> int:
+    """The memory model's device need (with the allocator's slack) of the run's workload under ``plan_like``, or
+    under the optimizer's own plan."""
+    w = opt.workload
+    assert w is not None
+    pl = PlanLike(**plan_like) if plan_like else PlanLike.from_plan(opt.plan)
+    return estimate(w.model, plan_like=pl, batch_size=w.batch_size, seq_len=w.seq_len, grad_ckpt=w.grad_ckpt,
+                    chunked_loss=True).gpu_required_bytes
+
+
+def test_the_calibrated_budget_replaces_the_margins_by_the_measurement() -> None:
+    free = 100 * GiB
+    profile = HardwareProfile(device_type="cuda", device_free_bytes=free, host_available_bytes=None, cpu_threads=1)
+    # the model said 90 GiB with its slack; the run reserved 80: a plan the model puts at 90 + x fits while
+    # 80 + x <= 98 GiB, i.e. the same check device_holds makes (96% of free against the prediction) gives x <= 18
+    cal = calibrated_budget(profile, predicted_required=90 * GiB, measured_need=80 * GiB)
+    assert cal.device_free_bytes is not None
+    usable = cal.device_free_bytes * 0.96
+    assert usable == pytest.approx(90 * GiB + (free * (1 - CALIBRATED_MARGIN) - 80 * GiB), rel=1e-9)
+    short = calibrated_budget(profile, predicted_required=90 * GiB, measured_need=97 * GiB)
+    assert short.device_free_bytes * 0.96 == pytest.approx(90 * GiB - (97 * GiB - 98 * GiB), rel=1e-9)
+    with pytest.raises(ValueError, match="free memory"):
+        calibrated_budget(HardwareProfile(device_type="cpu", device_free_bytes=None, host_available_bytes=None,
+                                          cpu_threads=1), predicted_required=1, measured_need=1)
+
+
+def test_room_the_model_did_not_see_goes_to_kept_layers_and_changes_no_value(device) -> None:
+    """The tail-move test's budget leaves room for one kept layer beside a partial tail; a measured need well under
+    the prediction keeps more layers from the forward after the calibration on, and the run equals one where
+    nothing was measured."""
+    runs = []
+    for measure in (True, False):
+        model = _model(ckpt=True)
+        device.budget(int((1074000000 + 350000) / 0.96))
+        device.measure(lambda opt, measure=measure: _required(opt) - 400_000 if measure else None)
+        opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+        device.opt = opt
+        data = _batches(CALIBRATION_STEPS + 2)
+        norms = _train(opt, model, data[:CALIBRATION_STEPS])
+        kept = opt.plan.kept_layers
+        assert 0 < kept < 4, "the budget should keep some but not every layer"
+        norms += _train(opt, model, data[CALIBRATION_STEPS:])
+        unchecked = sum(not layer.gradient_checkpointing for layer in model.model.layers)
+        assert unchecked == opt.plan.kept_layers
+        if measure:
+            assert opt.plan.kept_layers > kept, "the measured room should keep more layers"
+        else:
+            assert opt.plan.kept_layers == kept
+        runs.append((norms, _snapshot(opt, model)))
+        opt.close()
+    assert runs[0][0] == runs[1][0]
+    assert _same(runs[0][1], runs[1][1])
+
+
+def test_a_measured_need_over_the_prediction_moves_device_buckets_to_the_host(device) -> None:
+    """The model was short by a third of the tail's state: the forward after the calibration moves device buckets
+    to the host first, and training on equals a run started with that smaller tail from the state just before."""
+    model = _model(ckpt=False)
+    n = sum(p.numel() for p in model.parameters())
+    need = [_required_for(model, d, n) for d in (0, n)]
+    device.budget(int((need[0] + need[1]) / 2 / 0.96))
+    short_by = {}
+
+    def measured(opt: SuperOffloadOptimizer) -> int:
+        tail = opt.plan.device_numel
+        short_by["tail"] = tail
+        # what the model predicts for a third less tail, restated as the measured need of the current plan
+        target = _required(opt, device_numel=tail * 2 // 3, host_numel=n - tail * 2 // 3,
+                           bucket_bytes=PlanLike.from_plan(opt.plan).bucket_bytes)
+        free = HardwareProfile.read(torch.device("cpu")).device_free_bytes
+        return int(free * (1 - CALIBRATED_MARGIN) + _required(opt) - target)
+
+    device.measure(measured)
+    config = SuperOffloadConfig()
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False, config=config)
+    device.opt = opt
+    data = _batches(CALIBRATION_STEPS + 3)
+    _train(opt, model, data[:CALIBRATION_STEPS])
+    tail = len(opt.plan.device_buckets)
+    assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail"
+    opt.synchronize()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    before = torch.load(buf, weights_only=False)
+    norms = _train(opt, model, data[CALIBRATION_STEPS:])
+    k = len(opt.plan.device_buckets)
+    assert k < tail, "the measured need should move device buckets to the host"
+    assert {b.index for b in opt.engine.host_buckets} == {s.index for s in opt.plan.host_buckets}
+
+    device.opt = None  # the reference measures nothing: it starts with the smaller tail
+    ref_model = _model(ckpt=False)
+    ref_model.load_state_dict(before["model"])
+    ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                config=config.replace(gpu_resident_buckets=k),
+                                workload=Workload(ref_model.config, BATCH, SEQ, grad_ckpt=False))
+    ref.load_state_dict(before["opt"])
+    assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
+    assert _train(ref, ref_model, data[CALIBRATION_STEPS:]) == norms
+    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+    opt.close()
+    ref.close()
+
+
+def _required_for(model: torch.nn.Module, device_numel: int, n: int) -> int:
+    return estimate(model.config, batch_size=BATCH, seq_len=SEQ, grad_ckpt=False, chunked_loss=True,
+                    plan_like=PlanLike(device_numel=device_numel, host_numel=n - device_numel,
+                                       bucket_bytes=2 * n // 8)).gpu_required_bytes
+
+
+def test_a_need_no_plan_holds_is_refused_before_the_forward_with_what_to_change(device) -> None:
+    model = _model(ckpt=False)
+    device.budget(64 * GiB)
+    device.measure(lambda opt: 200 * GiB)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                config=SuperOffloadConfig(gpu_resident_buckets=0))
+    device.opt = opt
+    data = _batches(CALIBRATION_STEPS + 1)
+    _train(opt, model, data[:CALIBRATION_STEPS])
+    state = _snapshot(opt, model)
+    with pytest.raises(RuntimeError, match=r"reserved 200\.0 GiB.*gpu_resident_buckets=0"):
+        model(input_ids=data[-1], labels=data[-1])
+    assert _same(_snapshot(opt, model), state)
+    opt.close()
+
+
+def test_nothing_is_measured_before_the_calibration_steps_nor_twice(device) -> None:
+    model = _model(ckpt=False)
+    device.budget(64 * GiB)
+    device.measure(lambda opt: _required(opt))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    device.opt = opt
+    data = _batches(CALIBRATION_STEPS + 3)
+    _train(opt, model, data[:CALIBRATION_STEPS])
+    assert device.reads == 0
+    _train(opt, model, data[CALIBRATION_STEPS:])
+    assert device.reads == 1
+    opt.close()
+
