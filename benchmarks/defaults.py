@@ -247,6 +247,7 @@ def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int, a
     rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
                                                     "speculated_buckets", "wasted_buckets", "verdict")}
     rec["predicted"] = _predicted(opt, model, batch, seq, accum)
+    rec["calibration"] = opt.calibration
     rec["pinned_gb"] = opt.engine.pinned_bytes / 1e9
 
 

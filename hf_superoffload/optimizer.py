@@ -168,6 +168,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._budget: HardwareProfile | None = None  # the device budget later batches are checked against
         self._steps_taken = 0
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
+        self.calibration: dict[str, Any] | None = None
+        """What the calibration measured and changed (kept layers and device buckets, before and after), once it
+        ran on a GPU."""
         self._other_at_plan = 0  # device bytes allocated at the first batch that are not the model's weights
         self._fp32_values: list[torch.Tensor | None] | None = None
         infer = profile_read and not converted and self._infers_workload()
@@ -359,6 +362,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         logger.info("hf_superoffload: calibrated on the first %d steps: %.1f GiB reserved at the peak, %.1f GiB "
                     "predicted with the allocator's slack", CALIBRATION_STEPS, need / gib,
                     est.gpu_required_bytes / gib)
+        before = (self.plan.kept_layers, len(self.plan.device_buckets))
         ok, why = self._fit(self._fitted, "the measured peak")
         if not ok:  # the next forward would likely run out of memory; nothing has changed yet
             raise RuntimeError(f"hf_superoffload: the first {CALIBRATION_STEPS} steps reserved {need / gib:.1f} GiB "
@@ -374,6 +378,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                             "activations instead of %d", kept, plan.kept_layers)
                 self._set_kept_layers(kept)
                 self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
+        self.calibration = {"measured_need_bytes": need, "predicted_required_bytes": est.gpu_required_bytes,
+                            "kept_layers": (before[0], self.plan.kept_layers),
+                            "device_buckets": (before[1], len(self.plan.device_buckets))}
 
     def _fit(self, workload: Workload, what: str) -> tuple[bool, str]:
         """Make the plan hold ``workload`` on the device budget: as it is, with fewer kept layers, or with device

@@ -140,8 +140,9 @@ def test_room_the_model_did_not_see_goes_to_kept_layers_and_changes_no_value(dev
         assert unchecked == opt.plan.kept_layers
         if measure:
             assert opt.plan.kept_layers > kept, "the measured room should keep more layers"
+            assert opt.calibration is not None and opt.calibration["kept_layers"] == (kept, opt.plan.kept_layers)
         else:
-            assert opt.plan.kept_layers == kept
+            assert opt.plan.kept_layers == kept and opt.calibration is None
         runs.append((norms, _snapshot(opt, model)))
         opt.close()
     assert runs[0][0] == runs[1][0]
@@ -184,6 +185,7 @@ def test_a_measured_need_over_the_prediction_moves_device_buckets_to_the_host(de
     assert k < tail, "the measured need should move device buckets to the host"
     assert {b.index for b in opt.engine.host_buckets} == {s.index for s in opt.plan.host_buckets}
 
+    assert opt.calibration is not None and opt.calibration["device_buckets"] == (tail, k)
     device.opt = None  # the reference measures nothing: it starts with the smaller tail
     ref_model = _model(ckpt=False)
     ref_model.load_state_dict(before["model"])
