@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import Any
 
 PEAK_TFLOPS = 989.0
-LR, CLIP = 1e-5, 1.0
+LR = 1e-5
+CLIP = float(os.environ.get("DEFAULTS_CLIP", "1.0"))
+"""The clipping threshold of every system (``--clip``; the worker reads it from the environment)."""
 SYSTEMS = ("gpu_fp32", "gpu_bf16", "gpu_bf16_kept", "snippet", "host0", "host0_inverse", "trainer")
 OURS = ("snippet", "host0", "host0_inverse", "trainer")
 
@@ -89,7 +91,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     device = torch.device(device_name)
     cuda = device.type == "cuda"
     dtype = torch.float32 if system == "gpu_fp32" else torch.bfloat16
-    rec: dict[str, Any] = {"system": system, "preset": preset, "batch": batch, "accum": accum, "seq": seq}
+    rec: dict[str, Any] = {"system": system, "preset": preset, "batch": batch, "accum": accum, "seq": seq,
+                           "clip": CLIP}
     if gpu_cap_gib is not None and cuda:  # a smaller GPU, as the caching allocator sees it
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_cap_gib * 1024**3 / total),
@@ -246,7 +249,9 @@ def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int, a
     st = opt.last_step_stats
     rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
                                                     "speculated_buckets", "wasted_buckets", "verdict")}
-    rec["predicted"] = _predicted(opt, model, batch, seq, accum)
+    rec["clipped_steps"] = opt.clipped_steps
+    # clipping that fired in the timed steps pauses speculation: predict the schedule the run had
+    rec["predicted"] = _predicted(opt, model, batch, seq, accum, clipped=opt.clipped_steps > 0)
     rec["calibration"] = opt.calibration
     rec["pinned_gb"] = opt.engine.pinned_bytes / 1e9
 
@@ -304,7 +309,7 @@ def _finish(rec: dict[str, Any], times: list[float], batch: int, accum: int, seq
                host_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
 
 
-def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int) -> dict[str, Any]:
+def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clipped: bool = True) -> dict[str, Any]:
     """The planner's predictions for the plan it made, on the shipped profile of this box when it is an H200."""
     from hf_superoffload.planning.hardware import HardwareProfile
     from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
@@ -316,8 +321,7 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int) -> dict[s
                                                                                grad_ckpt=True)
     est = estimate(shape, plan_like=plan_like, **run)
     step = predict_step_time(shape, plan_like, HardwareProfile.h200_pcie(), batch_size=batch, seq_len=seq,
-                             grad_ckpt=True, clipping_every_step=True,  # clipping at 1.0 fires on this random data
-                             micro_batches=accum)
+                             grad_ckpt=True, clipping_every_step=clipped, micro_batches=accum)
     return {"gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": est.host_expected_bytes / 1e9,
             "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s,
             "micro_batch_s": None if step is None else step.micro_batch_s,
@@ -352,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per system")
     ap.add_argument("--gpu-cap-gib", type=float, default=None,
                     help="cap the GPU memory every row may use (torch.cuda.set_per_process_memory_fraction)")
+    ap.add_argument("--clip", type=float, default=None,
+                    help="max_grad_norm of every system (default 1.0, which fires on every step of this random "
+                         "data; e.g. 1e9: clipping that never fires, so speculation commits)")
     ap.add_argument("--out", required=True, help="a .jsonl file; one record per system and row")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="SuperOffloadConfig / PlannerOverrides fields for our systems (VALUE read as JSON, else a "
@@ -362,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     settings = dict(_setting(kv) for kv in args.set)
+    if args.clip is not None:  # the workers read it at import
+        os.environ["DEFAULTS_CLIP"] = repr(args.clip)
     if args.worker:
         system, preset, batch, accum, layers = args.worker
         rec = run_one(system, preset, int(batch), int(accum), int(layers) or None, args.seq, args.warmup,

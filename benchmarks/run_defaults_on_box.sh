@@ -19,7 +19,7 @@ fi
 # shellcheck disable=SC2086
 python3 benchmarks/defaults.py --rows ${ROWS:-3.6b:8 8b:4} --systems ${SYSTEMS:-gpu_fp32 gpu_bf16 snippet host0} \
   --warmup "${WARMUP:-2}" --steps "${STEPS:-5}" --timeout "${TIMEOUT:-240}" --out "$OUT/defaults.jsonl" \
-  ${GPU_CAP_GIB:+--gpu-cap-gib "$GPU_CAP_GIB"}
+  ${GPU_CAP_GIB:+--gpu-cap-gib "$GPU_CAP_GIB"} ${CLIP:+--clip "$CLIP"}
 python3 - "$OUT/defaults.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

@@ -32,10 +32,11 @@ def test_named_settings_and_profile(tmp_path: Path) -> None:
     out = tmp_path / "d.jsonl"
     subprocess.run([sys.executable, str(SCRIPT), "--rows", "tiny:2", "--systems", "snippet", "--device", "cpu",
                     "--seq", "32", "--warmup", "1", "--steps", "2", "--set", "gpu_resident_buckets=0",
-                    "d2h_lead_buckets=1", "--profile-dir", str(tmp_path / "traces"), "--out", str(out)],
+                    "d2h_lead_buckets=1", "--profile-dir", str(tmp_path / "traces"), "--clip", "1e9", "--out", str(out)],
                    check=True, timeout=600)
     (r,) = map(json.loads, out.read_text().splitlines())
     assert r["status"] == "ok", r
     assert r["settings"] == {"gpu_resident_buckets": 0, "d2h_lead_buckets": 1}
+    assert r["clip"] == 1e9 and r["clipped_steps"] == 0  # ``--clip`` reaches the optimizer
     assert r["plan"]["device_params"] == 0 and r["plan"]["d2h_lead"] == 1
     assert r["profile"]["steps"] == 1 and list((tmp_path / "traces").glob("*.json.gz"))

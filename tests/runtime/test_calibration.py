@@ -235,3 +235,55 @@ def test_nothing_is_measured_before_the_calibration_steps_nor_twice(device) -> N
     assert device.reads == 1
     opt.close()
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_measured_shortfall_moves_device_buckets_and_training_goes_on_as_if_started_so(device) -> None:
+    """The move's CUDA path (device arenas reallocated through host memory, the device AdamW's state copied out):
+    the real free memory plans every bucket on the device, a simulated measured need leaves room for two thirds
+    of the tail, and the run then equals one started with the smaller tail from the state before the move. The
+    model's CUDA kernels run deterministically (``torch.use_deterministic_algorithms``) so the runs can be
+    compared bit for bit."""
+    cuda = torch.device("cuda")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        model = _model(ckpt=False).to(cuda)
+        n = sum(p.numel() for p in model.parameters())
+
+        def measured(opt: SuperOffloadOptimizer) -> int:
+            tail = opt.plan.device_numel
+            target = _required(opt, device_numel=tail * 2 // 3, host_numel=n - tail * 2 // 3,
+                               bucket_bytes=PlanLike.from_plan(opt.plan).bucket_bytes)
+            assert opt._budget is not None and opt._budget.device_free_bytes is not None
+            return int(opt._budget.device_free_bytes * (1 - CALIBRATED_MARGIN) + _required(opt) - target)
+
+        device.measure(measured)
+        opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+        device.opt = opt
+        data = [ids.to(cuda) for ids in _batches(CALIBRATION_STEPS + 3)]
+        _train(opt, model, data[:CALIBRATION_STEPS])
+        tail = len(opt.plan.device_buckets)
+        assert tail > 0
+        opt.synchronize()
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        buf.seek(0)
+        before = torch.load(buf, weights_only=False)
+        norms = _train(opt, model, data[CALIBRATION_STEPS:])
+        k = len(opt.plan.device_buckets)
+        assert 0 < k < tail, "the measured need should move some device buckets to the host"
+        device.opt = None
+        ref_model = _model(ckpt=False).to(cuda)
+        ref_model.load_state_dict(before["model"])
+        ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                    config=SuperOffloadConfig(gpu_resident_buckets=k),
+                                    workload=Workload(ref_model.config, BATCH, SEQ, grad_ckpt=False))
+        ref.load_state_dict(before["opt"])
+        assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
+        assert _train(ref, ref_model, data[CALIBRATION_STEPS:]) == norms
+        assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+        opt.close()
+        ref.close()
+    finally:
+        torch.use_deterministic_algorithms(was)
