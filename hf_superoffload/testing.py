@@ -8,11 +8,20 @@ on the masters, and bf16 weights copied back from the masters after every step.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-__all__ = ["ReferenceAdamW", "TokenDataset", "tiny_llama", "tiny_llama_config"]
+from .planning.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    from .optimizer import SuperOffloadOptimizer
+    from .runtime.telemetry import StepStats
+
+__all__ = [
+    "ReferenceAdamW", "TokenDataset", "TrainedStep", "pretend_profile", "state_tensors", "tiny_llama",
+    "tiny_llama_config", "train_steps", "weights_and_state",
+]
 
 
 def tiny_llama_config(**overrides: Any) -> Any:
@@ -26,14 +35,76 @@ def tiny_llama_config(**overrides: Any) -> Any:
     return LlamaConfig(**kw)
 
 
-def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-               **overrides: Any) -> torch.nn.Module:
-    """A randomly initialised few-layer Llama (no download). Same ``seed`` gives the same weights."""
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", *,
+               checkpointing: bool = False, **overrides: Any) -> torch.nn.Module:
+    """A randomly initialised few-layer Llama (no download), in training mode. Same ``seed`` gives the same
+    weights; ``checkpointing`` checkpoints every decoder layer (``activation_checkpointing_enable``)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**overrides))
-    return model.to(device=device, dtype=dtype)
+    model = LlamaForCausalLM(tiny_llama_config(**overrides)).to(device=device, dtype=dtype)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    return model.train()
+
+
+def pretend_profile(device_free_bytes: int | None, *, host_available_bytes: int = 64 * 1024**3,
+                    cpu_threads: int = 2) -> HardwareProfile:
+    """A CPU run's hardware profile that reports ``device_free_bytes`` free on the device, as a GPU would: what
+    the planner sizes the tail and the kept layers from (``None``: unknown, as on a CPU)."""
+    return HardwareProfile(device_type="cpu", device_free_bytes=device_free_bytes,
+                           host_available_bytes=host_available_bytes, cpu_threads=cpu_threads)
+
+
+class TrainedStep(NamedTuple):
+    """What :func:`train_steps` records of one optimizer step."""
+
+    loss: float
+    """The loss of the step's last micro-batch."""
+    stats: StepStats
+    """``opt.last_step_stats`` right after the step (a fresh object every step)."""
+
+
+def train_steps(model: torch.nn.Module, opt: SuperOffloadOptimizer, batches: Iterable[torch.Tensor], *,
+                accumulation: int = 1) -> list[TrainedStep]:
+    """Train a causal LM on token-id batches (``input_ids`` == ``labels``): one ``opt.step()`` and
+    ``opt.zero_grad()`` every ``accumulation`` batches, the micro-batches before the last of each step under
+    ``opt.no_sync()``."""
+    if accumulation < 1:
+        raise ValueError(f"accumulation={accumulation}: use 1 or more micro-batches per step")
+    batches = list(batches)
+    out = []
+    for k in range(0, len(batches), accumulation):
+        micro = batches[k : k + accumulation]
+        for ids in micro[:-1]:
+            with opt.no_sync():
+                model(input_ids=ids, labels=ids).loss.backward()
+        loss = model(input_ids=micro[-1], labels=micro[-1]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(TrainedStep(loss.item(), opt.last_step_stats))
+    return out
+
+
+def state_tensors(obj: object) -> list[torch.Tensor]:
+    """Every tensor in a nested state (dicts in key order, lists, tuples), depth first: what two optimizers'
+    ``state_dict()`` are compared by."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in state_tensors(obj[k])]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in state_tensors(v)]
+    return []
+
+
+def weights_and_state(model: torch.nn.Module, opt: SuperOffloadOptimizer) -> list[torch.Tensor]:
+    """Copies of the model's parameters and of every tensor of the optimizer's own state (``state_dict()``'s
+    ``superoffload`` entry), after the CPU worker has finished: equal lists mean bit-identical training."""
+    opt.synchronize()
+    out = [p.detach().clone() for p in model.parameters()]
+    return out + [t.clone() for t in state_tensors(opt.state_dict()["superoffload"])]
 
 
 class ReferenceAdamW:

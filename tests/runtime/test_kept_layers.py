@@ -12,30 +12,18 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.plan_cli import resolve_profile
-from hf_superoffload.planning import hardware
-from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
 from hf_superoffload.planning.planner import Workload, device_holds, make_plan
 from hf_superoffload.planning.step_time import predict_step_time
 from hf_superoffload.runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
-from hf_superoffload.testing import tiny_llama
+from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps
 
-GiB = 1024**3
 LAYERS = 6
 BATCH, SEQ = 8, 96  # enough tokens that the activations, not the buckets, set the tiny model's peak
 
 
-def _profile(device_free_bytes: int | None) -> HardwareProfile:
-    return HardwareProfile(device_type="cpu", device_free_bytes=device_free_bytes, host_available_bytes=64 * GiB,
-                           cpu_threads=2)
-
-
 def _model(ckpt: bool = True) -> torch.nn.Module:
-    model = tiny_llama(seed=3, num_hidden_layers=LAYERS)
-    if ckpt:
-        model.activation_checkpointing_enable()
-    model.train()
-    return model
+    return tiny_llama(seed=3, num_hidden_layers=LAYERS, checkpointing=ckpt)
 
 
 def _budget(model: torch.nn.Module, kept: float) -> int:
@@ -46,24 +34,11 @@ def _budget(model: torch.nn.Module, kept: float) -> int:
     return int((need[0] + (kept - k) * (need[1] - need[0])) / (1 - 0.04))
 
 
-@pytest.fixture
-def device_budget(monkeypatch: pytest.MonkeyPatch):
-    def set_budget(budget: int | None) -> None:
-        monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: _profile(budget)))
-
-    return set_budget
-
-
 def _train(opt: SuperOffloadOptimizer, model: torch.nn.Module, steps: int, seq: int = SEQ) -> list[float]:
+    """The loss of every step, the CPU worker finished after the last."""
     g = torch.Generator().manual_seed(7)
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(0, 128, (BATCH, seq), generator=g)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = [step.loss for step in train_steps(model, opt, [torch.randint(0, 128, (BATCH, seq), generator=g)
+                                                             for _ in range(steps)])]
     opt.synchronize()
     return losses
 
@@ -106,20 +81,20 @@ def test_planner_keeps_the_most_layers_the_device_holds(flag: bool) -> None:
     numels = [p.numel() for p in model.parameters()]
     workload = Workload(model.config, BATCH, SEQ, grad_ckpt=True, chunked_loss=True, layer_checkpointing=flag)
     cfg = SuperOffloadConfig(bucket_size_mb=0.01)
-    plan = make_plan(numels, element_size=2, config=cfg, profile=_profile(budget), workload=workload)
+    plan = make_plan(numels, element_size=2, config=cfg, profile=pretend_profile(budget), workload=workload)
     if not flag:
         assert plan.kept_layers == 0
         return
     assert 0 < plan.kept_layers < LAYERS
-    assert device_holds(plan, workload, _profile(budget), 1)[0]
-    assert not device_holds(dataclasses.replace(plan, kept_layers=plan.kept_layers + 1), workload, _profile(budget), 1)[0]
+    assert device_holds(plan, workload, pretend_profile(budget), 1)[0]
+    assert not device_holds(dataclasses.replace(plan, kept_layers=plan.kept_layers + 1), workload, pretend_profile(budget), 1)[0]
     assert "keep their activations" in plan.summary()
     # no kept layers where they would not apply
-    for w, prof in ((dataclasses.replace(workload, grad_ckpt=False), _profile(budget)),
-                    (dataclasses.replace(workload, keep_attention=True), _profile(budget)),
-                    (workload, _profile(None))):
+    for w, prof in ((dataclasses.replace(workload, grad_ckpt=False), pretend_profile(budget)),
+                    (dataclasses.replace(workload, keep_attention=True), pretend_profile(budget)),
+                    (workload, pretend_profile(None))):
         assert make_plan(numels, element_size=2, config=cfg, profile=prof, workload=w).kept_layers == 0
-    flow = make_plan(numels, element_size=2, config=cfg.replace(weight_placement="flow"), profile=_profile(budget),
+    flow = make_plan(numels, element_size=2, config=cfg.replace(weight_placement="flow"), profile=pretend_profile(budget),
                      workload=workload)
     assert flow.kept_layers == 0
 

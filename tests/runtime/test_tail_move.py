@@ -13,24 +13,13 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
-from hf_superoffload.planning import hardware
-from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.plan import OffloadPlan, Placement
 from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
-from hf_superoffload.testing import tiny_llama
+from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, weights_and_state
 
-GiB = 1024**3
-LAYERS = 4
+MODEL = dict(seed=3, num_hidden_layers=4)
 BATCH, SHORT, LONG = 2, 24, 32  # on the budget below, 2 x 32 tokens leave room for a smaller tail only
-
-
-def _model(ckpt: bool = False) -> torch.nn.Module:
-    model = tiny_llama(seed=3, num_hidden_layers=LAYERS)
-    if ckpt:
-        model.activation_checkpointing_enable()
-    model.train()
-    return model
 
 
 def _budget(model: torch.nn.Module) -> int:
@@ -42,49 +31,14 @@ def _budget(model: torch.nn.Module) -> int:
     return int((need[0] + need[1]) / 2 / (1 - 0.04))
 
 
-def _profile(budget: int) -> HardwareProfile:
-    return HardwareProfile(device_type="cpu", device_free_bytes=budget, host_available_bytes=64 * GiB, cpu_threads=2)
-
-
-@pytest.fixture
-def device_budget(monkeypatch: pytest.MonkeyPatch):
-    """Pretend the device has ``budget`` bytes free (what ``HardwareProfile.read`` reports on a GPU)."""
-
-    def set_budget(budget: int) -> None:
-        monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: _profile(budget)))
-
-    return set_budget
-
-
 def _batches(seqs: list[int]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(0, 128, (BATCH, s), generator=g) for s in seqs]
 
 
-def _train(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
-    norms = []
-    for ids in batches:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        norms.append(opt.last_grad_norm)
-    return norms
-
-
-def _tensors(obj: object) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def _snapshot(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
-    opt.synchronize()
-    out = [p.detach().clone() for p in model.parameters()]
-    return out + [t.clone() for t in _tensors(opt.state_dict()["superoffload"])]
+def _grad_norms(model: torch.nn.Module, opt: SuperOffloadOptimizer, batches: list[torch.Tensor]) -> list[float]:
+    """The gradient norm of every step."""
+    return [step.stats.grad_norm for step in train_steps(model, opt, batches)]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -107,7 +61,7 @@ def _saved(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> dict[str, obje
 def _started_with(saved: dict[str, object], config: SuperOffloadConfig, k: int, *, seq: int = LONG,
                   ckpt: bool = False) -> tuple[SuperOffloadOptimizer, torch.nn.Module]:
     """A run started with ``k`` device buckets (planned for the long batch), from the saved state."""
-    model = _model(ckpt)
+    model = tiny_llama(**MODEL, checkpointing=ckpt)
     model.load_state_dict(saved["model"])
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
                                 config=config.replace(gpu_resident_buckets=k),
@@ -123,15 +77,15 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
     """The tail's buckets step on the device before the move and on the host after it (different AdamW kernels,
     rounded differently), so the reference starts with the smaller tail from the state just before the move."""
     config = SuperOffloadConfig(rollback=rollback, speculation=speculation)
-    model = _model()
+    model = tiny_llama(**MODEL)
     device_budget(_budget(model))
     data = _batches([SHORT] * 3 + [LONG] * 3)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False, config=config)
-    _train(opt, model, data[:3])
+    train_steps(model, opt, data[:3])
     tail = len(opt.plan.device_buckets)
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail for the short batch"
     before = _saved(opt, model)
-    norms = _train(opt, model, data[3:])
+    norms = _grad_norms(model, opt, data[3:])
     k = len(opt.plan.device_buckets)
     assert 0 < k < tail, "the long batch should move some, not all, device buckets to the host"
     assert opt.engine.layout.plan is opt.plan
@@ -139,9 +93,9 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
 
     ref, ref_model = _started_with(before, config, k)
     assert _runtime_fields(ref.plan) == _runtime_fields(opt.plan)
-    assert _train(ref, ref_model, data[3:]) == norms
+    assert _grad_norms(ref_model, ref, data[3:]) == norms
     assert any(n > 1.0 for n in norms) and any(n < 1.0 for n in norms), "clipping should fire in some steps"
-    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+    assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
     # what the engine really holds is what a run started with the smaller tail allocates
     ours, theirs = opt.engine.layout, ref.engine.layout
     assert {n: a.nbytes for n, a in ours.arenas.items()} == {n: a.nbytes for n, a in theirs.arenas.items()}
@@ -153,7 +107,7 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
 def test_a_tail_holding_every_bucket_moves_to_empty_host_arenas(device_budget) -> None:
     """The short batch leaves room for the whole optimizer on the device (no host arenas at all); the long one
     moves the first buckets to a host that had none."""
-    model = _model()
+    model = tiny_llama(**MODEL)
     n = sum(p.numel() for p in model.parameters())
     need = [estimate(model.config, batch_size=BATCH, seq_len=s, grad_ckpt=False, chunked_loss=True,
                      plan_like=PlanLike(device_numel=n, bucket_bytes=2 * n // 8)).gpu_required_bytes
@@ -161,17 +115,17 @@ def test_a_tail_holding_every_bucket_moves_to_empty_host_arenas(device_budget) -
     device_budget(int((need[0] + need[1]) / 2 / (1 - 0.04)))
     data = _batches([SHORT] * 2 + [LONG] * 2)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
-    _train(opt, model, data[:2])
+    train_steps(model, opt, data[:2])
     assert opt.plan.host_numel == 0
     before = _saved(opt, model)
-    norms = _train(opt, model, data[2:])
+    norms = _grad_norms(model, opt, data[2:])
     k = len(opt.plan.device_buckets)
     assert 0 < k < len(opt.plan.buckets)
     assert opt.plan.defer_moments and "landing1" in opt.engine.layout.arenas, "deferred stores follow the host share"
     ref, ref_model = _started_with(before, SuperOffloadConfig(), k)
     assert _runtime_fields(ref.plan) == _runtime_fields(opt.plan)
-    assert _train(ref, ref_model, data[2:]) == norms
-    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+    assert _grad_norms(ref_model, ref, data[2:]) == norms
+    assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
     opt.close()
     ref.close()
 
@@ -179,23 +133,23 @@ def test_a_tail_holding_every_bucket_moves_to_empty_host_arenas(device_budget) -
 def test_a_move_also_sets_the_kept_layers_of_its_plan(device_budget) -> None:
     """Under per-layer checkpointing the kept layers are given back first; when that is not enough, the shrunk
     plan's kept layers (the most the device holds beside the smaller tail) are applied with the move."""
-    model = _model(ckpt=True)
+    model = tiny_llama(**MODEL, checkpointing=True)
     device_budget(int((1074000000 + 350000) / 0.96))  # the tiny model's fixed costs, then room for one kept layer
     data = _batches([SHORT] * 2 + [2 * SHORT] * 2)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
-    _train(opt, model, data[:2])
+    train_steps(model, opt, data[:2])
     tail, kept = len(opt.plan.device_buckets), opt.plan.kept_layers
     assert tail and kept, "the budget should keep a layer beside a partial tail"
     before = _saved(opt, model)
-    norms = _train(opt, model, data[2:])
+    norms = _grad_norms(model, opt, data[2:])
     k = len(opt.plan.device_buckets)
     assert k < tail
     unchecked = sum(not layer.gradient_checkpointing for layer in model.model.layers)
     assert unchecked == opt.plan.kept_layers
     ref, ref_model = _started_with(before, SuperOffloadConfig(), k, seq=2 * SHORT, ckpt=True)
     assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
-    assert _train(ref, ref_model, data[2:]) == norms
-    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+    assert _grad_norms(ref_model, ref, data[2:]) == norms
+    assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
     opt.close()
     ref.close()
 
@@ -203,8 +157,8 @@ def test_a_move_also_sets_the_kept_layers_of_its_plan(device_budget) -> None:
 def test_the_shrunk_plan_is_make_plans_for_that_tail(device_budget) -> None:
     """The planner's shrunk plan is exactly ``make_plan(gpu_resident_buckets=k)`` for the longer workload, and k is
     the largest tail that fits it: one bucket more does not."""
-    model = _model()
-    profile = _profile(_budget(model))
+    model = tiny_llama(**MODEL)
+    profile = pretend_profile(_budget(model))
     numels = [p.numel() for p in reversed(list(model.parameters()))]
     config = SuperOffloadConfig(rollback="double_buffer")
     short = Workload(model.config, BATCH, SHORT, grad_ckpt=False, chunked_loss=True)
@@ -231,14 +185,14 @@ def test_the_shrunk_plan_is_make_plans_for_that_tail(device_budget) -> None:
 
 
 def test_the_moved_device_memory_is_freed(device_budget) -> None:
-    model = _model()
+    model = tiny_llama(**MODEL)
     device_budget(_budget(model))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
-    _train(opt, model, _batches([SHORT]))
+    train_steps(model, opt, _batches([SHORT]))
     layout = opt.engine.layout
     before = layout.device_state_bytes
     old = weakref.ref(layout.dev_exp_avg_sq)
-    _train(opt, model, _batches([LONG]))
+    train_steps(model, opt, _batches([LONG]))
     gc.collect()
     assert old() is None, "the old device arenas must not be kept alive by a stale view"
     assert layout.device_state_bytes == 12 * opt.plan.device_numel < before
@@ -247,20 +201,20 @@ def test_the_moved_device_memory_is_freed(device_budget) -> None:
 
 
 def test_a_checkpoint_after_the_move_resumes_bit_identically(device_budget) -> None:
-    model = _model()
+    model = tiny_llama(**MODEL)
     device_budget(_budget(model))
     data = _batches([SHORT] * 2 + [LONG] * 4)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
-    _train(opt, model, data[:4])  # the move happens at the first long batch
+    train_steps(model, opt, data[:4])  # the move happens at the first long batch
     k = len(opt.plan.device_buckets)
     saved = _saved(opt, model)
-    norms = _train(opt, model, data[4:])
+    norms = _grad_norms(model, opt, data[4:])
     fresh, fresh_model = _started_with(saved, SuperOffloadConfig(), k)
-    assert _train(fresh, fresh_model, data[4:]) == norms
-    assert _same(_snapshot(opt, model), _snapshot(fresh, fresh_model))
+    assert _grad_norms(fresh_model, fresh, data[4:]) == norms
+    assert _same(weights_and_state(model, opt), weights_and_state(fresh_model, fresh))
     opt.load_state_dict(saved["opt"])  # and it loads back into the moved engine
     model.load_state_dict(saved["model"])
-    assert _train(opt, model, data[4:]) == norms
+    assert _grad_norms(model, opt, data[4:]) == norms
     opt.close()
     fresh.close()
 
@@ -270,13 +224,13 @@ def test_the_export_after_a_move_holds_the_masters(device_budget, tmp_path) -> N
 
     from hf_superoffload import export_checkpoint
 
-    model = _model()
+    model = tiny_llama(**MODEL)
     device_budget(_budget(model))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     data = _batches([SHORT] * 2 + [LONG])
-    _train(opt, model, data[:2])
+    train_steps(model, opt, data[:2])
     tail = len(opt.plan.device_buckets)
-    _train(opt, model, data[2:])
+    train_steps(model, opt, data[2:])
     assert len(opt.plan.device_buckets) < tail
     ckpt = tmp_path / "checkpoint-3"
     ckpt.mkdir()
@@ -295,16 +249,16 @@ def test_the_export_after_a_move_holds_the_masters(device_budget, tmp_path) -> N
 
 
 def test_a_batch_no_tail_fits_is_refused_and_changes_nothing(device_budget) -> None:
-    model = _model()
+    model = tiny_llama(**MODEL)
     device_budget(_budget(model))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
-    _train(opt, model, _batches([SHORT] * 2))
-    plan, before = opt.plan, _snapshot(opt, model)
+    train_steps(model, opt, _batches([SHORT] * 2))
+    plan, before = opt.plan, weights_and_state(model, opt)
     long = torch.randint(0, 128, (BATCH, 40 * SHORT), generator=torch.Generator().manual_seed(5))
     with pytest.raises(RuntimeError, match=r"does not fit the plan made for 2 x 24.*nothing was run or changed") as e:
         model(input_ids=long, labels=long)
     assert "\n" not in str(e.value)
     assert opt.plan is plan and opt.engine.layout.plan is plan
-    assert _same(before, _snapshot(opt, model))
-    _train(opt, model, _batches([SHORT]))  # the run goes on
+    assert _same(before, weights_and_state(model, opt))
+    train_steps(model, opt, _batches([SHORT]))  # the run goes on
     opt.close()

@@ -10,71 +10,16 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadOptimizer
-from hf_superoffload.planning import hardware
-from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.planner import Workload
-from hf_superoffload.testing import tiny_llama
+from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, weights_and_state
 
 GiB = 1024**3
-LAYERS = 4
-
-
-def _profile(device_free_bytes: int) -> HardwareProfile:
-    return HardwareProfile(device_type="cpu", device_free_bytes=device_free_bytes, host_available_bytes=64 * GiB,
-                           cpu_threads=2)
-
-
-@pytest.fixture
-def device_budget(monkeypatch: pytest.MonkeyPatch):
-    """Pretend the device has ``budget`` bytes free (what ``HardwareProfile.read`` reports on a GPU)."""
-
-    def set_budget(budget: int) -> None:
-        monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: _profile(budget)))
-
-    return set_budget
-
-
-def _model(ckpt: bool = False) -> torch.nn.Module:
-    model = tiny_llama(seed=3, num_hidden_layers=LAYERS)
-    if ckpt:
-        model.activation_checkpointing_enable()
-    model.train()
-    return model
+MODEL = dict(seed=3, num_hidden_layers=4)
 
 
 def _batches(n: int, batch: int, seq: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(0, 128, (batch, seq), generator=g) for _ in range(n)]
-
-
-def _train(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor], accum: int = 1) -> None:
-    for k in range(0, len(batches), accum):
-        for j, ids in enumerate(batches[k : k + accum]):
-            if j < accum - 1:
-                with opt.no_sync():
-                    model(input_ids=ids, labels=ids).loss.backward()
-            else:
-                model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _snapshot(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
-    opt.synchronize()
-    state = opt.state_dict()["superoffload"]
-    out = [p.detach().clone() for p in model.parameters()]
-    out += [t.clone() for t in _tensors(state)]
-    return out
-
-
-def _tensors(obj: object) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 def _budget_for_half_tail(model: torch.nn.Module, batch: int, seq: int) -> int:
@@ -91,27 +36,27 @@ def _budget_for_half_tail(model: torch.nn.Module, batch: int, seq: int) -> int:
 
 def test_plans_at_the_first_training_forward_like_a_given_workload(device_budget) -> None:
     batch, seq = 2, 24
-    model = _model()
+    model = tiny_llama(**MODEL)
     budget = _budget_for_half_tail(model, batch, seq)
     device_budget(budget)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     assert not opt.planned
     data = _batches(6, batch, seq)
-    _train(opt, model, data[:1])
+    train_steps(model, opt, data[:1])
     assert opt.planned
     assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=False, chunked_loss=True)
     tail = opt.plan.device_numel
     assert 0 < tail < sum(p.numel() for p in model.parameters()), "the budget should leave a partial tail"
 
-    ref_model = _model()
+    ref_model = tiny_llama(**MODEL)
     ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
                                 workload=Workload(ref_model.config, batch, seq, grad_ckpt=False))
     assert ref.planned
     assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
-    _train(ref, ref_model, data[:1])
-    _train(opt, model, data[1:])
-    _train(ref, ref_model, data[1:])
-    for a, b in zip(_snapshot(opt, model), _snapshot(ref, ref_model), strict=True):
+    train_steps(ref_model, ref, data[:1])
+    train_steps(model, opt, data[1:])
+    train_steps(ref_model, ref, data[1:])
+    for a, b in zip(weights_and_state(model, opt), weights_and_state(ref_model, ref), strict=True):
         assert torch.equal(a, b)
     opt.close()
     ref.close()
@@ -120,14 +65,14 @@ def test_plans_at_the_first_training_forward_like_a_given_workload(device_budget
 def test_the_batch_shape_moves_the_tail(device_budget) -> None:
     """The inferred shape reaches the planner: a longer sequence on the same budget leaves less room for the
     optimizer on the device."""
-    model = _model()
+    model = tiny_llama(**MODEL)
     budget = _budget_for_half_tail(model, 2, 24)
     tails = []
     for seq in (8, 24, 96):
         device_budget(budget)
-        m = _model()
+        m = tiny_llama(**MODEL)
         opt = SuperOffloadOptimizer(m, lr=1e-2, log_plan=False)
-        _train(opt, m, _batches(1, 2, seq))
+        train_steps(m, opt, _batches(1, 2, seq))
         tails.append(opt.plan.device_numel)
         opt.close()
     assert tails[0] > tails[1] > tails[2], tails
@@ -135,7 +80,7 @@ def test_the_batch_shape_moves_the_tail(device_budget) -> None:
 
 def test_checkpointing_and_accumulation_from_the_first_micro_batch(device_budget) -> None:
     batch, seq = 2, 24
-    model = _model(ckpt=True)
+    model = tiny_llama(**MODEL, checkpointing=True)
     device_budget(_budget_for_half_tail(model, batch, seq))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     with torch.no_grad():  # evaluation first: not the training step's shape
@@ -144,22 +89,22 @@ def test_checkpointing_and_accumulation_from_the_first_micro_batch(device_budget
         model.train()
     assert not opt.planned
     data = _batches(4, batch, seq)
-    _train(opt, model, data, accum=2)  # the first forward runs inside no_sync
+    train_steps(model, opt, data, accumulation=2)  # the first forward runs inside no_sync
     assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=True, accumulation=True, chunked_loss=True)
     assert opt.plan.host_accumulation.value != "off"  # the accumulated gradients of host buckets live on the host
 
-    ref_model = _model(ckpt=True)
+    ref_model = tiny_llama(**MODEL, checkpointing=True)
     ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
                                 workload=Workload(ref_model.config, batch, seq, grad_ckpt=True, accumulation=True))
-    _train(ref, ref_model, data, accum=2)
-    for a, b in zip(_snapshot(opt, model), _snapshot(ref, ref_model), strict=True):
+    train_steps(ref_model, ref, data, accumulation=2)
+    for a, b in zip(weights_and_state(model, opt), weights_and_state(ref_model, ref), strict=True):
         assert torch.equal(a, b)
     opt.close()
     ref.close()
 
 
 def test_use_before_any_batch_plans_without_a_workload(device_budget, caplog: pytest.LogCaptureFixture) -> None:
-    model = _model()
+    model = tiny_llama(**MODEL)
     device_budget(64 * GiB)
     opt = SuperOffloadOptimizer(model, lr=1e-2, log_plan=False)
     provisional = opt.plan
@@ -174,14 +119,14 @@ def test_use_before_any_batch_plans_without_a_workload(device_budget, caplog: py
 
 def test_a_given_profile_or_setting_plans_at_construction(device_budget) -> None:
     device_budget(64 * GiB)
-    model = _model()
-    assert SuperOffloadOptimizer(model, lr=1e-2, log_plan=False, profile=_profile(64 * GiB)).planned
+    model = tiny_llama(**MODEL)
+    assert SuperOffloadOptimizer(model, lr=1e-2, log_plan=False, profile=pretend_profile(64 * GiB)).planned
     from hf_superoffload import SuperOffloadConfig
 
-    assert SuperOffloadOptimizer(_model(), lr=1e-2, log_plan=False,
+    assert SuperOffloadOptimizer(tiny_llama(**MODEL), lr=1e-2, log_plan=False,
                                  config=SuperOffloadConfig(weight_placement="flow")).planned
     # an explicit tail waits for the batch: the plan may keep layers' activations beside it ([Note: kept layers])
-    assert not SuperOffloadOptimizer(_model(), lr=1e-2, log_plan=False,
+    assert not SuperOffloadOptimizer(tiny_llama(**MODEL), lr=1e-2, log_plan=False,
                                      config=SuperOffloadConfig(gpu_resident_buckets=0)).planned
 
 
@@ -190,20 +135,20 @@ def test_a_later_batch_too_large_for_the_plan_is_refused_before_its_forward(devi
     It is refused before its forward touches anything, in one line naming the fix; shorter batches, and longer
     ones that still fit, train on."""
     batch, seq = 2, 24
-    model = _model()
+    model = tiny_llama(**MODEL)
     device_budget(_budget_for_half_tail(model, batch, seq))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     data = _batches(3, batch, seq)
-    _train(opt, model, data[:1])
+    train_steps(model, opt, data[:1])
     assert opt.plan.device_numel > 0
-    _train(opt, model, [data[1][:, :16]])  # fewer tokens: nothing to check
-    before = _snapshot(opt, model)
+    train_steps(model, opt, [data[1][:, :16]])  # fewer tokens: nothing to check
+    before = weights_and_state(model, opt)
     long = torch.randint(0, 128, (batch, 40 * seq), generator=torch.Generator().manual_seed(5))
     with pytest.raises(RuntimeError, match=r"2 x 960 tokens\) does not fit the plan made for 2 x 24") as e:
         model(input_ids=long, labels=long)
     assert "\n" not in str(e.value) and "Workload(model.config, batch_size=2, seq_len=960" in str(e.value)
-    after = _snapshot(opt, model)
+    after = weights_and_state(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    _train(opt, model, data[2:3])  # the run goes on
+    train_steps(model, opt, data[2:3])  # the run goes on
     assert opt.last_step_stats.verdict in ("commit", "redo")
     opt.close()
