@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from types import SimpleNamespace
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +20,18 @@ os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
 
 VOCAB = 128  # hf_superoffload.testing.tiny_llama's vocabulary
 SMALL_BUCKETS = dict(superoffload_bucket_size_mb=0.004, superoffload_gpu_resident_buckets="2")
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
+
+def example(name: str) -> ModuleType:
+    """``examples/<name>.py`` imported as the module ``name`` (registered in ``sys.modules``: dataclasses look
+    their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def train_kwargs(output_dir: Any, **overrides: Any) -> dict[str, Any]:
@@ -45,7 +59,7 @@ def master_of(opt: Any, param: torch.Tensor) -> torch.Tensor:
 def hf() -> SimpleNamespace:
     """Helpers for the tests in this folder (test modules cannot import each other in importlib mode)."""
     return SimpleNamespace(TokenDataset=TokenDataset, train_kwargs=train_kwargs, master_of=master_of,
-                           SMALL_BUCKETS=SMALL_BUCKETS, VOCAB=VOCAB)
+                           example=example, SMALL_BUCKETS=SMALL_BUCKETS, VOCAB=VOCAB)
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ the per-step lines stay on stdout."""
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import sys
 from pathlib import Path
@@ -11,29 +10,19 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
 
 
-def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("train_with_accelerate", REPO / "examples" / "train_with_accelerate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("terminal", [True, False])
-def test_progress_bar(terminal: bool, tmp_path: Path, fresh_accelerate_state: None, capsys: Any,
+def test_progress_bar(terminal: bool, hf: Any, tmp_path: Path, fresh_accelerate_state: None, capsys: Any,
                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
     err = _Terminal() if terminal else io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    _example().main(["--output-dir", str(tmp_path), "--max-steps", "3", "--save-every", "0", "--examples", "64",
+    hf.example("train_with_accelerate").main(["--output-dir", str(tmp_path), "--max-steps", "3", "--save-every", "0", "--examples", "64",
                      "--batch-size", "2", "--seq-len", "32", "--grad-accum", "1"])
     out, bar = capsys.readouterr().out, err.getvalue()
     assert "step    3  loss" in out and "tokens/s" in out and "done at step 3" in out

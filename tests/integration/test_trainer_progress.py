@@ -3,16 +3,12 @@ and examples/train_with_trainer.py, whose defaults keep the bar)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
 from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
 from hf_superoffload.testing import tiny_llama
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _postfixes(stderr: str) -> list[tuple[float, float, float]]:
@@ -31,13 +27,8 @@ def test_the_trainer_bar_shows_loss_tokens_per_second_and_gpu_wait(hf: Any, tmp_
     assert all(rate > 0 for _, rate, _ in shown)  # 2 sequences x 16 tokens per step, counted from input_ids
 
 
-def test_the_trainer_example_shows_them_too(tmp_path: Path, capsys: Any) -> None:
-    spec = importlib.util.spec_from_file_location("train_with_trainer", REPO / "examples" / "train_with_trainer.py")
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example  # dataclasses look their module up there
-    spec.loader.exec_module(example)
-    metrics = example.main(["--output_dir", str(tmp_path), "--max_steps", "4", "--logging_steps", "2",
+def test_the_trainer_example_shows_them_too(hf: Any, tmp_path: Path, capsys: Any) -> None:
+    metrics = hf.example("train_with_trainer").main(["--output_dir", str(tmp_path), "--max_steps", "4", "--logging_steps", "2",
                             "--examples", "200", "--eval_steps", "4", "--use_cpu", "True"])
     assert metrics["train_loss"] > 0 and (tmp_path / "final" / "model.safetensors").is_file()
     assert _postfixes(capsys.readouterr().err)

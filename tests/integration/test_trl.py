@@ -9,7 +9,6 @@ Trainer's clipping off as on ours. Tolerances as in test_trainer_parity.py.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import pytest
@@ -110,17 +109,8 @@ def test_sft_refuses_plain_config_and_plain_trainer(tokenizer: Any, tmp_path: An
                    processing_class=tokenizer)
 
 
-def test_trl_example_runs_offline(tmp_path: Any) -> None:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "examples" / "train_with_trl.py"
-    spec = importlib.util.spec_from_file_location("train_with_trl", path)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example  # dataclasses look their module up there
-    spec.loader.exec_module(example)
-    metrics = example.main(["--output_dir", str(tmp_path), "--max_steps", "3", "--examples", "64",
+def test_trl_example_runs_offline(hf: Any, tmp_path: Any) -> None:
+    metrics = hf.example("train_with_trl").main(["--output_dir", str(tmp_path), "--max_steps", "3", "--examples", "64",
                             "--assistant_only_loss", "True", "--use_cpu", "True", "--disable_tqdm", "True"])
     assert math.isfinite(metrics["train_loss"])
     assert (tmp_path / "final" / "model.safetensors").is_file()
