@@ -400,7 +400,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
             ok = True
         if not ok and self._built.can_move_to_host:
-            # [Note: moving the tail to the host] in planning/planner.py: before this forward allocates anything
+            # [Note: moving the tail to the host] in runtime/tail_move.py: before this forward allocates anything
             shrunk = shrink_tail(plan, self._planning_workload(workload), budget,
                                  numels=[p.numel() for p in self._ordered], element_size=2, config=self.config)
             if shrunk is not None:

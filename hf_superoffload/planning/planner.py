@@ -528,26 +528,12 @@ def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, meas
     return dataclasses.replace(profile, device_free_bytes=max(0, int(usable / (1.0 - _DEVICE_MARGIN))))
 
 
-# [Note: moving the tail to the host]
-# A later batch longer than the one the plan was made for may need more activation memory than the device tail
-# leaves. Before its forward runs, the optimizer asks for the plan with the fewest device buckets moved to the host
-# that still fits (the first device buckets in gradient-arrival order become the last host buckets; bucket
-# boundaries and the switches that shape the host arenas stay: rollback, cast side, host accumulation; the deferred
-# stores, the D2H lead and gate and the upload thread follow the new host share), and the engine moves their fp32
-# master and moments at that quiet point. The plan is exactly the
-# one ``make_plan`` gives for that tail size with those switches, so training on equals a run started with it from
-# the same state, bit for bit (not one started with it from the first step: before the move the tail's buckets
-# stepped with the device AdamW, which rounds differently from the CPU Adam). The move runs in the forward pre-hook,
-# between steps, after every upload; not under data parallelism, weight flow or host accumulation (the batch is
-# refused as before). It briefly holds more host memory than either plan: each host arena is regrown one at a time,
-# and the remaining tail's state waits on the host while its device arenas are reallocated at their new size, so
-# that the device never holds the old and the new arenas at once.
 def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
                 element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
-    """[Note: moving the tail to the host]: the plan with the fewest of ``plan``'s device buckets moved to the host
-    with which the device holds ``workload`` (with the most kept layers beside it) and the host holds the moved
-    state; ``None`` if even no device tail fits, or the host cannot take what must move. One process, stationary
-    weights."""
+    """[Note: moving the tail to the host] in runtime/tail_move.py: the plan with the fewest of ``plan``'s device
+    buckets moved to the host with which the device holds ``workload`` (with the most kept layers beside it) and the
+    host holds the moved state; ``None`` if even no device tail fits, or the host cannot take what must move. One
+    process, stationary weights."""
     if plan.world_size != 1 or plan.weight_mode is not WeightMode.STATIONARY or profile.device_free_bytes is None:
         return None
     pinned = config.replace(

@@ -43,6 +43,7 @@ from .layout import BucketLayout, check_plan
 from .registry import module_weights
 from .sharding import Sharding
 from .streams import StreamSet
+from .tail_move import move_to_host
 from .telemetry import StepStats, Telemetry
 from .upload import Uploads
 from .validation import GroupHypers, SpeculationGovernor, StepVerdict, decide
@@ -184,7 +185,7 @@ class OffloadEngine:
 
     def move_to_host(self, plan: OffloadPlan) -> int:
         """Train on with ``plan``, which moves the first device buckets to the host ([Note: moving the tail to the
-        host] in planning/planner.py). At a quiet point only: no step in progress (the optimizer calls it in a
+        host] in runtime/tail_move.py). At a quiet point only: no step in progress (the optimizer calls it in a
         training forward's pre-hook). Returns how many parameters moved."""
         if not self.can_move_to_host:
             raise RuntimeError("the device tail moves to the host between steps, in one process with stationary "
@@ -193,7 +194,7 @@ class OffloadEngine:
         self.commit_moments()  # deferred stores read the landing arenas the move regrows
         if not self.plan.host_numel:
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), plan.cpu_threads)
-        moved = self.layout.move_to_host(plan)
+        moved = move_to_host(self.layout, plan)
         self.plan = plan
         self.hooks.relayout()
         self.commits.relayout()

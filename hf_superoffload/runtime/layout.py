@@ -2,7 +2,7 @@
 
 The first stage of the data flow (plan -> hooks -> buckets -> host pass -> commit -> upload): everything here is
 allocated at construction from the frozen :class:`OffloadPlan`, and again only when a later plan moves the first
-device buckets to the host (:meth:`BucketLayout.move_to_host`); later stages only read and write views.
+device buckets to the host (runtime/tail_move.py); later stages only read and write views.
 [Note: casts] and [Note: spread statistics] in docs/design.md say why the arenas look the way they do.
 """
 
@@ -26,7 +26,7 @@ from .bucket import DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .host_memory import HostBuffer
 
-__all__ = ["BucketLayout", "check_move", "check_plan"]
+__all__ = ["BucketLayout", "check_plan"]
 
 
 def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
@@ -58,29 +58,6 @@ def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
     if plan.weight_mode is WeightMode.FLOW and plan.cast_side is not CastSide.CPU:
         raise ValueError("weight flow streams the bf16 staging arena: it needs CastSide.CPU (the planner "
                          "ensures it; build the plan with make_plan)")
-
-
-def check_move(old: OffloadPlan, new: OffloadPlan) -> None:
-    """Refuse a ``new`` plan that does more than move ``old``'s first device buckets to the host with the same
-    bucket boundaries (what ``planner.shrink_tail`` returns; the engine is built for everything else)."""
-    if old.world_size != 1 or old.weight_mode is not WeightMode.STATIONARY:
-        raise ValueError("moving the device tail to the host needs one process and stationary weights")
-    if old.host_accumulation is not HostAccumulation.OFF:
-        raise ValueError("moving the device tail to the host is not supported with host gradient accumulation")
-    places = [(s.param_indices, s.numel) for s in old.buckets], [(s.param_indices, s.numel) for s in new.buckets]
-    if places[0] != places[1]:
-        raise ValueError("the new plan cuts the buckets differently; only the device tail's size may change")
-    n_host = len(old.host_buckets)
-    moved = len(new.host_buckets) - n_host
-    if moved <= 0 or new.buckets[:n_host] != old.buckets[:n_host] or any(
-            s.placement is not Placement.HOST for s in new.buckets[: n_host + moved]):
-        raise ValueError("the new plan must move the first device buckets to the host, and keep the host buckets")
-    switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory",
-                "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation", "landing_ring")
-    changed = [f for f in switches if getattr(old, f) != getattr(new, f)]
-    if changed:
-        raise ValueError(f"a move to the host keeps the engine's switches; the new plan changes {changed}: build it "
-                         "with planner.shrink_tail")
 
 
 class BucketLayout:
@@ -161,7 +138,7 @@ class BucketLayout:
             b: HostBucket | DeviceBucket
             if spec.placement is Placement.HOST:
                 b = HostBucket(spec, ps)
-                self._bind_host(b)
+                self.bind_host(b)
                 if self.full_home:
                     b.home = self.arenas["weights"].tensor[home_offset : home_offset + spec.numel]
                     home_offset += spec.numel
@@ -170,9 +147,7 @@ class BucketLayout:
                 b = DeviceBucket(spec, ps)
                 self.device_buckets.append(b)
             self.buckets.append(b)
-            for i in spec.param_indices:
-                self.bucket_of[i] = b
-        self.host_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
+        self._index_buckets()
         # A bucket's statistics are its rows' column sums. Host buckets' rows are also copied to the host with
         # their gradients so the worker can refuse to speculate on a non-finite bucket.
         rows = max(spread_stats_rows(self.device, b.sizes) for b in self.buckets) if self.buckets else 1
@@ -205,7 +180,7 @@ class BucketLayout:
             kinds["staging"] = (self.dtype, pin, "weight staging")
         return kinds
 
-    def _bind_host(self, b: HostBucket) -> None:
+    def bind_host(self, b: HostBucket) -> None:
         """Point ``b``'s state, landing and staging views at its slice of the host arenas."""
         a = {k: v.tensor for k, v in self.arenas.items()}
         sl = slice(b.spec.offset, b.spec.offset + b.spec.shard)
@@ -242,18 +217,12 @@ class BucketLayout:
         """Bytes of the device tail's fp32 master and moments (what a move to the host returns to the device)."""
         return sum(t.untyped_storage().nbytes() for t in (self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq))
 
-    @torch.no_grad()
-    def move_to_host(self, plan: OffloadPlan) -> list[HostBucket]:
-        """[Note: moving the tail to the host] in planning/planner.py: make ``plan``, which moves the first device
-        buckets of the current plan to the host and changes nothing else the layout holds, concrete. Their fp32
-        master and moments are copied bit for bit into every host state copy (staging: their bf16 weights); the
-        device arenas are reallocated at the tail's new size, so the moved buckets' device memory is freed.
-        Quiet point only: no step in flight, every upload done, no moment store pending. Returns the new host
-        buckets."""
-        old = self.plan
-        check_move(old, plan)
-        moved = [s.index for s in plan.buckets if s.placement is not old.buckets[s.index].placement]
-        n_old = old.host_numel
+    # -- what a move of the tail to the host changes (runtime/tail_move.py composes these) -----------------------
+    def regrow_host_arenas(self, plan: OffloadPlan) -> None:
+        """Take ``plan``, whose host share starts with the current one: each host arena it needs is regrown to the
+        new ``host_numel`` with the current contents in front (an arena it no longer needs is dropped), one at a
+        time, and the host buckets are bound to the new arenas. Idle host buckets only."""
+        n_old = self.plan.host_numel
         for b in self.host_buckets:
             b.drop_views()  # each old arena is freed as soon as its regrown copy holds its contents
         before = self._host_arena_kinds()
@@ -266,40 +235,37 @@ class BucketLayout:
             if name in before:
                 grown.tensor[:n_old].copy_(self.arenas[name].tensor[:n_old])
             self.arenas[name] = grown
-        leaving = {b.index: b for b in self.device_buckets if b.index in moved}
-        host_new = [HostBucket(plan.buckets[i], leaving[i].params) for i in moved]
-        for b in host_new:
-            self._bind_host(b)
-            d = leaving[b.index]
-            for pmv in b.pmv:  # every copy: a double buffer's other copy is written before it is read
-                for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):
-                    dst.copy_(src)
-            if b.staging is not None:
-                b.staging.copy_(b.pmv[0][0])
-        # the rest of the tail moves to its new offsets through host memory: its old arenas are freed before the
-        # new ones are allocated, so the device never holds both
-        staying = [b for b in self.device_buckets if b.index not in leaving]
+        for b in self.host_buckets:
+            self.bind_host(b)
+
+    def shrink_device_tail(self, staying: Sequence[DeviceBucket]) -> None:
+        """Keep only ``staying`` of the device buckets, at their offsets in ``self.plan``, with their state. It
+        moves through host memory: the old device arenas are freed before the new ones are allocated, so the device
+        never holds both."""
         held = [tuple(t.to("cpu", copy=True) for t in (b.master, b.exp_avg, b.exp_avg_sq)) for b in staying]
         none = torch.empty(0, dtype=torch.float32, device=self.device)
         for b in self.device_buckets:
             b.master = b.exp_avg = b.exp_avg_sq = none
         self.dev_master = self.dev_exp_avg = self.dev_exp_avg_sq = none
         for b in staying:
-            b.spec = plan.buckets[b.index]
-        self.device_buckets = staying
+            b.spec = self.plan.buckets[b.index]
+        self.device_buckets = list(staying)
         self._allocate_device_arenas()
         for b, saved in zip(staying, held, strict=True):
             for dst, src in zip((b.master, b.exp_avg, b.exp_avg_sq), saved, strict=True):
                 dst.copy_(src)
-        for b in self.host_buckets:
-            self._bind_host(b)
-        self.host_buckets += host_new
+
+    def add_host_buckets(self, buckets: Sequence[HostBucket]) -> None:
+        """Append bound host buckets that were device buckets and index every bucket again."""
+        self.host_buckets += buckets
         self.buckets = sorted(self.host_buckets + self.device_buckets, key=lambda b: b.index)
+        self._index_buckets()
+
+    def _index_buckets(self) -> None:
         for b in self.buckets:
             for i in b.spec.param_indices:
                 self.bucket_of[i] = b
         self.host_rank = {b.index: k for k, b in enumerate(self.host_buckets)}
-        return host_new
 
     def need_order(self, b: HostBucket | DeviceBucket) -> int:
         """Priority: the next forward needs the last-arriving bucket first."""

@@ -213,14 +213,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{BIND}::test_gpu_cast_parity",),
     ),
     Mutation(  # [Note: moving the tail to the host]: the moved buckets' second moments stay behind
-        "tail_move_drops_exp_avg_sq", "hf_superoffload/runtime/layout.py", _MOVE_COPY,
+        "tail_move_drops_exp_avg_sq", "hf_superoffload/runtime/tail_move.py", _MOVE_COPY,
         _MOVE_COPY.replace("d.exp_avg_sq)", "d.exp_avg.mul(0))"),
         (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[inverse-speculative]",),
     ),
     Mutation(  # the state of the last device buckets (the wrong end of the tail) goes to the moved ones
-        "tail_move_copies_the_wrong_end", "hf_superoffload/runtime/layout.py",
-        "            d = leaving[b.index]\n",
-        "            d = self.device_buckets[len(self.device_buckets) - len(leaving) + moved.index(b.index)]\n",
+        "tail_move_copies_the_wrong_end", "hf_superoffload/runtime/tail_move.py",
+        "        d = leaving[b.index]\n",
+        "        d = layout.device_buckets[len(layout.device_buckets) - len(leaving) + moved.index(b.index)]\n",
         (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[double_buffer-verdict-first]",),
     ),
 )

@@ -1,4 +1,4 @@
-"""[Note: moving the tail to the host] (planning/planner.py): a later batch longer than the plan was made for moves
+"""[Note: moving the tail to the host] (runtime/tail_move.py): a later batch longer than the plan was made for moves
 the first device buckets' optimizer state to the host before its forward runs, and training on equals having
 started with that smaller tail, bit for bit: weights, the whole optimizer state, gradient norms and checkpoints."""
 

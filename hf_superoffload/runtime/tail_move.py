@@ -1,0 +1,79 @@
+"""Moving the first device buckets' optimizer state to the host, for a later batch the device tail leaves too little
+memory for: the check that a new plan is such a move, and the move itself over the layout's arenas.
+
+The planner chooses the new plan (``planner.shrink_tail``); the engine calls :func:`move_to_host` at a quiet point
+and then tells the stages that keep per-bucket state about the new layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..planning.plan import HostAccumulation, OffloadPlan, Placement, WeightMode
+from .bucket import HostBucket
+from .layout import BucketLayout
+
+__all__ = ["check_move", "move_to_host"]
+
+# [Note: moving the tail to the host]
+# A later batch longer than the one the plan was made for may need more activation memory than the device tail
+# leaves. Before its forward runs, the optimizer asks for the plan with the fewest device buckets moved to the host
+# that still fits (the first device buckets in gradient-arrival order become the last host buckets; bucket
+# boundaries and the switches that shape the host arenas stay: rollback, cast side, host accumulation; the deferred
+# stores, the D2H lead and gate and the upload thread follow the new host share), and the engine moves their fp32
+# master and moments at that quiet point. The plan is exactly the one ``make_plan`` gives for that tail size with
+# those switches, so training on equals a run started with it from the same state, bit for bit (not one started
+# with it from the first step: before the move the tail's buckets stepped with the device AdamW, which rounds
+# differently from the CPU Adam). The move runs in the forward pre-hook, between steps, after every upload; not
+# under data parallelism, weight flow or host accumulation (the batch is refused as before). It briefly holds more
+# host memory than either plan: each host arena is regrown one at a time, and the remaining tail's state waits on
+# the host while its device arenas are reallocated at their new size, so that the device never holds the old and
+# the new arenas at once.
+
+
+def check_move(old: OffloadPlan, new: OffloadPlan) -> None:
+    """Refuse a ``new`` plan that does more than move ``old``'s first device buckets to the host with the same
+    bucket boundaries (what ``planner.shrink_tail`` returns; the engine is built for everything else)."""
+    if old.world_size != 1 or old.weight_mode is not WeightMode.STATIONARY:
+        raise ValueError("moving the device tail to the host needs one process and stationary weights")
+    if old.host_accumulation is not HostAccumulation.OFF:
+        raise ValueError("moving the device tail to the host is not supported with host gradient accumulation")
+    places = [(s.param_indices, s.numel) for s in old.buckets], [(s.param_indices, s.numel) for s in new.buckets]
+    if places[0] != places[1]:
+        raise ValueError("the new plan cuts the buckets differently; only the device tail's size may change")
+    n_host = len(old.host_buckets)
+    moved = len(new.host_buckets) - n_host
+    if moved <= 0 or new.buckets[:n_host] != old.buckets[:n_host] or any(
+            s.placement is not Placement.HOST for s in new.buckets[: n_host + moved]):
+        raise ValueError("the new plan must move the first device buckets to the host, and keep the host buckets")
+    switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory",
+                "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation", "landing_ring")
+    changed = [f for f in switches if getattr(old, f) != getattr(new, f)]
+    if changed:
+        raise ValueError(f"a move to the host keeps the engine's switches; the new plan changes {changed}: build it "
+                         "with planner.shrink_tail")
+
+
+@torch.no_grad()
+def move_to_host(layout: BucketLayout, plan: OffloadPlan) -> list[HostBucket]:
+    """[Note: moving the tail to the host]: make ``plan``, which moves the first device buckets of ``layout``'s plan
+    to the host and changes nothing else the layout holds, concrete. Their fp32 master and moments are copied bit
+    for bit into every host state copy (staging: their bf16 weights); the device arenas are reallocated at the
+    tail's new size, so the moved buckets' device memory is freed. Quiet point only: no step in flight, every
+    upload done, no moment store pending. Returns the new host buckets."""
+    check_move(layout.plan, plan)
+    moved = [s.index for s in plan.buckets if s.placement is not layout.plan.buckets[s.index].placement]
+    leaving = {b.index: b for b in layout.device_buckets if b.index in moved}
+    layout.regrow_host_arenas(plan)  # the layout's plan is ``plan`` from here on
+    host_new = [HostBucket(plan.buckets[i], leaving[i].params) for i in moved]
+    for b in host_new:
+        layout.bind_host(b)
+        d = leaving[b.index]
+        for pmv in b.pmv:  # every copy: a double buffer's other copy is written before it is read
+            for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):
+                dst.copy_(src)
+        if b.staging is not None:
+            b.staging.copy_(b.pmv[0][0])
+    layout.shrink_device_tail([b for b in layout.device_buckets if b.index not in leaving])
+    layout.add_host_buckets(host_new)
+    return host_new
