@@ -79,21 +79,34 @@ class CpuWorker:
         self._thread.start()
         self._live_id = next(_ids)
         _LIVE[self._live_id] = self
+        self._name = name
         self._gate_thread: threading.Thread | None = None
         if gated:
-            self._gate_thread = threading.Thread(target=self._gate_loop, name=f"{name}-gate", daemon=True)
+            self.enable_gate()
+
+    def enable_gate(self) -> None:
+        """Start the gate thread if it is not running (idempotent): a worker built ungated whose engine's new plan
+        gates its first tasks ([Note: moving the tail to the host]). Safe at any time: an ungated worker refuses
+        gated tasks, so none can be waiting for the thread."""
+        with self._gate_lock:
+            if self._gate_thread is not None:
+                return
+            if self._closed:
+                raise WorkerError("the CPU worker is closed; build a new optimizer")
+            self._gate_thread = threading.Thread(target=self._gate_loop, name=f"{self._name}-gate", daemon=True)
             self._gate_thread.start()
 
     def submit(self, priority: int, what: str, fn: Callable[[], None], *, tag: object = None,
                gate: Callable[[], None] | None = None) -> None:
         """Queue ``fn``; ``tag`` (any object) lets :meth:`reprioritize` find the task while it waits. With
-        ``gate`` (a worker built ``gated=True``) the task is queued once ``gate()`` has returned; if it raises,
-        the task fails with that error instead of running."""
+        ``gate`` (a worker built ``gated=True`` or after :meth:`enable_gate`) the task is queued once ``gate()`` has
+        returned; if it raises, the task fails with that error instead of running."""
         self.raise_if_failed()
         if self._closed:
             raise WorkerError("the CPU worker is closed; build a new optimizer")
         if gate is not None and self._gate_thread is None:
-            raise ValueError("a gated task needs a worker built with gated=True")
+            raise ValueError("a gated task needs a worker with a gate thread: build it with gated=True or call "
+                             "enable_gate() first")
         with self._cond:
             self._outstanding += 1
         task = _Task(priority, next(self._seq), what, fn, tag)
@@ -165,6 +178,11 @@ class CpuWorker:
         self._queue.put(_Task(2**62, next(self._seq), "shutdown", None))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=60)
+
+    @property
+    def gated(self) -> bool:
+        """Whether the gate thread runs (gated tasks are accepted)."""
+        return self._gate_thread is not None
 
     @property
     def thread(self) -> threading.Thread:

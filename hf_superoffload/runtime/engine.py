@@ -127,10 +127,8 @@ class OffloadEngine:
         self.layout = layout = BucketLayout(plan=plan, params=self.params, is_cuda=self.streams.is_cuda,
                                             data_parallel=comm is not None)
         self._accum = None
-        # one process, stationary weights: gated even when this plan's gate is off, as a move to the host may
-        # turn it on ([Note: moving the tail to the host] in planning/planner.py); an idle gate thread costs nothing
         self._worker = CpuWorker(device=self.device, on_error=self._wake_all, affinity=plan.cpu_affinity,
-                                 gated=plan.d2h_gate or (comm is None and plan.weight_mode is WeightMode.STATIONARY))
+                                 gated=plan.d2h_gate)
         if plan.host_accumulation is not HostAccumulation.OFF:
             self._accum = HostAccumulator(
                 mode=plan.host_accumulation, buckets=layout.host_buckets, host_numel=plan.host_numel,
@@ -196,6 +194,8 @@ class OffloadEngine:
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), plan.cpu_threads)
         moved = move_to_host(self.layout, plan)
         self.plan = plan
+        if plan.d2h_gate:  # a larger host share may turn the gate on; the next backward's first tasks use it
+            self._worker.enable_gate()
         self.hooks.relayout()
         self.commits.relayout()
         if plan.upload_thread:

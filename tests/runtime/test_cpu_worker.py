@@ -115,3 +115,25 @@ def test_a_failing_gate_fails_its_task_and_close_releases_gated_tasks() -> None:
     assert ran == ["gated"]
     with pytest.raises(ValueError, match="gated=True"):
         CpuWorker(device=torch.device("cpu"), on_error=lambda: None).submit(0, "x", lambda: None, gate=lambda: None)
+
+
+def test_enable_gate_starts_one_gate_thread_on_demand() -> None:
+    """A worker built ungated refuses gated tasks until ``enable_gate()``; calling it again starts no second
+    thread, and a closed worker refuses it."""
+    w = CpuWorker(device=torch.device("cpu"), on_error=lambda: None, name="superoffload-cpu-on-demand")
+    ran: list[str] = []
+    assert not w.gated
+    with pytest.raises(ValueError, match="enable_gate"):
+        w.submit(0, "gated", lambda: ran.append("gated"), gate=lambda: None)
+    w.enable_gate()
+    w.enable_gate()
+    assert w.gated
+    assert sum(t.name == "superoffload-cpu-on-demand-gate" for t in threading.enumerate()) == 1
+    w.submit(0, "gated", lambda: ran.append("gated"), gate=lambda: None)
+    w.drain(10)
+    assert ran == ["gated"]
+    w.close()
+    closed = CpuWorker(device=torch.device("cpu"), on_error=lambda: None)
+    closed.close()
+    with pytest.raises(WorkerError, match="closed"):
+        closed.enable_gate()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import threading
 import weakref
 
 import pytest
@@ -16,19 +17,21 @@ from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.plan import OffloadPlan, Placement
 from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
+from hf_superoffload.runtime import streams
 from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, weights_and_state
 
 MODEL = dict(seed=3, num_hidden_layers=4)
 BATCH, SHORT, LONG = 2, 24, 32  # on the budget below, 2 x 32 tokens leave room for a smaller tail only
 
 
-def _budget(model: torch.nn.Module) -> int:
-    """Free device memory whose plan for the short batch keeps about half of the optimizer on the device."""
+def _budget(model: torch.nn.Module, device_share: float = 0.5) -> int:
+    """Free device memory whose plan for the short batch keeps about ``device_share`` of the optimizer on the
+    device."""
     n = sum(p.numel() for p in model.parameters())
     need = [estimate(model.config, batch_size=BATCH, seq_len=SHORT, grad_ckpt=False, chunked_loss=True,
                      plan_like=PlanLike(device_numel=d, host_numel=n - d, bucket_bytes=2 * n // 8)).gpu_required_bytes
             for d in (0, n)]
-    return int((need[0] + need[1]) / 2 / (1 - 0.04))
+    return int((need[0] + device_share * (need[1] - need[0])) / (1 - 0.04))
 
 
 def _batches(seqs: list[int]) -> list[torch.Tensor]:
@@ -123,6 +126,38 @@ def test_a_tail_holding_every_bucket_moves_to_empty_host_arenas(device_budget) -
     assert 0 < k < len(opt.plan.buckets)
     assert opt.plan.defer_moments and "landing1" in opt.engine.layout.arenas, "deferred stores follow the host share"
     ref, ref_model = _started_with(before, SuperOffloadConfig(), k)
+    assert _runtime_fields(ref.plan) == _runtime_fields(opt.plan)
+    assert _grad_norms(ref_model, ref, data[2:]) == norms
+    assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
+    opt.close()
+    ref.close()
+
+
+def test_a_move_that_turns_the_d2h_gate_on_starts_the_gate(device_budget, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: D2H gate]: the short batch's plan keeps most of the optimizer on the device (no D2H lead, no gate: the
+    worker is built without a gate thread); the moved plan holds most of it on the host, so it leads and gates. The
+    move starts the gate thread, every host bucket's first CPU task after it passes through the gate, and training
+    equals a run started with the smaller tail (gated from its first step)."""
+    gated: list[str] = []
+    real_wait = streams.Handoff.wait_host
+
+    def wait_host(self: streams.Handoff) -> None:
+        if threading.current_thread().name.endswith("-gate"):
+            gated.append(threading.current_thread().name)
+        real_wait(self)
+
+    monkeypatch.setattr(streams.Handoff, "wait_host", wait_host)
+    model = tiny_llama(**MODEL)
+    device_budget(_budget(model, device_share=0.65))
+    data = _batches([SHORT] * 2 + [LONG] * 2)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    train_steps(model, opt, data[:2])
+    assert not opt.plan.d2h_gate and not opt.engine._worker.gated, "the worker is gated only when the plan asks"
+    before = _saved(opt, model)
+    norms = _grad_norms(model, opt, data[2:])
+    assert opt.plan.d2h_gate and opt.plan.host_numel > opt.plan.device_numel
+    assert len(gated) == 2 * len(opt.engine.host_buckets)
+    ref, ref_model = _started_with(before, SuperOffloadConfig(), len(opt.plan.device_buckets))
     assert _runtime_fields(ref.plan) == _runtime_fields(opt.plan)
     assert _grad_norms(ref_model, ref, data[2:]) == norms
     assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
