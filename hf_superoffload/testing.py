@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from .runtime.telemetry import StepStats
 
 __all__ = [
-    "ReferenceAdamW", "TokenDataset", "TrainedStep", "pretend_profile", "state_tensors", "tiny_llama",
-    "tiny_llama_config", "train_steps", "weights_and_state",
+    "ReferenceAdamW", "TokenDataset", "TrainedStep", "master_of", "pretend_profile", "state_of", "state_tensors",
+    "tiny_llama", "tiny_llama_config", "train_steps", "weights_and_state",
 ]
 
 
@@ -182,3 +182,19 @@ class TokenDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def state_of(opt: SuperOffloadOptimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Copies on the CPU of the committed fp32 ``master``, ``exp_avg`` and ``exp_avg_sq`` of model parameter
+    ``param``, wherever the plan put it (one process; callers synchronize first)."""
+    eng = opt.engine
+    i = next(k for k, p in enumerate(eng.params) if p is param)
+    placement, off = eng.param_location(i)
+    flat = eng.flat_state()["host" if placement.value == "host" else "device"]
+    return {k: flat[k][off : off + param.numel()].view(param.shape).cpu().clone()
+            for k in ("master", "exp_avg", "exp_avg_sq")}
+
+
+def master_of(opt: SuperOffloadOptimizer, param: torch.Tensor) -> torch.Tensor:
+    """A copy on the CPU of the committed fp32 master of model parameter ``param`` (see :func:`state_of`)."""
+    return state_of(opt, param)["master"]

@@ -10,9 +10,8 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
-import torch
 
-from hf_superoffload.testing import TokenDataset
+from hf_superoffload.testing import TokenDataset, master_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -44,15 +43,6 @@ def train_kwargs(output_dir: Any, **overrides: Any) -> dict[str, Any]:
     )
     kw.update(overrides)
     return kw
-
-
-def master_of(opt: Any, param: torch.Tensor) -> torch.Tensor:
-    """The fp32 master of ``param`` inside a SuperOffloadOptimizer."""
-    eng = opt.engine
-    i = next(k for k, p in enumerate(eng.params) if p is param)
-    pl, off = eng.param_location(i)
-    side = "host" if pl.value == "host" else "device"
-    return eng.flat_state()[side]["master"][off : off + param.numel()].view(param.shape).cpu()
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.testing import master_of, state_of
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -99,24 +100,6 @@ def child_module() -> ModuleType:
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def master_of(opt: SuperOffloadOptimizer, param: torch.Tensor) -> torch.Tensor:
-    eng = opt.engine
-    i = next(k for k, p in enumerate(eng.params) if p is param)
-    pl, off = eng.param_location(i)
-    side = "host" if pl.value == "host" else "device"
-    return eng.flat_state()[side]["master"][off : off + param.numel()].view(param.shape).cpu()
-
-
-def state_of(opt: SuperOffloadOptimizer, param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """(master, exp_avg, exp_avg_sq) of one parameter, wherever the plan put it."""
-    eng = opt.engine
-    i = next(k for k, p in enumerate(eng.params) if p is param)
-    pl, off = eng.param_location(i)
-    side = "host" if pl.value == "host" else "device"
-    flat = eng.flat_state()[side]
-    return {k: flat[k][off : off + param.numel()].cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")}
 
 
 @pytest.fixture

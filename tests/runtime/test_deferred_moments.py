@@ -23,7 +23,7 @@ from hf_superoffload import ops as ops_module
 from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.plan import MasterDeferral
 from hf_superoffload.runtime.cpu_worker import WorkerError
-from hf_superoffload.testing import ReferenceAdamW, tiny_llama
+from hf_superoffload.testing import ReferenceAdamW, master_of, tiny_llama
 
 LR = 1e-3
 MODES = {False: MasterDeferral.OFF, True: MasterDeferral.ALL, "auto": MasterDeferral.ADAPTIVE, 0.5: MasterDeferral.SHARE}
@@ -121,17 +121,11 @@ def assert_matches_reference(ours: Run, ref: Run) -> None:
     for k, (a, b) in enumerate(zip(ours.losses, ref.losses, strict=True)):
         tol = 2e-5 if k < 3 else 5e-3
         assert math.isclose(a, b, rel_tol=tol, abs_tol=tol), f"step {k}: loss {a} vs reference {b}"
-    eng = ours.opt.engine
-    flat = eng.flat_state()
-    index = {id(p): i for i, p in enumerate(eng.params)}
     worst = 0.0
     ref_names = {id(q): n for n, q in ref.model.named_parameters()}
     ours_by_name = dict(ours.model.named_parameters())
     for p_ref, m_ref in ref.opt.pairs:
-        p = ours_by_name[ref_names[id(p_ref)]]
-        pl, off = eng.param_location(index[id(p)])
-        side = "host" if pl.value == "host" else "device"
-        mine = flat[side]["master"][off : off + p.numel()].view(p.shape)
+        mine = master_of(ours.opt, ours_by_name[ref_names[id(p_ref)]])
         worst = max(worst, (mine - m_ref.detach()).abs().max().item())
     assert worst < 8 * LR, f"final master weights differ from the reference by {worst}"
 

@@ -16,9 +16,9 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.hardware import HardwareProfile
-from hf_superoffload.planning.plan import HostAccumulation, Placement, WeightMode
+from hf_superoffload.planning.plan import HostAccumulation, WeightMode
 from hf_superoffload.planning.planner import LANDING_RING_SLOTS, PlanError, make_plan
-from hf_superoffload.testing import ReferenceAdamW, tiny_llama
+from hf_superoffload.testing import ReferenceAdamW, master_of, tiny_llama
 
 LR = 1e-3
 GiB = 1024**3
@@ -119,14 +119,11 @@ def assert_matches_reference(model, opt, ref_model, ref, losses, ref_losses):
             assert math.isnan(a), f"step {k}: loss {a} vs reference NaN"
             continue
         assert math.isclose(a, b, rel_tol=tol, abs_tol=tol), f"step {k}: loss {a} vs reference {b}"
-    eng = opt.engine
     names = {id(p): n for n, p in model.named_parameters()}
     ref_params = dict(ref_model.named_parameters())
     worst = 0.0
-    for i, p in enumerate(eng.params):
-        pl, off = eng.param_location(i)
-        side = "host" if pl is Placement.HOST else "device"
-        ours = eng.flat_state()[side]["master"][off : off + p.numel()].view(p.shape).cpu()
+    for p in opt.engine.params:
+        ours = master_of(opt, p)
         rp = ref_params[names[id(p)]]
         m = next(m for q, m in ref.pairs if q is rp)
         worst = max(worst, (ours - m.detach().cpu()).abs().max().item())

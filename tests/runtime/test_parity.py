@@ -15,7 +15,7 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.config import PlannerOverrides
-from hf_superoffload.testing import ReferenceAdamW, tiny_llama
+from hf_superoffload.testing import ReferenceAdamW, master_of, tiny_llama
 
 LR = 1e-3
 SMALL = dict(bucket_size_mb=0.004)  # ~2k elements per bucket -> a dozen buckets on the tiny model
@@ -24,14 +24,6 @@ SMALL = dict(bucket_size_mb=0.004)  # ~2k elements per bucket -> a dozen buckets
 def batches(n, seed=1, bs=2, seq=16, vocab=128, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (bs, seq), generator=g).to(device) for _ in range(n)]
-
-
-def master_of(opt, param):
-    eng = opt.engine
-    i = next(k for k, p in enumerate(eng.params) if p is param)
-    pl, off = eng.param_location(i)
-    side = "host" if pl.value == "host" else "device"
-    return eng.flat_state()[side]["master"][off : off + param.numel()].view(param.shape).cpu()
 
 
 def run_pair(*, steps=30, device="cpu", config=None, max_grad_norm=1.0, groups=None, accum=1, model_kw=None,

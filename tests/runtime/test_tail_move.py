@@ -18,7 +18,7 @@ from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.plan import OffloadPlan, Placement
 from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
 from hf_superoffload.runtime import streams
-from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, weights_and_state
+from hf_superoffload.testing import master_of, pretend_profile, tiny_llama, train_steps, weights_and_state
 
 MODEL = dict(seed=3, num_hidden_layers=4)
 BATCH, SHORT, LONG = 2, 24, 32  # on the budget below, 2 x 32 tokens leave room for a smaller tail only
@@ -271,12 +271,7 @@ def test_the_export_after_a_move_holds_the_masters(device_budget, tmp_path) -> N
     ckpt.mkdir()
     torch.save(opt.state_dict(), ckpt / "optimizer.pt")
     model.config.save_pretrained(ckpt)
-    flat, names = opt.engine.flat_state(), {id(p): n for n, p in model.named_parameters()}
-    masters = {}
-    for i, p in enumerate(opt.engine.params):
-        placement, off = opt.engine.param_location(i)
-        side = flat["host" if placement is Placement.HOST else "device"]["master"]
-        masters[names[id(p)]] = side[off : off + p.numel()].view(p.shape).clone()
+    masters = {n: master_of(opt, p) for n, p in model.named_parameters()}
     loaded = dict(AutoModelForCausalLM.from_pretrained(export_checkpoint(ckpt, tmp_path / "out"),
                                                        dtype=torch.float32).named_parameters())
     assert all(torch.equal(loaded[n].detach(), m) for n, m in masters.items())

@@ -18,9 +18,9 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload import sequence_parallel as sp
-from hf_superoffload.planning.plan import Placement, WeightMode
+from hf_superoffload.planning.plan import WeightMode
 from hf_superoffload.sequence_parallel.tiled_mlp import _TiledForward
-from hf_superoffload.testing import ReferenceAdamW, tiny_llama
+from hf_superoffload.testing import ReferenceAdamW, master_of, tiny_llama
 
 LR = 1e-3
 SEQ = 13
@@ -283,12 +283,7 @@ def _train(tile: int | None, data: list[torch.Tensor], *, config: SuperOffloadCo
     if config is None:
         return losses, {names[id(p)]: m.detach().clone() for p, m in opt.pairs}, opt
     opt.synchronize()
-    eng, masters = opt.engine, {}
-    for i, p in enumerate(eng.params):
-        placement, off = eng.param_location(i)
-        flat = eng.flat_state()["host" if placement is Placement.HOST else "device"]["master"]
-        masters[names[id(p)]] = flat[off : off + p.numel()].view(p.shape).clone()
-    return losses, masters, opt
+    return losses, {names[id(p)]: master_of(opt, p) for p in opt.engine.params}, opt
 
 
 def _assert_same_training(a, b, *, loss_tol: float, weight_tol: float) -> None:

@@ -16,10 +16,10 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.hardware import HardwareProfile
-from hf_superoffload.planning.plan import Placement, WeightMode
+from hf_superoffload.planning.plan import WeightMode
 from hf_superoffload.planning.planner import PlanError, Workload, make_plan
 from hf_superoffload.runtime.weight_flow import UnitState
-from hf_superoffload.testing import ReferenceAdamW, tiny_llama
+from hf_superoffload.testing import ReferenceAdamW, master_of, tiny_llama
 
 LR = 1e-3
 GiB = 1024**3
@@ -93,24 +93,15 @@ def weights(model, opt):
         return [p.detach().clone() for p in model.parameters()]
 
 
-def named_master(opt, model, name):
-    p = dict(model.named_parameters())[name]
-    eng = opt.engine
-    i = next(k for k, q in enumerate(eng.params) if q is p)
-    pl, off = eng.param_location(i)
-    side = "host" if pl is Placement.HOST else "device"
-    return eng.flat_state()[side]["master"][off : off + p.numel()].view(p.shape)
-
-
 def assert_matches_reference(model, opt, losses, ref, ropt, ref_losses):
     """The tolerances of tests/runtime/test_parity.py: fp32 rounding early, bf16 flips amplified later."""
     for k, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
         tol = 2e-5 if k < 3 else 5e-3
         assert math.isclose(a, b, rel_tol=tol, abs_tol=tol), f"step {k}: loss {a} vs reference {b}"
     worst = 0.0
-    names = {id(p): n for n, p in ref.named_parameters()}
+    names, ours = {id(p): n for n, p in ref.named_parameters()}, dict(model.named_parameters())
     for p, m in ropt.pairs:
-        worst = max(worst, (named_master(opt, model, names[id(p)]) - m.detach()).abs().max().item())
+        worst = max(worst, (master_of(opt, ours[names[id(p)]]) - m.detach()).abs().max().item())
     assert worst < 8 * LR, f"final master weights differ by {worst}"
 
 
