@@ -18,18 +18,14 @@ from hf_superoffload.planning import hardware
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.planner import CALIBRATED_MARGIN, CALIBRATION_STEPS, Workload, calibrated_budget
-from hf_superoffload.testing import tiny_llama
+from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, weights_and_state
 
 GiB = 1024**3
 BATCH, SEQ = 2, 24
 
 
 def _model(ckpt: bool) -> torch.nn.Module:
-    model = tiny_llama(seed=3, num_hidden_layers=4)
-    if ckpt:  # transformers' new name where it has one (5.17, the oldest supported, has only the old one)
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    model.train()
-    return model
+    return tiny_llama(seed=3, num_hidden_layers=4, checkpointing=ckpt)
 
 
 @pytest.fixture
@@ -42,8 +38,7 @@ def device(monkeypatch: pytest.MonkeyPatch):
         reads = 0
 
         def budget(self, free: int) -> None:
-            profile = HardwareProfile(device_type="cpu", device_free_bytes=free, host_available_bytes=64 * GiB,
-                                      cpu_threads=2)
+            profile = pretend_profile(free)
             monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
 
         def measure(self, fn) -> None:
@@ -62,32 +57,8 @@ def _batches(n: int) -> list[torch.Tensor]:
 
 
 def _train(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
-    norms = []
-    for ids in batches:
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        norms.append(opt.last_grad_norm)
-    return norms
-
-
-def _snapshot(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> list[torch.Tensor]:
-    opt.synchronize()
-    state = opt.state_dict()["superoffload"]
-    tensors: list[torch.Tensor] = []
-
-    def walk(obj: object) -> None:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj.clone())
-        elif isinstance(obj, dict):
-            for k in sorted(obj, key=str):
-                walk(obj[k])
-        elif isinstance(obj, list | tuple):
-            for v in obj:
-                walk(v)
-
-    walk(state)
-    return [p.detach().clone() for p in model.parameters()] + tensors
+    """The gradient norm of every step."""
+    return [step.stats.grad_norm for step in train_steps(model, opt, batches)]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -143,7 +114,7 @@ def test_room_the_model_did_not_see_goes_to_kept_layers_and_changes_no_value(dev
             assert opt.calibration is not None and opt.calibration["kept_layers"] == (kept, opt.plan.kept_layers)
         else:
             assert opt.plan.kept_layers == kept and opt.calibration is None
-        runs.append((norms, _snapshot(opt, model)))
+        runs.append((norms, weights_and_state(model, opt)))
         opt.close()
     assert runs[0][0] == runs[1][0]
     assert _same(runs[0][1], runs[1][1])
@@ -195,7 +166,7 @@ def test_a_measured_need_over_the_prediction_moves_device_buckets_to_the_host(de
     ref.load_state_dict(before["opt"])
     assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
     assert _train(ref, ref_model, data[CALIBRATION_STEPS:]) == norms
-    assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+    assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
     opt.close()
     ref.close()
 
@@ -215,10 +186,10 @@ def test_a_need_no_plan_holds_is_refused_before_the_forward_with_what_to_change(
     device.opt = opt
     data = _batches(CALIBRATION_STEPS + 1)
     _train(opt, model, data[:CALIBRATION_STEPS])
-    state = _snapshot(opt, model)
+    state = weights_and_state(model, opt)
     with pytest.raises(RuntimeError, match=r"reserved 200\.0 GiB.*gpu_resident_buckets=0"):
         model(input_ids=data[-1], labels=data[-1])
-    assert _same(_snapshot(opt, model), state)
+    assert _same(weights_and_state(model, opt), state)
     opt.close()
 
 
@@ -282,7 +253,7 @@ def test_on_a_gpu_a_measured_shortfall_moves_device_buckets_and_training_goes_on
         ref.load_state_dict(before["opt"])
         assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
         assert _train(ref, ref_model, data[CALIBRATION_STEPS:]) == norms
-        assert _same(_snapshot(opt, model), _snapshot(ref, ref_model))
+        assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
         opt.close()
         ref.close()
     finally:
