@@ -38,13 +38,13 @@ def tiny_llama_config(**overrides: Any) -> Any:
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu", *,
                checkpointing: bool = False, **overrides: Any) -> torch.nn.Module:
     """A randomly initialised few-layer Llama (no download), in training mode. Same ``seed`` gives the same
-    weights; ``checkpointing`` checkpoints every decoder layer (``activation_checkpointing_enable``)."""
+    weights; ``checkpointing`` checkpoints every decoder layer."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(**overrides)).to(device=device, dtype=dtype)
-    if checkpointing:
-        model.activation_checkpointing_enable()
+    if checkpointing:  # transformers' new name where it has one (5.17, the oldest supported, has only the old one)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     return model.train()
 
 
