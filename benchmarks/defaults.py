@@ -307,6 +307,10 @@ def _finish(rec: dict[str, Any], times: list[float], batch: int, accum: int, seq
                tokens_per_s=tokens / med, mfu=flops * tokens / med / (PEAK_TFLOPS * 1e12),
                peak_gpu_gb=(torch.cuda.max_memory_allocated(device) / 1e9) if device.type == "cuda" else None,
                host_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
+    if device.type == "cuda":  # the allocator freeing its cache to satisfy a request: a device near full
+        stats = torch.cuda.memory_stats(device)
+        rec.update(peak_reserved_gb=stats.get("reserved_bytes.all.peak", 0) / 1e9,
+                   alloc_retries=stats.get("num_alloc_retries", 0))
 
 
 def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clipped: bool = True) -> dict[str, Any]:
