@@ -503,8 +503,9 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
 # replaces those margins by the measurement: a plan fits the calibrated budget when the measured need plus what
 # the memory model says the change adds stays under the free memory less ``CALIBRATED_MARGIN``. Where the model
 # was cautious the room goes to kept layers (the step gets faster, the values stay the same); where it was short
-# the kept layers go first, then device buckets move to the host ([Note: moving the tail to the host]), before
-# the next forward allocates anything. Once per run: later batches are checked against the calibrated budget.
+# the kept layers go first, then device buckets move to the host ([Note: moving the tail to the host] in
+# runtime/tail_move.py), before the next forward allocates anything; if neither is possible it only warns (the run
+# has not run out of memory so far). Once per run: later batches are checked against the calibrated budget.
 CALIBRATED_MARGIN = 0.02
 """Share of the free device memory kept spare above a measured peak (what the next steps may fragment more)."""
 CALIBRATION_STEPS = 2

@@ -177,7 +177,10 @@ def _required_for(model: torch.nn.Module, device_numel: int, n: int) -> int:
                                        bucket_bytes=2 * n // 8)).gpu_required_bytes
 
 
-def test_a_need_no_plan_holds_is_refused_before_the_forward_with_what_to_change(device) -> None:
+def test_a_shortfall_nothing_can_fix_is_logged_and_the_run_goes_on(device, caplog) -> None:
+    """Every state already on the host and no kept layer to give back: the run has trained without running out of
+    memory (the allocator frees its cache and retries before it fails), so the calibration warns and changes
+    nothing; the plan's budget stays calibrated for later batches."""
     model = _model(ckpt=False)
     device.budget(64 * GiB)
     device.measure(lambda opt: 200 * GiB)
@@ -186,10 +189,11 @@ def test_a_need_no_plan_holds_is_refused_before_the_forward_with_what_to_change(
     device.opt = opt
     data = _batches(CALIBRATION_STEPS + 1)
     _train(opt, model, data[:CALIBRATION_STEPS])
-    state = weights_and_state(model, opt)
-    with pytest.raises(RuntimeError, match=r"reserved 200\.0 GiB.*gpu_resident_buckets=0"):
-        model(input_ids=data[-1], labels=data[-1])
-    assert _same(weights_and_state(model, opt), state)
+    plan = opt.plan
+    with caplog.at_level("WARNING", logger="hf_superoffload"):
+        _train(opt, model, data[CALIBRATION_STEPS:])
+    assert "reserved 200.0 GiB" in caplog.text and "gpu_resident_buckets" not in caplog.text
+    assert opt.plan == plan and opt.calibration is not None and opt.calibration["device_buckets"] == (0, 0)
     opt.close()
 
 
