@@ -665,10 +665,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 def _measured_device_need(device: torch.device, other_at_plan: int) -> int | None:
     """[Note: calibration from the measured peak]: the device bytes this run has needed at its peak, as the plan
     counts them (``None`` off CUDA): the allocator's reserved high-water mark, less what was allocated at the first
-    batch besides the model's weights (the budget already left that out)."""
+    batch besides the model's weights (the budget already left that out). What it reserves now counts too: the
+    caching allocator keeps its peak unless it had to free it, and a caller may have reset the peak statistics."""
     if device.type != "cuda":
         return None
-    return max(0, torch.cuda.max_memory_reserved(device) - other_at_plan)
+    reserved = max(torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device))
+    return max(0, reserved - other_at_plan)
 
 
 def _own_weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
