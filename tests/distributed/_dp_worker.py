@@ -51,6 +51,19 @@ def inject_delay(where: str) -> None:
         setattr(mod, name, slow)
 
 
+def capture_grads(model: torch.nn.Module, into: dict[str, torch.Tensor]) -> None:
+    """Tensor hooks: ``into[name]`` becomes the gradient this rank's backward gives the parameter, summed over the
+    micro-batches of a step in bf16 as autograd sums ``.grad`` (what the reference is fed: the test says why)."""
+
+    def keep(name: str, grad: torch.Tensor) -> None:
+        g = grad.detach().to("cpu", copy=True)
+        into[name] = g if name not in into else into[name] + g
+
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g, n=n: keep(n, g))
+
+
 def build_model(kw: dict[str, str], device: str = "cpu") -> torch.nn.Module:
     """The tiny Llama of the test; ``tied=1`` ties the embeddings, ``freeze=1`` freezes the final norm."""
     model = tiny_llama(seed=0, device=device, tie_word_embeddings=kw.get("tied") == "1")
@@ -88,6 +101,10 @@ def main() -> None:
     per = GLOBAL_BS // world
     data = batches(start + steps)
     losses = []
+    grads: list[dict[str, torch.Tensor]] = []
+    stats: list[tuple[str, int, int]] = []
+    step_grads: dict[str, torch.Tensor] = {}
+    capture_grads(model, step_grads)
     for step in range(start, start + steps):
         ids = data[step][rank * per : (rank + 1) * per].to(device)
         hook = None
@@ -102,10 +119,16 @@ def main() -> None:
             loss = loss + part.detach()
         if hook is not None:
             hook.remove()
+        if kw.get("drain") == "1":  # every landed bucket is speculated before step(), whatever the box's load
+            opt.engine._worker.drain(60.0)
         if scenario == "fail" and step == int(kw.get("fail_step", 3)) and rank == world - 1:
             raise RuntimeError("injected failure on the last rank")
         opt.step()
         opt.zero_grad()
+        grads.append(dict(step_grads))
+        step_grads.clear()
+        st = opt.last_step_stats
+        stats.append((st.verdict, st.speculated_buckets, st.wasted_buckets))
         t = loss.detach().float().reshape(1)
         if world > 1:
             dist.all_reduce(t)
@@ -117,7 +140,8 @@ def main() -> None:
     peak_units = flow.stats.peak_units if flow is not None else None
     with opt.engine.materialized():
         params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    torch.save({"losses": losses, "peak_units": peak_units, "grad_norm": opt.last_grad_norm, "skipped": opt.skipped_steps,
+    torch.save({"losses": losses, "grads": grads, "stats": stats, "rollback": opt.plan.rollback.value,
+                "host_accumulation": opt.plan.host_accumulation.value, "peak_units": peak_units, "grad_norm": opt.last_grad_norm, "skipped": opt.skipped_steps,
                 "clipped": opt.clipped_steps,
                 "params": params,
                 "state": opt.state_dict()["superoffload"], "plan": opt.plan.summary()},

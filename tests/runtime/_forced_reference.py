@@ -4,11 +4,9 @@
 amplifies the flip), which forces loose, lr-sized tolerances. Fed our gradients instead (captured by tensor hooks
 before autograd accumulates them, summed in the dtype the engine sums them in), torch's AdamW + clip_grad_norm_
 on fp32 masters follows the same trajectory, and the only differences left are fp32 roundings: of the Adam
-arithmetic (a few per step) and of the clip coefficient's reduction order. So the bound is
-``ROUNDINGS_PER_STEP * steps * u * scale`` with u = 2**-24 (fp32 unit roundoff) and ``scale`` the compared
-value's magnitude (its own, plus its tensor's mean magnitude for values that cancel to ~0, like a first moment).
-A wrong lr, decay, eps, bias correction, clip coefficient or gradient moves values by >= 1e-4 relative: 10^3
-times the bound.
+arithmetic (a few per step) and of the clip coefficient's reduction order. ``hf_superoffload.testing.
+rounding_floor_ratio`` holds them to that floor; a wrong lr, decay, eps, bias correction, clip coefficient or
+gradient moves values by >= 1e-4 relative: 10^3 times the bound.
 """
 
 from __future__ import annotations
@@ -17,13 +15,8 @@ from typing import Any
 
 import torch
 
-from hf_superoffload.testing import ReferenceAdamW, tiny_llama
+from hf_superoffload.testing import ReferenceAdamW, rounding_floor_ratio, tiny_llama
 
-U = 2.0**-24
-ROUNDINGS_PER_STEP = 4
-"""Roundings of a compared value per step that may differ from torch's (fp32 Adam arithmetic in another order,
-the clip coefficient's reduction order). Measured on the unmutated engine: the worst element stays below 1/20
-of the bound; every mutation of tests/mutation exceeds it by orders of magnitude."""
 LR, EPS = 1e-3, 1e-6  # a non-default eps: an engine path that falls back to torch's default eps shows
 
 
@@ -94,10 +87,7 @@ def assert_at_rounding_floor(ours: torch.nn.Module, opt: Any, ref: ForcedReferen
             got = flat[side][kind][off : off + p.numel()].view(p.shape)
             if want is None:
                 continue
-            want = want.detach()
-            scale = want.abs() + want.abs().mean()
-            bound = ROUNDINGS_PER_STEP * steps * U * scale + torch.finfo(torch.float32).tiny
-            ratio = float(((got - want).abs() / bound).max())
+            ratio = rounding_floor_ratio(got, want, steps=steps)
             worst = max(worst, ratio)
             assert ratio <= 1.0, f"{name[id(p)]} {kind}: off by {ratio:.3g} times the rounding bound"
         master = flat[side]["master"][off : off + p.numel()].view(p.shape)
