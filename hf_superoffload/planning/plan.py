@@ -168,6 +168,15 @@ class OffloadPlan:
     kept_layers: int = 0
 
     @property
+    def deferred_speculation(self) -> bool:
+        """The in-place (inverse) rollback's speculative passes write the bf16 weights only and leave p, m, v to the
+        commit, so skip and redo need no algebraic undo ([Note: deferred speculation] in docs/design.md): with
+        speculation, deferred moment stores (their second landing arena keeps the gradient until the commit) and
+        the CPU cast (the weights go up from staging)."""
+        return (self.speculation and self.rollback is Rollback.INVERSE and self.defer_moments
+                and self.cast_side is CastSide.CPU)
+
+    @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
         return tuple(b for b in self.buckets if b.placement is Placement.HOST)
 

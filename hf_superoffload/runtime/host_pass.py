@@ -83,8 +83,12 @@ class StepContext:
     dst: int
     """Host state copy this step writes (double buffer: the other one; in place: ``src``)."""
     one_path: bool = False
-    """A speculative step on an in-place state (the inverse rollback): every bucket with a finite gradient takes
-    the speculative path, whenever the worker reaches it ([Note: one path per bucket])."""
+    """A speculative step on an in-place state whose undo is algebraic (the inverse rollback without deferred
+    speculation): every bucket with a finite gradient takes the speculative path, whenever the worker reaches it
+    ([Note: one path per bucket])."""
+    bf16_only: bool = False
+    """A speculative step under the plan's deferred speculation: a speculative pass writes the bf16 weights only,
+    p, m, v keep the pre-step state until the commit ([Note: deferred speculation] in docs/design.md)."""
     verdict: Verdict | None = None
     saw_nonfinite: bool = False
     partial_sumsq: float = 0.0
@@ -171,9 +175,11 @@ class HostPass:
             in_place = not speculative and self._plan.nonspeculative_in_place
             cur = self.layout.cur
             dst = cur if in_place else (cur + 1) % self.layout.copies
+            in_place = speculative and dst == cur
+            deferred = in_place and self._plan.deferred_speculation
             self.ctx = StepContext(speculative=speculative, spec_hypers=self._hypers_fn(),
                                    max_grad_norm=self._max_grad_norm_fn(), src=cur, dst=dst,
-                                   one_path=speculative and dst == cur)
+                                   one_path=in_place and not deferred, bf16_only=deferred)
         return self.ctx
 
     def publish(self, ctx: StepContext, verdict: Verdict) -> list[tuple[HostBucket, bool]]:
@@ -281,7 +287,8 @@ class HostPass:
                 self._cpu_step(b, ctx, ctx.spec_hypers, 1.0 / self._div)
             self._finish(b, ctx, verdict, speculated=speculate)
             return
-        self._cpu_step(b, ctx, ctx.spec_hypers, 1.0 / self._div)
+        self._cpu_step(b, ctx, ctx.spec_hypers, 1.0 / self._div, store_moments=not ctx.bf16_only,
+                       store_master=not ctx.bf16_only)
         with self.lock:
             verdict = ctx.verdict
             if verdict is None:
@@ -318,7 +325,7 @@ class HostPass:
                 self.finish_task(b, ctx, skip, spec)
             for b in broken:
                 logger.error("hf_superoffload: %s failed inside its CPU step; its state may be partly updated", b.describe())
-                if ctx.dst == ctx.src:
+                if ctx.dst == ctx.src and not ctx.bf16_only:
                     self._mark_inconsistent()  # stepped in place: the committed state itself may be half updated
                 elif b.staging is not None:
                     b.staging.copy_(b.pmv[ctx.src][0])  # double buffer: the committed copy is intact
@@ -353,7 +360,7 @@ class HostPass:
             self._uploads.forget(b)
             return
         if not (speculated and b.applied == (verdict.hypers, verdict.grad_scale)):
-            if speculated:
+            if speculated and not ctx.bf16_only:  # deferred speculation left p, m, v as they were: nothing to undo
                 self._undo(b, ctx)
             # the verdict is known: with deferred moments this pass stores p and the bf16 weights only (with
             # deferred master stores the bf16 weights only)
@@ -361,12 +368,10 @@ class HostPass:
             late_master = self._commits.defers_master(b)
             self._cpu_step(b, ctx, verdict.hypers, verdict.grad_scale, store_moments=not defer,
                            store_master=not late_master)
-            if defer and b.runs:
-                record = MomentCommit(runs=b.runs, hypers=verdict.hypers, grad_scale=verdict.grad_scale, src=ctx.src,
-                                      dst=ctx.dst, grad=b.grad, master=late_master)
-                with b.commit_lock:
-                    assert b.pending is None, "a moment commit was still pending when its bucket stepped again"
-                    b.pending = record
+            if defer:
+                self._owe(b, ctx, verdict, master=late_master)
+        elif ctx.bf16_only:  # [Note: deferred speculation]: the step stands; its commit is the whole step
+            self._owe(b, ctx, verdict, master=True)
         if ctx.dst != ctx.src:  # parameters without a gradient keep their state in the new copy too
             for start, end in b.gaps:
                 for d, s_ in zip(b.pmv[ctx.dst], b.pmv[ctx.src]):
@@ -376,6 +381,18 @@ class HostPass:
             ctx.finished += 1
             if ctx.finished == len(self.layout.host_buckets):
                 ctx.pass_done_at = time.perf_counter()
+
+    def _owe(self, b: HostBucket, ctx: StepContext, verdict: Verdict, *, master: bool) -> None:
+        """Record the stores ``b``'s pass of this step left to the commit (``master``: p too, i.e. the whole step
+        again on the pre-step state)."""
+        assert self._commits.enabled, "a deferred store needs the second landing arena of deferred moments"
+        if not b.runs:
+            return
+        record = MomentCommit(runs=b.runs, hypers=verdict.hypers, grad_scale=verdict.grad_scale, src=ctx.src,
+                              dst=ctx.dst, grad=b.grad, master=master)
+        with b.commit_lock:
+            assert b.pending is None, "a moment commit was still pending when its bucket stepped again"
+            b.pending = record
 
     def _cpu_step(self, b: HostBucket, ctx: StepContext, hypers: GroupHypers, scale: float, *,
                   store_moments: bool = True, store_master: bool = True) -> None:
@@ -399,7 +416,8 @@ class HostPass:
         self._telemetry.add(cpu_s=time.perf_counter() - t0)
 
     def _undo(self, b: HostBucket, ctx: StepContext) -> None:
-        """Take back a speculative step. Double buffer: the source copy is intact, only staging is refreshed."""
+        """Take back a speculative step. Double buffer and deferred speculation: the source copy is intact, only
+        staging is refreshed; else the algebraic inverse in place."""
         assert b.applied is not None
         hypers, scale = b.applied
         t0 = time.perf_counter()
@@ -407,7 +425,7 @@ class HostPass:
         with torch.profiler.record_function("superoffload::undo"):
             for r in b.runs:
                 sl = slice(r.start, r.end)
-                if ctx.dst == ctx.src:
+                if ctx.dst == ctx.src and not ctx.bf16_only:
                     ops.cpu_adamw_undo_(
                         p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], grad_scale=scale,
                         param_bf16_out=None, num_threads=self._plan.cpu_threads,

@@ -32,6 +32,9 @@ LATE_CLIP = 1.125
 """The global gradient norms of the worker's data are 1.05-1.18: about half the steps clip, each decided by the
 last buckets after every host bucket was speculated."""
 NAN_STEP = 18
+"""Late: data parallel has no deferred stores, so its inverse rollback undoes the skipped step algebraically, and
+where a moment was exactly 0 the residue moves that row by ~1e-3 lr per later step ([Note: deferred speculation]
+in docs/design.md): skipped at step 10 it ends 67x the floor above."""
 
 
 def _worker() -> ModuleType:

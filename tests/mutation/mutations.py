@@ -37,6 +37,7 @@ _HOST_STEP_ARGS = ("                    p[sl], b.grad[sl], m[sl], v[sl], step=r.
                    "grad_scale=scale,\n                    param_bf16_out=")
 _UNDO_ARGS = ("                        p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], "
               "grad_scale=scale,\n                        param_bf16_out=None,")
+_SPEC_STORES = ("store_moments=not ctx.bf16_only,\n                       store_master=not ctx.bf16_only)")
 _REPLACE = '__import__("dataclasses").replace'
 """``dataclasses.replace`` inside an inserted expression: the mutated modules need not import it."""
 _SKIP_UNDO = ("        if verdict.kind is StepVerdict.SKIP:\n            if speculated:\n"
@@ -83,14 +84,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "no_undo_on_skip_inverse", "hf_superoffload/runtime/host_pass.py", _SKIP_UNDO,
         _SKIP_UNDO.replace("self._undo(b, ctx)", "pass"),
-        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse_undo]",),
     ),
     Mutation(
         "inverse_undo_with_group_0_betas", "hf_superoffload/runtime/host_pass.py", _UNDO_ARGS,
         _UNDO_ARGS.replace(
             "hyper=hypers[r.group],",
             f"hyper={_REPLACE}(hypers[r.group], beta1=hypers[0].beta1, beta2=hypers[0].beta2),"),
-        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse_undo]",),
     ),
     Mutation(
         "data_parallel_gradient_divisor_dropped", "hf_superoffload/runtime/engine.py",
@@ -190,7 +191,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "inverse_rollback_path_follows_the_timing", "hf_superoffload/runtime/host_pass.py",
-        "one_path=speculative and dst == cur)", "one_path=False)",
+        "one_path=in_place and not deferred,", "one_path=False,",
         (f"{DET}::test_inverse_rollback_redo_does_not_depend_on_which_buckets_were_speculated",
          f"{DET}::test_inverse_rollback_skip_does_not_depend_on_which_buckets_were_speculated"),
     ),
@@ -204,13 +205,23 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "wasted_buckets_miss_those_reached_after_the_verdict", "hf_superoffload/runtime/host_pass.py",
         "        if not (ctx.one_path and unreached):\n", "        if True:\n",
-        (f"{SKIP}::test_wasted_buckets_count_each_undone_bucket_once[inverse-after_the_verdict]",),
+        (f"{SKIP}::test_wasted_buckets_count_each_undone_bucket_once[inverse_undo-after_the_verdict]",),
     ),
     Mutation(
         "gpu_cast_uploads_the_pre_step_copy", "hf_superoffload/runtime/upload.py",
         "source = b.staging if b.staging is not None else b.pmv[copy][0]",
         "source = b.staging if b.staging is not None else b.pmv[(copy + 1) % self.layout.copies][0]",
         (f"{BIND}::test_gpu_cast_parity",),
+    ),
+    Mutation(  # [Note: deferred speculation]: the speculative pass writes the master, so a skip cannot restore it
+        "deferred_speculation_writes_the_master", "hf_superoffload/runtime/host_pass.py", _SPEC_STORES,
+        _SPEC_STORES.replace("store_master=not ctx.bf16_only)", "store_master=True)"),
+        (f"{SKIP}::test_skip_after_speculation_restores_the_state[stationary-inverse]",),
+    ),
+    Mutation(  # [Note: deferred speculation]: a committed speculative step never stores p, m, v
+        "deferred_speculation_commit_dropped", "hf_superoffload/runtime/host_pass.py",
+        "            self._owe(b, ctx, verdict, master=True)\n", "            pass\n",
+        (f"{BIND}::test_commit_parity[inverse]",),
     ),
     Mutation(  # [Note: moving the tail to the host]: the moved buckets' second moments stay behind
         "tail_move_drops_exp_avg_sq", "hf_superoffload/runtime/tail_move.py", _MOVE_COPY,

@@ -61,6 +61,22 @@ def verdicts(stats: list[Any]) -> dict[str, int]:
     return out
 
 
+ROLLBACKS = ["double_buffer", "inverse", "inverse_undo"]
+"""``inverse``: in place with deferred speculation (the plan's choice here: [Note: deferred speculation] in
+docs/design.md); ``inverse_undo``: in place with the algebraic undo (``defer_moments=False``)."""
+
+
+def rollback_config(rollback: str, **kw: Any) -> SuperOffloadConfig:
+    overrides = PlannerOverrides(max_redo_rate=1.0, defer_moments=False if rollback == "inverse_undo" else "auto")
+    cfg = SuperOffloadConfig(**{**SMALL, "overrides": overrides}, rollback=rollback.removesuffix("_undo"), **kw)
+    return cfg
+
+
+def assert_rollback(opt: Any, rollback: str) -> None:
+    assert opt.plan.rollback.value == rollback.removesuffix("_undo")
+    assert opt.plan.deferred_speculation == (rollback == "inverse")
+
+
 def speculate(stage: str, step: int, model: Any, opt: Any, ref: Any) -> None:
     """Hook: the worker speculates every landed bucket before ``step()``, whatever the box's load (the paths these
     tests name must not depend on thread timing)."""
@@ -68,24 +84,25 @@ def speculate(stage: str, step: int, model: Any, opt: Any, ref: Any) -> None:
         opt.engine._worker.drain(60.0)
 
 
-@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+@pytest.mark.parametrize("rollback", ROLLBACKS)
 def test_commit_parity(rollback: str) -> None:
     """Every step speculates and commits; host buckets and a 2-bucket device tail, two groups that differ in lr,
     decay and betas, a non-default eps."""
-    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=2, rollback=rollback)
+    cfg = rollback_config(rollback, gpu_resident_buckets=2)
     model, opt, ref, stats = run(cfg, max_grad_norm=1e3, hook=speculate)
-    assert opt.plan.rollback.value == rollback
+    assert_rollback(opt, rollback)
     assert verdicts(stats) == {"commit": STEPS}
     assert all(s.speculated_buckets > 0 for s in stats)
     fr.assert_at_rounding_floor(model, opt, ref, STEPS)
 
 
-@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+@pytest.mark.parametrize("rollback", ROLLBACKS)
 def test_redo_parity(rollback: str) -> None:
-    """Clipping that fires late (after buckets were speculated): undo (inverse) or discard (double buffer), then
-    the step again with the clip coefficient."""
-    cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=1, rollback=rollback)
+    """Clipping that fires late (after buckets were speculated): undo (algebraic inverse), discard (double buffer)
+    or nothing to undo (deferred speculation), then the step again with the clip coefficient."""
+    cfg = rollback_config(rollback, gpu_resident_buckets=1)
     model, opt, ref, stats = run(cfg, max_grad_norm=REDO_NORM, hook=speculate)
+    assert_rollback(opt, rollback)
     seen = verdicts(stats)
     assert seen.get("redo", 0) >= STEPS // 2, seen
     assert all(s.speculated_buckets > 0 for s in stats)
@@ -121,7 +138,7 @@ def test_accumulation_parity(where: str) -> None:
     on_host = where == "host_fp32"
     cfg = SuperOffloadConfig(**SMALL, gpu_resident_buckets=0 if on_host else 2, accumulate_on_host=on_host,
                              host_accumulation_dtype="fp32" if on_host else "auto")
-    model, opt, ref, stats = run(cfg, max_grad_norm=1e3, accum=2,
+    model, opt, ref, stats = run(cfg, max_grad_norm=1e3, accum=2, hook=speculate,
                                  accumulate_in=torch.float32 if on_host else torch.bfloat16)
     assert (opt.plan.host_accumulation.value == "fp32") == on_host
     assert verdicts(stats) == {"commit": STEPS}

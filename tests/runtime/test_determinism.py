@@ -141,12 +141,17 @@ def test_same_bits_whatever_the_threads_speculation_and_timing(monkeypatch: pyte
         assert (got, norms) == (want, want_norms), f"jittered worker, {threads} threads, defer_master={defer_master}"
 
 
-def test_speculative_commit_equals_the_verdict_known_step_each_step() -> None:
-    """Every bucket speculated (the verdict waits) against none: the host state after each step is the same."""
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+def test_speculative_commit_equals_the_verdict_known_step_each_step(rollback: str) -> None:
+    """Every bucket speculated (the verdict waits) against none: the host state after each step is the same. With
+    the inverse rollback the speculative passes write the bf16 weights only and the commit is the whole step
+    ([Note: deferred speculation])."""
     def states(speculation: bool) -> list[dict[str, torch.Tensor]]:
         model = tiny_llama(seed=0)
         opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=None,
-                                    config=SuperOffloadConfig(**SMALL, speculation=speculation, cpu_threads=2))
+                                    config=SuperOffloadConfig(**SMALL, speculation=speculation, cpu_threads=2,
+                                                              rollback=rollback))
+        assert opt.plan.deferred_speculation == (rollback == "inverse" and speculation)
         gen = torch.Generator().manual_seed(1)
         out = []
         try:
@@ -238,8 +243,9 @@ def test_host_accumulation_norm_does_not_depend_on_cpu_threads() -> None:
         assert got == want, f"{threads} threads"
 
 
+# speculate on every step, redo or not; the algebraic undo (without deferred stores: no deferred speculation)
 INVERSE = {"rollback": "inverse", "threads": 2, "speculation": True,
-           "overrides": PlannerOverrides(max_redo_rate=1.0)}  # speculate on every step, redo or not
+           "overrides": PlannerOverrides(max_redo_rate=1.0, defer_moments=False)}
 
 
 def test_inverse_rollback_redo_does_not_depend_on_which_buckets_were_speculated(
@@ -274,3 +280,32 @@ def test_inverse_rollback_skip_does_not_depend_on_which_buckets_were_speculated(
     assert stats[3].verdict == "skip" and all(s.speculated_buckets == 0 for s in stats)
     assert late_norms[:3] + late_norms[4:] == early_norms[:3] + early_norms[4:]  # the skipped step's norm is NaN
     assert late == early, "the skip's bits depend on which buckets were speculated before the verdict"
+
+
+def test_deferred_speculation_redo_and_skip_equal_the_double_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: deferred speculation]: with deferred stores the inverse rollback's speculative passes leave p, m, v
+    alone, so a redo or a skip undoes nothing: clipping on some steps and a NaN in the first layer only give the
+    bits of the double buffer without speculation, whether the worker speculated every bucket before the verdict,
+    none, or at random times."""
+    kw: dict[str, Any] = {"max_grad_norm": 1.6, "poison_step": 3}
+    want, want_norms, _ = _train(threads=1, speculation=False, rollback="double_buffer", **kw)
+    spec = {"threads": 2, "speculation": True, "rollback": "inverse",
+            "overrides": PlannerOverrides(max_redo_rate=1.0)}
+
+    def same(got: str, norms: list[float], what: str) -> None:
+        assert norms[:3] + norms[4:] == want_norms[:3] + want_norms[4:], what  # the skipped step's norm is NaN
+        assert got == want, what
+
+    early, norms, stats = _train(drain_before_poison=True, wait_before_step=0.05, **spec, **kw)
+    assert stats[3].verdict == "skip" and stats[3].speculated_buckets > 0
+    assert any(s.verdict == "redo" and s.wasted_buckets > 0 for s in stats)
+    same(early, norms, "every bucket speculated before the verdict")
+    with monkeypatch.context() as m:
+        _worker_after_the_verdict(m)
+        late, norms, stats = _train(**spec, **kw)
+    assert all(s.speculative and s.speculated_buckets == 0 for s in stats)
+    same(late, norms, "the worker after every verdict")
+    with monkeypatch.context() as m:
+        _jitter(m, 8)
+        got, norms, _ = _train(**spec, **kw)
+    same(got, norms, "jittered worker")
