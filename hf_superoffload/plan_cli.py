@@ -343,7 +343,7 @@ def main_plan(args: argparse.Namespace) -> int:
             "device_buckets": len(plan.device_buckets), "host_numel": plan.host_numel,
             "device_numel": plan.device_numel, "weight_mode": plan.weight_mode.value,
             "cast_side": plan.cast_side.value, "rollback": plan.rollback.value, "speculation": plan.speculation,
-            "cpu_threads": plan.cpu_threads, "notes": list(plan.notes)},
+            "deferred_speculation": plan.deferred_speculation, "cpu_threads": plan.cpu_threads, "notes": list(plan.notes)},
         "memory_gib": {
             "gpu_peak_phase": est.gpu_peak_phase, "gpu": _mem(est.gpu), "gpu_peak": round(est.gpu_peak_bytes / GiB, 2),
             "gpu_required": round(est.gpu_required_bytes / GiB, 2), "host": _mem(est.host),

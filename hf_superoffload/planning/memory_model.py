@@ -209,6 +209,9 @@ class PlanLike:
         kept_layers: ``OffloadPlan.kept_layers``: under checkpointing, decoder layers that keep their activations.
         host_accumulation: ``OffloadPlan.host_accumulation``: ``"off"`` (micro-batches sum on the device),
             ``"fp32"`` or ``"landing"`` (the host sums them: the step-time roofline's micro-batch adds).
+        deferred_speculation: ``OffloadPlan.deferred_speculation``: a speculative pass writes the bf16 weights only
+            and each committed speculative step owes a whole-step commit in the worker's idle time (the step-time
+            roofline counts it).
     """
 
     device_numel: int = 0
@@ -224,6 +227,7 @@ class PlanLike:
     d2h_lead_buckets: int = 0
     kept_layers: int = 0
     host_accumulation: Literal["off", "fp32", "landing"] = "off"
+    deferred_speculation: bool = False
 
     def __post_init__(self) -> None:
         if self.kept_layers < 0:
@@ -248,7 +252,7 @@ class PlanLike:
                    weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
                    bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu",
                    d2h_lead_buckets=plan.d2h_lead_buckets, kept_layers=plan.kept_layers,
-                   host_accumulation=plan.host_accumulation.value)
+                   host_accumulation=plan.host_accumulation.value, deferred_speculation=plan.deferred_speculation)
 
     @classmethod
     def all_host(cls, numel: int, **kw: Any) -> PlanLike:  # every optimizer state on the host, no device tail

@@ -56,6 +56,12 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   host parameters) moved 72.6 GB per backward in 0.98 s, 0.60 of the box's 123.2 GB/s STREAM rate (the adds'
   own share ran at ~65 GB/s in the profile); its step measured 11.05 s against 9.17 predicted without this term
   (on device accumulation, a micro-batch is ``gpu_s``: gradients stay in ``.grad``).
+* deferred speculation (``OffloadPlan.deferred_speculation``: the inverse rollback with deferred stores): a
+  speculative pass writes the bf16 weights only, 16 of the 28 B/param (``cpu_s`` scales by 16/28), and each
+  committed speculative step owes its whole step again, ``commit_s = 26/28 x H / R``, stored by the worker after
+  the pass. It is off the critical path while it fits the worker's idle time, ``idle = W_f + W_b - cpu_s``; what
+  does not fit, ``max(0, commit_s - idle)``, delays the next pass and joins ``exposed``. Not measured on the GPU
+  box yet: the rates are the deferred stores' (the same kernels).
 * ``step_s = gpu_s + tail_s + exposed`` for one micro-batch. While clipping fires on every step, speculation pauses: nothing is
   stepped in the backward, and the whole pass (``H / R``, no DMA contention; 20/28 of it with deferred moment
   stores) is ``rem``, overlapping only the next forward (3.6B all-host, batch 8: 1.30 s predicted, 1.274
@@ -69,9 +75,13 @@ from dataclasses import dataclass
 from .hardware import HardwareProfile
 from .memory_model import ModelShape, PlanLike
 
-__all__ = ["ACCUMULATE_ADD_BYTES", "ACCUMULATE_DRAM_EFFICIENCY", "ATTENTION_EFFICIENCY", "GEMM_EFFICIENCY", "PEER_GBPS_ASSUMED", "StepTime", "collective_seconds",
-           "predict_step_time"]
+__all__ = ["ACCUMULATE_ADD_BYTES", "ACCUMULATE_DRAM_EFFICIENCY", "ATTENTION_EFFICIENCY", "COMMIT_FULL_BYTES",
+           "FULL_STEP_BYTES", "GEMM_EFFICIENCY", "PEER_GBPS_ASSUMED", "SPECULATIVE_BF16_BYTES", "StepTime",
+           "collective_seconds", "predict_step_time"]
 
+SPECULATIVE_BF16_BYTES, FULL_STEP_BYTES, COMMIT_FULL_BYTES = 16, 28, 26
+"""Host bytes per parameter: a pass writing the bf16 weights only, the fused step, a commit of the whole step
+([Note: deferred moments] in docs/design.md)."""
 GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate ...
 GEMM_EFFICIENCY_WIDTH = 4096  # ... at this hidden size and above; narrower models' GEMMs reach less
 
@@ -110,6 +120,9 @@ class StepTime:
     micro_batch_s: float = 0.0
     """A non-final micro-batch of gradient accumulation (``gpu_s`` when gradients accumulate on the device)."""
     micro_batches: int = 1
+    commit_s: float = 0.0
+    """Deferred speculation: the worker's seconds per step for the commits of committed speculative passes (off
+    the critical path while they fit its idle time; the rest is in ``exposed_s``)."""
 
 
 def collective_seconds(numel: int, world_size: int, peer_gbps: float) -> float:
@@ -163,6 +176,10 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     host_bw = (p.host_memory_gbps or 28 * p.cpu_adam_gparams) * 1e9 / ranks
     rate_eff = rate * max(0.2, 1 - (e * host / w_b) / host_bw)
     cpu_s = host / rate_eff
+    deferred = plan_like.deferred_speculation and not clipping_every_step  # clipping every step pauses speculation
+    commit_s = COMMIT_FULL_BYTES / FULL_STEP_BYTES * host / rate if deferred else 0.0
+    if deferred:
+        cpu_s *= SPECULATIVE_BF16_BYTES / FULL_STEP_BYTES
     d2h_s, h2d_s = 2 * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
     bucket = plan_like.bucket_bytes / e  # a whole bucket's elements (what the collectives move) ...
     shard = bucket / ranks  # ... of which a rank steps and uploads its 1/W
@@ -185,13 +202,15 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
         backward_link = max(0.0, max(down, rs) - w_b)
         return backward_link + max(0.0, max(rem, h2d_s, ag) - w_f) + (latency if rem > 0 else 0.0) + edge
 
-    exposed = exposed_s(rs_s, ag_s, 2 * one_bucket)
+    spill = max(0.0, commit_s - max(0.0, w_f + w_b - cpu_s))  # commits the worker's idle time cannot hold
+    with_collectives = exposed_s(rs_s, ag_s, 2 * one_bucket)
+    exposed = with_collectives + spill
     tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
     micro = _micro_batch_s(plan_like, p, w_f, w_b, host_bw)
     return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed,
                     (micro_batches - 1) * micro + gpu_s + tail_s + exposed,
-                    spec / cpu_s if cpu_s > 0 else 1.0, rs_s + ag_s, exposed - exposed_s(0.0, 0.0, 0.0),
-                    micro, micro_batches)
+                    spec / cpu_s if cpu_s > 0 else 1.0, rs_s + ag_s, with_collectives - exposed_s(0.0, 0.0, 0.0),
+                    micro, micro_batches, commit_s)
 
 
 def _micro_batch_s(plan_like: PlanLike, p: HardwareProfile, w_f: float, w_b: float, host_bw: float) -> float:
