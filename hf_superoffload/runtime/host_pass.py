@@ -7,7 +7,8 @@
 
 [Note: one path per bucket]
 
-The inverse rollback (in place) undoes a speculative step algebraically, exact to fp32 rounding only, so a bucket
+Where the inverse rollback (in place) has no deferred stores ([Note: deferred speculation] in docs/design.md says
+where it has, and undoes nothing) it undoes a speculative step algebraically, exact to fp32 rounding only, so a bucket
 speculated, undone and redone (or skipped) ends a few roundings away from one stepped (or left alone) knowing the
 verdict. Which buckets the worker reaches before the verdict is a timing accident (its speed, the order it takes
 queued tasks in, the partial norm summed by then), so the same run gave other bits whenever it clipped or skipped.
@@ -36,11 +37,9 @@ went from 0.005 to 0.030-0.035 s: every bucket stepped, undone and stepped again
 
 Not taken: a snapshot of each speculated bucket's prior state (an exact undo) needs host memory the planner must
 budget, where the inverse rollback was chosen because a second 12 B/param copy does not fit, and moves 24 B/param
-more per speculated bucket, committed or not. A speculative step that stores only the bf16 weights (the
-deferred-master form: p, m, v untouched) makes every undo free and exact and equal to the double buffer's bits,
-but each committed speculative step then owes a 26 B/param commit and its gradient must outlive the step (the
-second landing arena of deferred moments): the better next step where deferred moments are on, as it also removes
-the undo's residues where a moment was exactly 0 ([Note: determinism] in docs/design.md).
+more per speculated bucket, committed or not. Where deferred moments are on, a speculative step stores only the bf16
+weights instead ([Note: deferred speculation]): every undo is free and exact, at a 26 B/param commit per committed
+speculative step; this rule then does not apply (``StepContext.bf16_only``).
 """
 
 from __future__ import annotations

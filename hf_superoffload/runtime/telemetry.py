@@ -38,8 +38,8 @@ class StepStats:
     """Host buckets of this step whose speculative step had begun when ``step()`` published its verdict."""
     wasted_buckets: int = 0
     """Host buckets of this step whose speculative step does not stand, each counted once: on a REDO or SKIP
-    verdict every bucket speculated before it (undone; on REDO stepped again), and with the inverse rollback in a
-    speculative step also every bucket with a finite gradient the worker reaches after it (stepped speculatively,
+    verdict every bucket speculated before it (undone; on REDO stepped again), and with the inverse rollback's
+    algebraic undo in a speculative step also every bucket with a finite gradient the worker reaches after it (stepped speculatively,
     then undone: [Note: one path per bucket] in host_pass.py); 0 on COMMIT. Both counts belong to this step
     whatever the worker's timing: ``step()`` counts them when it publishes the verdict, although the undo and
     redo run after it returns (their seconds land in the next iteration's ``cpu_s``)."""
