@@ -223,6 +223,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            self._owe(b, ctx, verdict, master=True)\n", "            pass\n",
         (f"{BIND}::test_commit_parity[inverse]",),
     ),
+    Mutation(  # [Note: deferred speculation]: one landing buffer, so the next step's D2H overwrites a pending commit's
+        "pending_commit_reads_the_next_steps_gradient", "hf_superoffload/runtime/bucket.py",
+        "            self.landing = self.landings[1] if busy is self.landings[0] else self.landings[0]\n",
+        "            self.landing = self.landings[0]\n",
+        ("tests/runtime/test_deferred_moments.py::test_speculative_commits_left_pending_read_the_gradient_of_their_step",),
+    ),
     Mutation(  # [Note: moving the tail to the host]: the moved buckets' second moments stay behind
         "tail_move_drops_exp_avg_sq", "hf_superoffload/runtime/tail_move.py", _MOVE_COPY,
         _MOVE_COPY.replace("d.exp_avg_sq)", "d.exp_avg.mul(0))"),

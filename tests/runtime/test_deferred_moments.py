@@ -216,6 +216,30 @@ def test_speculative_commits_redos_and_deferred_steps_mixed(rollback: str, maste
     assert_matches_reference(lazy, ref)
 
 
+def test_speculative_commits_left_pending_read_the_gradient_of_their_step() -> None:
+    """[Note: deferred speculation]: every step speculates every bucket and commits; the commits (whole steps) stay
+    pending until the bucket's next CPU task, after the next step's gradient has landed in the other landing
+    buffer. Bitwise the double-buffer run without deferred stores: a commit that read the newer gradient would
+    not be."""
+    data = batches(12)
+    spec_all = PlannerOverrides(max_redo_rate=1.0)
+    lazy = Run(cfg(rollback="inverse", overrides=spec_all, defer_moments=True, cast_side="cpu"), clip=always(1e6),
+               commit_when_idle=False)
+    eager = Run(cfg(rollback="double_buffer", overrides=spec_all, defer_moments=False), clip=always(1e6))
+    assert lazy.opt.plan.deferred_speculation
+    pending_seen = speculated = 0
+    verdicts = set()
+    for ids in data:
+        lazy.train([ids])
+        eager.train([ids])
+        speculated += lazy.opt.last_step_stats.speculated_buckets
+        verdicts.add(lazy.opt.last_step_stats.verdict)
+        lazy.opt.synchronize()
+        pending_seen += lazy.opt.engine.pending_moment_commits
+    assert speculated > 0 and pending_seen > 0 and verdicts == {"commit"}
+    assert_bitwise(lazy.state(), eager.state())
+
+
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 @pytest.mark.parametrize("where", ["loss", "one_param_late"])
 def test_nan_after_a_deferred_step_is_skipped_bit_exactly(rollback: str, where: str) -> None:
