@@ -130,6 +130,9 @@ class OffloadPlan:
         defer_master: with ``defer_moments`` (and the CPU cast), which verdict-known passes write the bf16
             weights only and leave the fp32 master to the commit: none, all, an adaptive or a fixed share of the
             host buckets ([Note: adaptive master deferral] in docs/design.md).
+        deferred_speculation: with the inverse rollback, speculation, ``defer_moments`` and the CPU cast, a
+            speculative pass writes the bf16 weights only and leaves p, m, v to a whole-step commit, so skip and redo
+            need no algebraic undo ([Note: deferred speculation] in docs/design.md).
         master_buckets: with ``MasterDeferral.SHARE``, how many host buckets (the first in arrival order) defer their
             master: those holding the configured fraction of the host parameters, to the nearest whole bucket.
         d2h_lead_buckets: host buckets' gradient copies that may be in flight past the backward ([Note: D2H lead]).
@@ -160,21 +163,13 @@ class OffloadPlan:
     landing_ring: tuple[int, ...] = ()
     defer_moments: bool = False
     defer_master: MasterDeferral = MasterDeferral.OFF
+    deferred_speculation: bool = False
     d2h_lead_buckets: int = 0
     upload_thread: bool = False
     d2h_gate: bool = False
     nonspeculative_in_place: bool = False
     master_buckets: int = 0
     kept_layers: int = 0
-
-    @property
-    def deferred_speculation(self) -> bool:
-        """The in-place (inverse) rollback's speculative passes write the bf16 weights only and leave p, m, v to the
-        commit, so skip and redo need no algebraic undo ([Note: deferred speculation] in docs/design.md): with
-        speculation, deferred moment stores (their second landing arena keeps the gradient until the commit) and
-        the CPU cast (the weights go up from staging)."""
-        return (self.speculation and self.rollback is Rollback.INVERSE and self.defer_moments
-                and self.cast_side is CastSide.CPU)
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:

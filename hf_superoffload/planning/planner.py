@@ -708,6 +708,9 @@ def _make_plan(
     master, master_note = _defer_master(config, defer, cast_side)
     if master_note:
         notes.append(master_note)
+    deferred_spec, spec_note = _deferred_speculation(config, rollback, defer, cast_side)
+    if spec_note:
+        notes.append(spec_note)
 
     lead = d2h_lead(config, host_numel, device_numel)
     return OffloadPlan(
@@ -728,6 +731,7 @@ def _make_plan(
         landing_ring=landing_ring_slots(host_shards) if accumulation is HostAccumulation.LANDING else (),
         defer_moments=defer,
         defer_master=master,
+        deferred_speculation=deferred_spec,
         master_buckets=(share_count([b.shard for b in buckets if b.placement is Placement.HOST], config.overrides.defer_master)
                         if master is MasterDeferral.SHARE else 0),
         d2h_lead_buckets=lead,
@@ -786,6 +790,25 @@ def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide) 
                                          "16 B/param pass to as many host buckets as the idle-time commits (26 "
                                          "instead of 18 B/param) measured to fit, starting from none")
     return MasterDeferral.OFF, ""
+
+
+def _deferred_speculation(config: SuperOffloadConfig, rollback: Rollback, defer: bool,
+                          cast_side: CastSide) -> tuple[bool, str]:
+    """[Note: deferred speculation]: whether the inverse rollback's speculative passes write the bf16 weights only
+    (exact skip and redo, a whole-step commit per committed speculative step) instead of undoing algebraically."""
+    usable = config.speculation and rollback is Rollback.INVERSE and defer and cast_side is CastSide.CPU
+    want = config.overrides.deferred_speculation
+    if want is True and not usable:
+        raise PlanError("PlannerOverrides(deferred_speculation=True) needs speculation, the inverse rollback, "
+                        f"deferred moment stores and the CPU cast; this plan has speculation={config.speculation}, "
+                        f"rollback={rollback.value!r}, defer_moments={defer}, cast_side={cast_side.value!r}: use "
+                        "'auto' or False")
+    if not usable:
+        return False, ""
+    if want is False:
+        return False, "deferred speculation: off (configured): a skip or redo undoes algebraically, to fp32 rounding"
+    return True, ("deferred speculation: speculative passes write the bf16 weights only (16 B/param), a committed "
+                  "one owes a 26 B/param commit off the critical path; skip and redo are exact")
 
 
 def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, accumulation: HostAccumulation,

@@ -46,6 +46,10 @@ def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
     if plan.defer_master is not MasterDeferral.OFF and not (plan.defer_moments and plan.cast_side is CastSide.CPU):
         raise ValueError("deferred master stores need deferred moment stores and the CPU cast (the GPU cast "
                          "uploads the master itself); build the plan with make_plan")
+    if plan.deferred_speculation and not (plan.speculation and plan.rollback is Rollback.INVERSE
+                                          and plan.defer_moments and plan.cast_side is CastSide.CPU):
+        raise ValueError("deferred speculation needs speculation, the inverse rollback, deferred moment stores and "
+                         "the CPU cast; build the plan with make_plan")
     if plan.upload_thread and (data_parallel or plan.weight_mode is WeightMode.FLOW):
         raise ValueError("the upload thread is single-process with stationary weights (the planner turns it off "
                          "otherwise); build the plan with make_plan")

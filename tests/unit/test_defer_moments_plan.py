@@ -195,3 +195,20 @@ def test_tri_state_text_errors_name_the_spellings(name: str, text: str, match: s
 
     with pytest.raises(ValueError, match=match):
         value_from_text(PlannerOverrides, name, text)
+
+
+def test_deferred_speculation_where_the_inverse_rollback_defers_its_stores():
+    """[Note: deferred speculation]: 'auto' turns it on wherever it applies (speculation, the inverse rollback,
+    deferred moments, the CPU cast); False keeps the algebraic undo; True where it does not apply is refused."""
+    inverse = SuperOffloadConfig(gpu_resident_buckets=0, rollback="inverse", cast_side="cpu")
+    p = plan(inverse)
+    assert p.deferred_speculation and "deferred speculation: speculative passes" in p.summary()
+    assert not plan(inverse.with_overrides(deferred_speculation=False)).deferred_speculation
+    assert not plan(SuperOffloadConfig(gpu_resident_buckets=0, rollback="double_buffer")).deferred_speculation
+    for unusable in (inverse.with_overrides(defer_moments=False),
+                     SuperOffloadConfig(gpu_resident_buckets=0, rollback="inverse", cast_side="gpu")):
+        assert not plan(unusable).deferred_speculation
+        with pytest.raises(PlanError, match=r"deferred_speculation=True\) needs"):
+            plan(unusable.with_overrides(deferred_speculation=True))
+    with pytest.raises(ValueError, match="deferred_speculation"):
+        PlannerOverrides(deferred_speculation="yes")
