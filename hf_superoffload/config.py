@@ -185,13 +185,15 @@ class PlannerOverrides:
     deferred_speculation: bool | Literal["auto"] = field(default="auto", metadata=_meta(
         "'auto', true or false: with the inverse rollback and deferred moments, a speculative CPU pass writes "
         "the bf16 weights only and its commit comes later, so skip and redo are exact; 'auto': wherever it "
-        "applies.", valid=_auto_or(_is_bool), fix="use 'auto', true or false"))
+        "applies and its commits are predicted to cost under 1% of the step.", valid=_auto_or(_is_bool),
+        fix="use 'auto', true or false"))
     """With the inverse rollback, speculation, deferred moment stores and the CPU cast: a speculative pass writes
     only the bf16 weights (16 instead of 28 B/param) and each committed speculative step owes a whole-step commit
     (26 B/param, off the critical path while it fits the worker's idle time), so a skip or redo undoes nothing
-    and the state is exact instead of within fp32 rounding. ``"auto"``: on wherever it applies (exactness first;
-    the step-time roofline shows the commits' cost); ``False``: the algebraic undo; ``True`` where it does not
-    apply is refused. [Note: deferred speculation] in docs/design.md."""
+    and the state is exact instead of within fp32 rounding. ``"auto"``: on wherever it applies and the step-time
+    roofline prices the commits within 1% of the algebraic undo's step (every state on the host is where they do
+    not fit the idle time); ``False``: the algebraic undo; ``True``: exact at any price, refused where it does not
+    apply. [Note: deferred speculation] in docs/design.md."""
     defer_master: bool | float | Literal["auto"] = field(default="auto", metadata=_meta(
         "'auto', true, false or a fraction such as 0.4: with deferred moments and the CPU cast, also store "
         "the fp32 master later, for all, none, an adaptive or a fixed share of the host buckets.",

@@ -713,7 +713,7 @@ def _make_plan(
         notes.append(spec_note)
 
     lead = d2h_lead(config, host_numel, device_numel)
-    return OffloadPlan(
+    plan = OffloadPlan(
         buckets=tuple(buckets),
         weight_mode=weight_mode,
         cast_side=cast_side,
@@ -740,6 +740,46 @@ def _make_plan(
         upload_thread=(config.overrides.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
     )
+    if deferred_spec and config.overrides.deferred_speculation == "auto":
+        plan = _price_exactness(plan, workload, profile, world_size)
+    return plan
+
+
+# [Note: deferred speculation] in docs/design.md makes the in-place rollback's skip and redo exact, and costs a
+# whole-step commit per committed speculative step. Where that commit hides in the worker's idle time (every
+# measured 8B plan: the roofline predicts no difference) "auto" takes it; where it does not (every state on the
+# host: 3.6B batch 8 without clipping, 1.24 s predicted against 0.97 s with the algebraic undo) the price is a
+# slower step on the path fine-tuning runs most (speculation committing), so "auto" keeps the algebraic undo,
+# exact to fp32 rounding, and the plan's note names the override that buys exactness. Priced without clipping
+# (speculation commits: the only case where the two differ); without a workload or rates, exactness.
+_EXACTNESS_PRICE = 0.01
+
+
+def _price_exactness(plan: OffloadPlan, workload: Workload | None, profile: HardwareProfile,
+                     world_size: int) -> OffloadPlan:
+    """``plan`` (deferred speculation on, ``"auto"``) with the algebraic undo instead when the roofline predicts
+    deferred speculation more than ``_EXACTNESS_PRICE`` slower."""
+    if workload is None:
+        return plan
+    shape = ModelShape.from_config(workload.model)
+
+    def step(p: OffloadPlan) -> float | None:
+        t = predict_step_time(shape, PlanLike.from_plan(p), profile, batch_size=workload.batch_size,
+                              seq_len=workload.seq_len, grad_ckpt=workload.grad_ckpt,
+                              sequence_parallel=workload.sequence_parallel,
+                              data_parallel=max(1, world_size // workload.sequence_parallel),
+                              mlp_tile_tokens=workload.mlp_tile_tokens, keep_attention=workload.keep_attention)
+        return None if t is None else t.step_s
+
+    algebraic = dataclasses.replace(plan, deferred_speculation=False)
+    exact, fast = step(plan), step(algebraic)
+    if exact is None or fast is None or exact <= fast * (1 + _EXACTNESS_PRICE):
+        return plan
+    note = (f"deferred speculation: off (auto: its commits would not fit the CPU's idle time, {exact:.3f} s "
+            f"predicted per step against {fast:.3f} s; a skip or redo undoes algebraically, to fp32 rounding; "
+            "PlannerOverrides(deferred_speculation=True) makes them exact at that price)")
+    notes = tuple(note if n.startswith("deferred speculation:") else n for n in plan.notes)
+    return dataclasses.replace(algebraic, notes=notes)
 
 
 # Bucket-sized pinned buffers that receive the later micro-batches' gradients in HostAccumulation.LANDING. The
