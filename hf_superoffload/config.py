@@ -251,14 +251,15 @@ class SuperOffloadConfig:
     known, and validate afterwards (speculation-then-validation)."""
     rollback: Rollback = field(default="auto", metadata=_meta(
         "How a speculative step is undone: 'double_buffer' (bit-exact, +12 B/param host RAM), 'inverse' "
-        "(one copy: bit-exact with deferred moment stores, else fp32 rounding) or 'auto' (the double buffer when "
+        "(one copy: bit-exact with deferred speculation, else fp32 rounding) or 'auto' (the double buffer when "
         "host RAM allows).",
         valid=_one_of(Rollback), fix="use 'auto', 'double_buffer' or 'inverse'"))
     """How a speculative step is undone when validation says clip-and-redo or skip. ``"double_buffer"`` keeps two
     copies of the host state and steps from one into the other, so undo is free and bit-exact (+12 B/param host
-    RAM, no extra memory traffic); ``"inverse"`` keeps one copy: with deferred moment stores a speculative step
-    writes only the bf16 weights and its commit comes later, so undo is a bf16 cast and bit-exact ([Note: deferred
-    speculation]); otherwise it inverts the AdamW update algebraically (exact to fp32 rounding); ``"auto"`` takes ``"double_buffer"`` when host RAM allows it (one copy when speculation is
+    RAM, no extra memory traffic); ``"inverse"`` keeps one copy: with deferred speculation (deferred moment stores,
+    and ``PlannerOverrides.deferred_speculation`` priced or set on) a speculative step writes only the bf16 weights
+    and its commit comes later, so undo is a bf16 cast and bit-exact ([Note: deferred speculation]); otherwise it
+    inverts the AdamW update algebraically (exact to fp32 rounding); ``"auto"`` takes ``"double_buffer"`` when host RAM allows it (one copy when speculation is
     off: nothing is ever undone). [Note: speculation and rollback]."""
     cast_side: CastSide = field(default="auto", metadata=_meta(
         "Where the fp32 master becomes bf16 weights: 'cpu' (fused into CPU Adam, right for PCIe), 'gpu' "
