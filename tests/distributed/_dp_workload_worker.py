@@ -1,8 +1,9 @@
 """One rank of the data-parallel workload-inference test (tests/distributed/test_data_parallel_workload.py).
 
-argv: out_dir device_budget_bytes steps. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+argv: out_dir device_budget_bytes steps [given]. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 The optimizer is built bare (no workload): it plans at the first training forward, and the ranks' first batches have
-different sequence lengths. Before the first backward the ranks compare their plans and stop if they differ (the
+different sequence lengths. With ``given`` it is built with the workload the ranks should agree on (the largest
+sequence), planned at construction: the run the bare one must equal. Before the first backward the ranks compare their plans and stop if they differ (the
 bucket sharding would not line up). Saves what the test checks.
 """
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning import hardware
 from hf_superoffload.planning.plan import OffloadPlan
+from hf_superoffload.planning.planner import Workload
 from hf_superoffload.testing import tiny_llama
 
 LR = 1e-3
@@ -54,14 +56,16 @@ def shared_part(plan: OffloadPlan) -> OffloadPlan:
 
 def main() -> None:
     out, budget, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    given = sys.argv[4:] == ["given"]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == len(SEQ), f"run {len(SEQ)} ranks"
     torch.set_num_threads(1)
     pretend_device_budget(budget)
     model = tiny_llama(seed=0)
+    workload = Workload(model.config, BATCH, max(SEQ), grad_ckpt=False) if given else None
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=1.0, log_plan=False,
-                                config=SuperOffloadConfig(bucket_size_mb=0.004, cpu_threads=1))
+                                config=SuperOffloadConfig(bucket_size_mb=0.004, cpu_threads=1), workload=workload)
     planned_at_construction = opt.planned
     losses = []
     for step, ids in enumerate(batches(rank, steps)):
