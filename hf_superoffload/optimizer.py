@@ -158,6 +158,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._provisional: OffloadPlan | None = None
         self._pending_no_sync = 0
         self._pending_predicate: Callable[[], bool] | None = None
+        self._micro_batches: int | None = None  # per optimizer step, when the integration knows it
         self.plan_listeners: list[Callable[[OffloadPlan], None]] = []
         """Called once with the plan when the engine is built (integrations log it on the main process)."""
         self._batch_hook: Any = None
@@ -243,7 +244,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         workload = None
         if shape is not None:
             workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=ckpt, accumulation=accumulates,
-                                chunked_loss=self._chunked_loss)
+                                chunked_loss=self._chunked_loss,
+                                micro_batches=self._micro_batches if accumulates else None)
         self._build(workload, profile=profile)
 
     def _profile_now(self) -> HardwareProfile:
@@ -582,9 +584,16 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             else:
                 self._built.exit_no_sync()
 
-    def set_sync_predicate(self, predicate: Callable[[], bool] | None) -> None:
-        """Tell the engine whether the current backward is an accumulation boundary (used by integrations)."""
+    def set_sync_predicate(self, predicate: Callable[[], bool] | None, micro_batches: int | None = None) -> None:
+        """Tell the engine whether the current backward is an accumulation boundary (used by integrations), and how
+        many micro-batches make an optimizer step when known: the plan made at the first batch then prices their
+        step ([Note: one search over the plan] in planning/planner.py)."""
+        if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                          or micro_batches < 1):
+            raise ValueError(f"micro_batches={micro_batches!r}: use the micro-batches per optimizer step (an "
+                             "integer >= 1) or None")
         self._pending_predicate = predicate
+        self._micro_batches = micro_batches
         if self._built is not None:
             self._built.sync_predicate = predicate
 

@@ -262,7 +262,8 @@ def main_plan(args: argparse.Namespace) -> int:
     sp_kw = dict(sequence_parallel=sp, loss_chunk_tokens=chunk, mlp_tile_tokens=args.tiled_mlp or None,
                  keep_attention=args.keep_attention, chunked_loss=cfg.chunked_loss)
     # transformers decoders checkpoint per layer: the plan may keep some ([Note: kept layers])
-    workload = Workload(shape, **run, **sp_kw, layer_checkpointing=args.grad_ckpt, accumulation=args.grad_accum > 1)
+    workload = Workload(shape, **run, **sp_kw, layer_checkpointing=args.grad_ckpt, accumulation=args.grad_accum > 1,
+                        micro_batches=args.grad_accum)
     ranks: dict[str, Any] = {}
     if world > 1:  # one rank per GPU of this host; the profile's cores are split between them
         cores = list(range(profile.cpu_cores)) if profile.cpu_cores else None

@@ -257,7 +257,7 @@ def prepare_superoffload(
             groups = setup_sequence_parallel(base, sequence_parallel_size)
             kwargs.setdefault("gradient_divisor", groups.dp_size)  # SP ranks' partial gradients are summed
         opt = SuperOffloadOptimizer(base, config=config, log_plan=False, **kwargs)
-    opt.set_sync_predicate(lambda: accelerator.sync_gradients)
+    opt.set_sync_predicate(lambda: accelerator.sync_gradients, micro_batches=accelerator.gradient_accumulation_steps)
     warn_if_threads_throttled(opt)
     wrapped = SuperOffloadAcceleratedOptimizer(opt)
     accelerator.prepare_optimizer(wrapped)  # pre-marked: registered for save_state/load_state, not moved

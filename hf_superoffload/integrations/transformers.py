@@ -213,7 +213,8 @@ class SuperOffloadTrainer(Trainer):
             gradient_divisor=(args.world_size // args.sequence_parallel_size) if args.world_size > 1 else None,
             workload=_workload_from_args(opt_model, args),
         )
-        opt.set_sync_predicate(lambda: self.accelerator.sync_gradients)
+        opt.set_sync_predicate(lambda: self.accelerator.sync_gradients,
+                               micro_batches=args.gradient_accumulation_steps)
         warn_if_threads_throttled(opt)
         self._superoffload = opt
         self.optimizer = SuperOffloadAcceleratedOptimizer(opt)

@@ -78,6 +78,15 @@ class Workload:
     """Checkpointing is per decoder layer and the runtime may leave some layers unchecked (transformers'
     ``GradientCheckpointingLayer``): the planner then spends free device memory on kept layers ([Note: kept
     layers])."""
+    micro_batches: int | None = None
+    """Micro-batches per optimizer step when known (the Trainer's ``gradient_accumulation_steps``, ``plan
+    --grad-accum``): the search then prices the step they make, and weighs summing gradients on the host against
+    the device ([Note: one search over the plan]); ``None``: one, or an unknown count with ``accumulation``."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batches is not None and self.micro_batches < 1:
+            raise ValueError(f"micro_batches={self.micro_batches}: use the micro-batches per optimizer step (>= 1) "
+                             "or None")
 
     def estimate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``memory_model.estimate`` this workload fixes."""
@@ -310,7 +319,7 @@ def make_plan(
     cores: Sequence[int] | None = None,
     workload: Workload | None = None,
 ) -> OffloadPlan:
-    """Plan buckets, their placement and the runtime policies.
+    """Plan buckets, their placement and the runtime policies: [Note: one search over the plan].
 
     Args:
         numels: trainable parameter sizes in gradient-arrival order.
@@ -319,8 +328,121 @@ def make_plan(
             rank owns shard ``rank`` ([Note: data parallel sharding]).
         local_world_size, local_rank: ranks sharing this host: they split its RAM and its cores.
         cores: the cores this process may use (default: its affinity mask), split between the local ranks.
-        workload: the model shape, batch and sequence length, when known (``weight_placement="auto"`` then
-            uses the memory model; without it, the weights' share of free device memory).
+        workload: the model shape, batch and sequence length, when known (the search then prices every choice
+            with the memory model and the step-time roofline; without it, rules from the profile).
+    """
+    kw: dict[str, Any] = dict(element_size=element_size, profile=profile, world_size=world_size, rank=rank,
+                              local_world_size=local_world_size, local_rank=local_rank, cores=cores,
+                              workload=workload)
+    candidates = _switch_candidates(config, workload, profile)
+    if len(candidates) < 2 or workload is None:
+        return _search_tail(numels, config=config, **kw)
+    tried: list[tuple[str, OffloadPlan, float]] = []
+    for label, fixed in candidates:
+        try:
+            plan = _search_tail(numels, config=fixed, **kw)
+        except PlanError:
+            continue  # the host cannot hold it with any tail the device holds
+        t = _worst_case_s(plan, workload, profile, world_size)
+        if t is not None and device_holds(plan, workload, profile, world_size)[0]:
+            tried.append((label, plan, t))
+    if not tried:  # nothing fits: the rules' plan and its verdict (or its PlanError) say what to change
+        return _search_tail(numels, config=config, **kw)
+    fastest = min(t for _, _, t in tried)
+    label, plan, t = next(c for c in tried if c[2] <= fastest * (1 + _SWITCH_TIE))  # candidates in rule order
+    others = "; ".join(f"{lb} {tt:.2f} s" for lb, _, tt in tried if lb != label) or "no other fits"
+    searched = {f for f in _SEARCHED if getattr(config, f) == "auto"}
+    notes = tuple(_searched_note(n, searched) for n in plan.notes)
+    note = (f"plan search: {label}, {t:.2f} s/step predicted with clipping on every step (auto: the fastest of the "
+            f"{len(candidates)} combinations of {', '.join(sorted(_SEARCHED[f] for f in searched))}, each with its "
+            f"fastest tail, that both memories hold; the others: {others})")
+    return dataclasses.replace(plan, notes=(*notes, note))
+
+
+# [Note: one search over the plan]
+# ``make_plan`` minimises the predicted step (``step_time.py``, clipping on every step: the worst case, as the tail
+# is chosen) over every choice that trades memory for time, subject to both memories:
+# * enumerated: weight placement (stationary, flow), cast side (CPU, GPU) and, when the micro-batches per step are
+#   known, where they accumulate (host, device). Each combination gets its own fastest tail and kept layers
+#   ([Note: tail from both memories]); combinations the host or the device cannot hold drop out. Ties within
+#   ``_SWITCH_TIE`` go to the earlier combination in the rules' order (stationary, the link's cast, the host
+#   accumulation), so the search leaves the measured rules only for a gain larger than the roofline's error
+#   between whole plans;
+# * decided per tail by dominance, inside each combination: the double buffer, the deferred moment stores and the
+#   fp32 accumulation arena cost only host RAM and are never slower (and the first and last are exact), so each
+#   is taken when the host holds it beside the rest; deferred speculation is priced ([Note: deferred
+#   speculation]); the master deferral adapts at run time;
+# * not searched, for want of a model that prices them: the D2H lead (a rule measured on the all-host row), the
+#   bucket size (the configured one; the roofline sees only its latency) and the CPU threads (the profile's).
+# A field the user sets is a constraint: its one value is the only candidate. Without a workload nothing can be
+# priced and the rules decide. The verdict, ``plan``'s "largest that fits" and the engine all take this plan.
+_SEARCHED = {"weight_placement": "weight placement", "cast_side": "cast side", "accumulate_on_host": "accumulation"}
+# Combinations whose predicted steps are this close count as equal: the earlier one in the rules' order is taken.
+# Whole plans differ in most roofline terms, whose errors (a few percent) do not cancel as between neighbour tails.
+_SWITCH_TIE = 0.02
+
+
+def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None,
+                       profile: HardwareProfile) -> list[tuple[str, SuperOffloadConfig]]:
+    """[Note: one search over the plan]: ``config`` with each searched ``"auto"`` switch fixed, one entry per
+    combination the engine can run, in the rules' order (what the rules alone would pick first)."""
+    if workload is None or profile.device_free_bytes is None:
+        return [("as configured", config)]
+    weights = ["stationary", "flow"] if config.weight_placement == "auto" else [config.weight_placement]
+    link = profile.h2d_gbps
+    fast_link = link is not None and link >= _GPU_CAST_MIN_LINK_GBPS
+    casts = (["gpu", "cpu"] if fast_link else ["cpu", "gpu"]) if config.cast_side == "auto" else [config.cast_side]
+    known = workload.accumulation and (workload.micro_batches or 1) > 1
+    accs: list[bool | str] = ([True, False] if known else ["auto"]) if config.accumulate_on_host == "auto" \
+        else [config.accumulate_on_host]
+    out: list[tuple[str, SuperOffloadConfig]] = []
+    for w in weights:
+        for c in casts:
+            if w == "flow" and c == "gpu":
+                continue  # weight flow streams from the CPU cast's staging arena
+            for a in accs:
+                if w == "flow" and a is False:
+                    continue  # the device would hold every streamed weight's gradient: what flow exists to avoid
+                acc = "" if a == "auto" else ", accumulating on the host" if a else ", accumulating on the device"
+                out.append((f"{w} weights, {c} cast{acc}",
+                            config.replace(weight_placement=w, cast_side=c, accumulate_on_host=a)))
+    return out
+
+
+def _searched_note(note: str, searched: set[str]) -> str:
+    """A switch's note from the plan of a searched combination says the search chose it, not the user."""
+    keys = {"weight_placement": ("weights:",), "cast_side": ("casts fused", "fp32 crosses", "fp32 master crosses"),
+            "accumulate_on_host": ("gradient accumulation:",)}
+    if any(note.startswith(prefix) for f in searched for prefix in keys[f]):
+        return note.replace("configured", "auto: the plan search")
+    return note
+
+
+def _worst_case_s(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, world_size: int = 1) -> float | None:
+    """Predicted seconds per optimizer step of ``plan`` when clipping fires on every step (the search's objective)."""
+    t = predict_step_time(ModelShape.from_config(workload.model), PlanLike.from_plan(plan), profile,
+                          batch_size=workload.batch_size, seq_len=workload.seq_len, grad_ckpt=workload.grad_ckpt,
+                          sequence_parallel=workload.sequence_parallel,
+                          data_parallel=max(1, world_size // workload.sequence_parallel),
+                          mlp_tile_tokens=workload.mlp_tile_tokens, keep_attention=workload.keep_attention,
+                          clipping_every_step=True, micro_batches=workload.micro_batches or 1)
+    return None if t is None else t.step_s
+
+
+def _search_tail(
+    numels: Sequence[int],
+    *,
+    element_size: int,
+    config: SuperOffloadConfig,
+    profile: HardwareProfile,
+    world_size: int = 1,
+    rank: int = 0,
+    local_world_size: int = 1,
+    local_rank: int = 0,
+    cores: Sequence[int] | None = None,
+    workload: Workload | None = None,
+) -> OffloadPlan:
+    """The plan for ``config``'s switches, the rules deciding its ``"auto"`` ones (arguments as :func:`make_plan`'s).
 
     With ``gpu_resident_buckets="auto"``, the device tail is first sized for the device (the memory the activations
     leave, or ``device_memory_fraction``); when the host RAM cannot hold the rest, the tail grows, bucket by
@@ -352,9 +474,8 @@ def make_plan(
         host_error: PlanError | None = None
     except _HostRoomError as e:
         auto, host_error = None, e
-    if auto is not None and (auto.weight_mode is WeightMode.FLOW or workload is None
-                             or profile.device_free_bytes is None):
-        return auto  # flow leaves the device to activations; without a workload the activations are unknown
+    if auto is not None and (workload is None or profile.device_free_bytes is None):
+        return auto  # without a workload the activations are unknown
     n_buckets = len(partition_buckets(numels, _bucket_numel(numels, config, element_size)))
     # [Note: tail from both memories]: the host RAM sets the smallest tail, the device the largest
     lo = _smallest(0, n_buckets, lambda n: plan_at(n) is not None)
@@ -415,19 +536,9 @@ def _fastest_tail(lo: int, hi: int, plan_at: Any, workload: Workload, profile: H
     """[Note: tail from both memories]: among the tails in [lo, hi] (both memories hold each), the one with the
     fastest predicted step when clipping fires on every step (the worst case: speculation pauses and the whole
     host pass is exposed). Ties, and profiles without the rates the roofline needs, take the largest tail."""
-    shape = ModelShape.from_config(workload.model)
-
     def predicted(n: int) -> float | None:
         plan = plan_at(n)
-        if plan is None:
-            return None
-        t = predict_step_time(shape, PlanLike.from_plan(plan), profile, batch_size=workload.batch_size,
-                              seq_len=workload.seq_len, grad_ckpt=workload.grad_ckpt,
-                              sequence_parallel=workload.sequence_parallel,
-                              data_parallel=max(1, world_size // workload.sequence_parallel),
-                              mlp_tile_tokens=workload.mlp_tile_tokens, keep_attention=workload.keep_attention,
-                              clipping_every_step=True)
-        return None if t is None else t.step_s
+        return None if plan is None else _worst_case_s(plan, workload, profile, world_size)
 
     top = predicted(hi)
     if top is None or lo >= hi:

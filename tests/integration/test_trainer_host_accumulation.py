@@ -69,3 +69,25 @@ def test_host_accumulation_leaves_no_host_bucket_gradient_on_the_device(runs: di
     assert all(n == 0 for n in runs["true"]["seen"]), runs["true"]["seen"]
     # device accumulation keeps the non-final micro-batch's gradients in param.grad
     assert any(n > 0 for n in runs["false"]["seen"][0::2])
+
+
+def test_the_trainer_tells_the_optimizer_its_micro_batches(hf: Any, tmp_path: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan made at the first batch prices ``gradient_accumulation_steps`` micro-batches per step ([Note: one
+    search over the plan] in planning/planner.py): the Trainer hands the count over with its sync predicate."""
+    from hf_superoffload import SuperOffloadOptimizer
+
+    told: list[int | None] = []
+    orig = SuperOffloadOptimizer.set_sync_predicate
+
+    def record(self: Any, predicate: Any, micro_batches: int | None = None) -> None:
+        told.append(micro_batches)
+        orig(self, predicate, micro_batches)
+
+    monkeypatch.setattr(SuperOffloadOptimizer, "set_sync_predicate", record)
+    kw = hf.train_kwargs(tmp_path, max_steps=1, gradient_accumulation_steps=3, learning_rate=LR)
+    trainer = SuperOffloadTrainer(model=tiny_llama(seed=0), args=SuperOffloadArguments(**kw, **hf.SMALL_BUCKETS),
+                                  train_dataset=hf.TokenDataset(6))
+    trainer.create_optimizer()
+    assert told == [3]
+    trainer.superoffload_optimizer.close()

@@ -152,3 +152,28 @@ def test_a_later_batch_too_large_for_the_plan_is_refused_before_its_forward(devi
     train_steps(model, opt, data[2:3])  # the run goes on
     assert opt.last_step_stats.verdict in ("commit", "redo")
     opt.close()
+
+
+def test_the_integrations_micro_batch_count_reaches_the_workload(device_budget) -> None:
+    """An integration that knows the micro-batches per step (the Trainer's ``gradient_accumulation_steps``) hands
+    them over with the sync predicate; the plan made at the first batch prices that many ([Note: one search over
+    the plan])."""
+    batch, seq = 2, 24
+    model = tiny_llama(**MODEL)
+    device_budget(_budget_for_half_tail(model, batch, seq))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, log_plan=False)
+    boundary = {"sync": False}
+    opt.set_sync_predicate(lambda: boundary["sync"], micro_batches=3)
+    model(input_ids=_batches(1, batch, seq)[0])  # the first micro-batch: not a boundary
+    assert opt.workload is not None and opt.workload.accumulation and opt.workload.micro_batches == 3
+    opt.close()
+    # without accumulation the count says nothing: one micro-batch per step
+    model = tiny_llama(**MODEL)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, log_plan=False)
+    opt.set_sync_predicate(lambda: True, micro_batches=3)
+    model(input_ids=_batches(1, batch, seq)[0])
+    assert opt.workload is not None and opt.workload.micro_batches is None
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="micro_batches="):
+            opt.set_sync_predicate(None, micro_batches=bad)  # type: ignore[arg-type]
+    opt.close()
