@@ -27,6 +27,7 @@ from .planning.planner import (
     device_holds,
     make_plan,
     most_kept_layers,
+    refuse_unless_fits,
     shrink_tail,
 )
 from .runtime.collectives import ShardGroup
@@ -263,8 +264,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return workload
 
     def _make_plan(self, workload: Workload | None, profile: HardwareProfile) -> OffloadPlan:
-        return make_plan([p.numel() for p in self._ordered], element_size=2, config=self.config, profile=profile,
-                         workload=None if workload is None else self._planning_workload(workload), **self._ranks)
+        numels = [p.numel() for p in self._ordered]
+        planned = None if workload is None else self._planning_workload(workload)
+        plan = make_plan(numels, element_size=2, config=self.config, profile=profile, workload=planned, **self._ranks)
+        if planned is not None:  # [Note: refused with the frontier]: not a run that fails in its first forward
+            refuse_unless_fits(plan, numels, element_size=2, config=self.config, profile=profile, workload=planned,
+                               **self._ranks)
+        return plan
 
     def _build(self, workload: Workload | None, plan: OffloadPlan | None = None,
                profile: HardwareProfile | None = None) -> OffloadEngine:

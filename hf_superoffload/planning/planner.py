@@ -26,7 +26,7 @@ from .step_time import predict_step_time
 __all__ = ["AUTO_D2H_LEAD", "CALIBRATED_MARGIN", "CALIBRATION_STEPS", "LANDING_RING_SLOTS", "PlanError", "Workload", "calibrated_budget",
            "d2h_lead", "device_holds",
            "landing_ring_slots", "make_plan", "partition_buckets",
-           "share_count", "shrink_tail", "split_cores"]
+           "refuse_unless_fits", "share_count", "shrink_tail", "split_cores"]
 
 AUTO_D2H_LEAD = 4
 """``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state ([Note: D2H lead] in docs/design.md)."""
@@ -603,6 +603,47 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
     why = (f"{est.gpu_required_bytes / gib:.1f} of {budget / gib:.1f} GiB usable device memory predicted "
            f"({_DEVICE_MARGIN:.0%} of the free memory kept spare)")
     return est.gpu_required_bytes <= budget and host_ok, why
+
+
+# [Note: refused with the frontier]
+# ``make_plan`` returns a plan that does not fit when no combination fits (``hf-superoffload plan`` prints its
+# numbers and the verdict). A training run must not start with it: it would run out of device memory in its first
+# forward, mid-step. ``refuse_unless_fits`` raises the ``PlanError`` instead, before the optimizer allocates or
+# changes anything, and names the frontier found by the same search and check: the largest batch at this sequence
+# length and the longest sequence at this batch that fit, so the user knows how far to go.
+def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size: int, config: SuperOffloadConfig,
+                       profile: HardwareProfile, workload: Workload, **ranks: Any) -> None:
+    """Raise :class:`PlanError` with the frontier ([Note: refused with the frontier]) when the device cannot hold
+    ``plan`` for ``workload``; ``ranks``: ``make_plan``'s rank arguments."""
+    world_size = ranks.get("world_size", 1)
+    if profile.device_free_bytes is None:
+        return
+    ok, why = device_holds(plan, workload, profile, world_size)
+    if ok:
+        return
+
+    def fits(w: Workload) -> bool:
+        try:
+            p = make_plan(numels, element_size=element_size, config=config, profile=profile, workload=w, **ranks)
+        except PlanError:
+            return False
+        return device_holds(p, w, profile, world_size)[0]
+
+    def largest(field: str, at_most: int) -> int | None:
+        if at_most < 1 or not fits(dataclasses.replace(workload, **{field: 1})):
+            return None
+        return bisect_largest_int(1, at_most, lambda n: fits(dataclasses.replace(workload, **{field: n})))
+
+    b, s = workload.batch_size, workload.seq_len
+    batch, seq = largest("batch_size", b - 1), largest("seq_len", s - 1)
+    frontier = [f"batch {batch} at {s} tokens" if batch else "",
+                f"{seq} tokens at batch {b}" if seq else ""]
+    found = " or ".join(f for f in frontier if f)
+    where = (f"the largest that fit: {found}" if found
+             else "not even batch 1 fits at this sequence length, nor a shorter sequence at this batch")
+    ckpt = "" if workload.grad_ckpt else "turn on gradient checkpointing, "
+    raise PlanError(f"{b} x {s} tokens per step does not fit this device with any plan ({why}); {where}. Use a "
+                    f"smaller batch or shorter sequences, {ckpt}free device memory, or use more GPUs")
 
 
 # [Note: calibration from the measured peak]

@@ -7,6 +7,7 @@ tied weights, parameters without gradients and fp32 conversion are in tests/runt
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import re
 from typing import Any
@@ -68,6 +69,73 @@ def test_an_8b_model_on_a_64_gib_host_is_refused_with_the_numbers() -> None:
                                         r"\(headroom, the engine's own RSS\), but only 64\.0 GiB of host RAM is "
                                         r"available\. Keep more buckets on the GPU"):
         SuperOffloadOptimizer(model, lr=1e-5, config=SuperOffloadConfig(gpu_resident_buckets=0), profile=profile)
+
+
+def _frontier_case() -> tuple[Any, Any, Any, int]:
+    """A tiny model, a workload of batch 8 x 512 and a pretend device budget that holds batch 3 but not 4."""
+    from hf_superoffload.planning.planner import Workload, device_holds, make_plan
+    from hf_superoffload.testing import pretend_profile
+
+    model = tiny_llama(seed=0, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    numels = [p.numel() for p in model.parameters()]
+
+    def fits(batch: int, budget: int) -> bool:
+        w = Workload(model.config, batch, 512, grad_ckpt=False, chunked_loss=True)
+        plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=pretend_profile(budget),
+                         workload=w)
+        return device_holds(plan, w, pretend_profile(budget), 1)[0]
+
+    lo, hi = 1 * MiB, 64 * GiB  # the smallest budget that holds batch 3
+    while hi - lo > MiB:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(3, mid) else (mid, hi)
+    assert fits(3, hi) and not fits(4, hi)
+    return model, Workload(model.config, 8, 512, grad_ckpt=False), pretend_profile(hi), hi
+
+
+def test_a_workload_that_fits_no_plan_is_refused_with_the_frontier(rel: Any) -> None:
+    """[Note: refused with the frontier]: not an out-of-memory error in the first forward, but the PlanError at
+    construction, naming the largest batch and the longest sequence that fit (the search's own), before anything is
+    converted, hooked or started."""
+    model, workload, profile, _ = _frontier_case()
+    threads = rel.worker_threads()
+    with pytest.raises(PlanError) as info:
+        SuperOffloadOptimizer(model, lr=1e-3, workload=workload, profile=profile)
+    msg = str(info.value)
+    assert "8 x 512 tokens per step does not fit this device with any plan" in msg
+    assert "the largest that fit: batch 3 at 512 tokens or " in msg
+    seq = int(re.search(r" or (\d+) tokens at batch 8", msg).group(1))  # type: ignore[union-attr]
+    from hf_superoffload.planning.planner import device_holds, make_plan
+
+    numels = [p.numel() for p in model.parameters()]
+    for n, ok in ((seq, True), (seq + 1, False)):
+        w = dataclasses.replace(workload, seq_len=n, chunked_loss=True)
+        plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=profile, workload=w)
+        assert device_holds(plan, w, profile, 1)[0] is ok, n
+    assert "Use a smaller batch or shorter sequences, turn on gradient checkpointing" in msg
+    assert "\n" not in msg
+    assert rel.worker_threads() == threads
+    assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_first_batch_that_fits_no_plan_is_refused_before_its_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bare optimizer plans at the first training batch: a batch no plan holds is refused there, with the
+    frontier, before its forward runs or the engine exists."""
+    from hf_superoffload.planning import hardware
+
+    model, workload, profile, budget = _frontier_case()
+    monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
+    opt = SuperOffloadOptimizer(model, lr=1e-3, log_plan=False)
+    assert not opt.planned
+    before = [p.detach().clone() for p in model.parameters()]
+    ran: list[int] = []
+    model.model.layers[0].register_forward_pre_hook(lambda *a: ran.append(1))
+    with pytest.raises(PlanError, match=r"8 x 512 tokens per step does not fit .* batch 3 at 512 tokens"):
+        model(input_ids=torch.zeros(8, 512, dtype=torch.long), labels=torch.zeros(8, 512, dtype=torch.long))
+    assert not ran and not opt.planned
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.close()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_the_batch_shape_moves_the_tail(device_budget) -> None:
     model = tiny_llama(**MODEL)
     budget = _budget_for_half_tail(model, 2, 24)
     tails = []
-    for seq in (8, 24, 96):
+    for seq in (8, 24, 40):  # 40: near the longest this budget holds at batch 2 (44 tokens)
         device_budget(budget)
         m = tiny_llama(**MODEL)
         opt = SuperOffloadOptimizer(m, lr=1e-2, log_plan=False)
