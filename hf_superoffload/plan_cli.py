@@ -35,7 +35,7 @@ from .planning.memory_model import (
     largest_model_that_fits,
 )
 from .planning.plan import OffloadPlan
-from .planning.planner import PlanError, Workload, make_plan
+from .planning.planner import PlanError, Workload, fit_frontier, make_plan
 from .planning.step_time import PEER_GBPS_ASSUMED, predict_step_time
 
 __all__ = ["add_plan_parser", "arrival_numels", "check_ranks", "load_model_config", "main", "main_plan", "rank_share"]
@@ -297,7 +297,16 @@ def main_plan(args: argparse.Namespace) -> int:
     try:
         check_fits(est, share)
     except PlanError as e:
-        reasons.append(str(e))
+        why = str(e)
+        if profile.device_free_bytes is not None:
+            # [Note: refused with the frontier]: the options come from the plan search, as the verdict does
+            frontier = fit_frontier(numels, element_size=2, config=cfg, profile=profile, workload=workload, **ranks)
+            searched = frozenset(f for f in ("weight_placement", "gpu_resident_buckets") if getattr(cfg, f) == "auto")
+            try:
+                check_fits(est, share, frontier=frontier, searched=searched)
+            except PlanError as options:
+                why = str(options)
+        reasons.append(why)
     reason = "\n".join(reasons) or None
     if sum(numels) and abs(sum(numels) - shape.numel) > 0.01 * shape.numel:
         notes.append(f"the model has {sum(numels) / 1e9:.3f}B parameters, the memory model counts "

@@ -476,9 +476,15 @@ def _items(d: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / GiB:.1f}" for k, v in d.items() if v)
 
 
-def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
+def check_fits(est: MemoryEstimate, profile: HardwareProfile, *, frontier: tuple[int | None, int | None] | None = None,
+               searched: frozenset[str] = frozenset()) -> None:
     """Raise :class:`~hf_superoffload.planning.planner.PlanError` with the numbers and what to change
-    when ``est`` does not fit ``profile`` (unknown budgets are not checked)."""
+    when ``est`` does not fit ``profile`` (unknown budgets are not checked).
+
+    ``frontier``: the largest batch and the longest sequence below ``est``'s whose planned run fits
+    (``planner.fit_frontier``: the plan search's own answer, which replaces this plan's memory model bisection);
+    ``searched``: the config fields the plan search weighed (``weight_placement``, ``gpu_resident_buckets``): what it
+    found not to fit is not offered as an option."""
 
     gpu_over, host_over = _overruns(est, profile)
     if not gpu_over and not host_over:
@@ -494,21 +500,30 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile) -> None:
                    f"{(profile.device_free_bytes or 0) / GiB:.1f} GiB is free. Options:")
         if not est.grad_ckpt and gpu_ok(_again(est, grad_ckpt=True)):
             out.append("  - enable gradient checkpointing (--grad-ckpt): it then fits")
-        b = bisect_largest(1, est.batch_size - 1, lambda x: gpu_ok(_again(est, batch_size=x))) if est.batch_size > 1 else None
-        sq = None if b else bisect_largest(1, est.seq_len - 1, lambda x: gpu_ok(_again(est, batch_size=1, seq_len=x)))
-        if b:
-            out.append(f"  - batch size {b} fits (same sequence length; accumulate gradients for the same tokens)")
-        elif sq:
-            out.append(f"  - at batch size 1, sequences up to {sq} tokens fit")
+        if frontier is not None:
+            b, sq = frontier
+            if b:
+                out.append(f"  - batch size {b} fits (same sequence length; accumulate gradients for the same tokens)")
+            if sq:
+                out.append(f"  - at batch size {est.batch_size}, sequences up to {sq} tokens fit")
+        else:
+            b = bisect_largest(1, est.batch_size - 1, lambda x: gpu_ok(_again(est, batch_size=x))) if est.batch_size > 1 else None
+            sq = None if b else bisect_largest(1, est.seq_len - 1, lambda x: gpu_ok(_again(est, batch_size=1, seq_len=x)))
+            if b:
+                out.append(f"  - batch size {b} fits (same sequence length; accumulate gradients for the same tokens)")
+            elif sq:
+                out.append(f"  - at batch size 1, sequences up to {sq} tokens fit")
         if est.gpu.get("logits", 0) > 0.25 * est.gpu_peak_bytes:
             out.append(f"  - the logits take {est.gpu['logits'] / GiB:.1f} GiB (12 B per token and vocabulary entry): "
                        "a chunked cross-entropy would remove most of it")
-        if p.optimizer == "superoffload" and p.device_numel:
+        if p.optimizer == "superoffload" and p.device_numel and "gpu_resident_buckets" not in searched:
             out.append(f"  - the device tail holds {14 * p.device_numel / GiB:.1f} GiB: lower gpu_resident_buckets")
-        if p.optimizer == "superoffload" and p.weight_mode == "stationary":
+        if p.optimizer == "superoffload" and p.weight_mode == "stationary" and "weight_placement" not in searched:
             flow = _again(est, plan_like=dataclasses.replace(p, weight_mode="flow"))
             out.append(f"  - weight_placement='flow' would free {(est.gpu_peak_bytes - flow.gpu_peak_bytes) / GiB:.1f} "
                        f"GiB of resident weights ({'fits' if gpu_ok(flow) else 'does not fit'})")
+        if searched:
+            out.append(f"  - (the plan search already weighed {', '.join(sorted(searched))}: no value of them fits)")
         out.append("  - more GPUs: data parallel splits the batch, sequence parallel (Ulysses) the activations")
     if host_over:
         out.append(f"host: needs {est.host_peak_bytes / GiB:.1f} GiB ({_items(est.host)}) but "

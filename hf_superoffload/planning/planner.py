@@ -24,7 +24,7 @@ from .plan import (
 from .step_time import predict_step_time
 
 __all__ = ["AUTO_D2H_LEAD", "CALIBRATED_MARGIN", "CALIBRATION_STEPS", "LANDING_RING_SLOTS", "PlanError", "Workload", "calibrated_budget",
-           "d2h_lead", "device_holds",
+           "d2h_lead", "device_holds", "fit_frontier",
            "landing_ring_slots", "make_plan", "partition_buckets",
            "refuse_unless_fits", "share_count", "shrink_tail", "split_cores"]
 
@@ -611,16 +611,11 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
 # forward, mid-step. ``refuse_unless_fits`` raises the ``PlanError`` instead, before the optimizer allocates or
 # changes anything, and names the frontier found by the same search and check: the largest batch at this sequence
 # length and the longest sequence at this batch that fit, so the user knows how far to go.
-def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size: int, config: SuperOffloadConfig,
-                       profile: HardwareProfile, workload: Workload, **ranks: Any) -> None:
-    """Raise :class:`PlanError` with the frontier ([Note: refused with the frontier]) when the device cannot hold
-    ``plan`` for ``workload``; ``ranks``: ``make_plan``'s rank arguments."""
+def fit_frontier(numels: Sequence[int], *, element_size: int, config: SuperOffloadConfig, profile: HardwareProfile,
+                 workload: Workload, **ranks: Any) -> tuple[int | None, int | None]:
+    """[Note: refused with the frontier]: the largest batch below ``workload``'s at its sequence length, and the
+    longest sequence below its at its batch, for which the search's plan fits the device (``None``: not even 1)."""
     world_size = ranks.get("world_size", 1)
-    if profile.device_free_bytes is None:
-        return
-    ok, why = device_holds(plan, workload, profile, world_size)
-    if ok:
-        return
 
     def fits(w: Workload) -> bool:
         try:
@@ -634,11 +629,23 @@ def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size
             return None
         return bisect_largest_int(1, at_most, lambda n: fits(dataclasses.replace(workload, **{field: n})))
 
+    return largest("batch_size", workload.batch_size - 1), largest("seq_len", workload.seq_len - 1)
+
+
+def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size: int, config: SuperOffloadConfig,
+                       profile: HardwareProfile, workload: Workload, **ranks: Any) -> None:
+    """Raise :class:`PlanError` with the frontier ([Note: refused with the frontier]) when the device cannot hold
+    ``plan`` for ``workload``; ``ranks``: ``make_plan``'s rank arguments."""
+    if profile.device_free_bytes is None:
+        return
+    ok, why = device_holds(plan, workload, profile, ranks.get("world_size", 1))
+    if ok:
+        return
+    batch, seq = fit_frontier(numels, element_size=element_size, config=config, profile=profile, workload=workload,
+                              **ranks)
     b, s = workload.batch_size, workload.seq_len
-    batch, seq = largest("batch_size", b - 1), largest("seq_len", s - 1)
-    frontier = [f"batch {batch} at {s} tokens" if batch else "",
-                f"{seq} tokens at batch {b}" if seq else ""]
-    found = " or ".join(f for f in frontier if f)
+    found = " or ".join(f for f in (f"batch {batch} at {s} tokens" if batch else "",
+                                    f"{seq} tokens at batch {b}" if seq else "") if f)
     where = (f"the largest that fit: {found}" if found
              else "not even batch 1 fits at this sequence length, nor a shorter sequence at this batch")
     ckpt = "" if workload.grad_ckpt else "turn on gradient checkpointing, "

@@ -32,3 +32,39 @@ def test_verdict_and_frontier_agree_and_15b_fits_by_default(tmp_path: Path, caps
     assert rc_at == 0 and at["fits"]
     assert rc_past == 1 and not past["fits"]
     assert at["largest_fitting"]["num_layers"] == past["largest_fitting"]["num_layers"] == frontier
+
+
+def test_the_options_of_a_run_that_does_not_fit_come_from_the_search(capsys: pytest.CaptureFixture[str]) -> None:
+    """A run no combination holds: the batch and sequence the options offer are the search's frontier (each fits by
+    the plan search's own check, one more does not), and the switches the search weighed are not offered."""
+    from hf_superoffload.config import SuperOffloadConfig
+    from hf_superoffload.plan_cli import arrival_numels, load_model_config, resolve_profile
+    from hf_superoffload.planning.memory_model import ModelShape
+    from hf_superoffload.planning.planner import PlanError, Workload, device_holds, make_plan
+
+    argv = ["--model", "8b", "--batch-size", "8", "--seq-len", "2048", "--grad-ckpt", "--profile", "h200",
+            "--gpu-mem", "20"]
+    rc = main(argv)
+    out = capsys.readouterr().out
+    assert rc == 1 and "DOES NOT FIT" in out
+    options = out.split("Options:")[1]
+    assert "weight_placement='flow' would free" not in options and "lower gpu_resident_buckets" not in options
+    assert "the plan search already weighed gpu_resident_buckets, weight_placement" in options
+    import re
+
+    batch = int(re.search(r"batch size (\d+) fits", options).group(1))  # type: ignore[union-attr]
+    seq = int(re.search(r"at batch size 8, sequences up to (\d+) tokens fit", options).group(1))  # type: ignore[union-attr]
+    cfg = load_model_config("8b")
+    numels, profile = arrival_numels(cfg), resolve_profile("h200", gpu_mem_gb=20, host_mem_gb=None)
+
+    def fits(b: int, s: int) -> bool:
+        w = Workload(ModelShape.from_config(cfg), b, s, True, layer_checkpointing=True,
+                     chunked_loss=SuperOffloadConfig().chunked_loss)
+        try:
+            plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=profile, workload=w)
+        except PlanError:
+            return False
+        return device_holds(plan, w, profile, 1)[0]
+
+    assert fits(batch, 2048) and not fits(batch + 1, 2048)
+    assert fits(8, seq) and not fits(8, seq + 1)
