@@ -1,0 +1,136 @@
+"""The profile's rates restated from a measured step: [Note: calibrating the rates].
+
+[Note: calibrating the rates]
+The plan made at the first batch prices its choices with the profile's rates: the GEMM rate of the GPU and the CPU
+Adam rate of the host. On a GPU the optimizer reads them from this host's cached measurement or, failing that, from
+the shipped profile of the same GPU model ([Note: known rates] in hardware.py), whose host may be another machine.
+Once the first ``CALIBRATION_STEPS`` steps have run, the optimizer hands one measured step to
+:func:`calibrate_rates`, which compares it with what the roofline (``step_time.py``) predicted for that step (the
+same plan and workload, clipping as the step's verdict says) and restates the two rates by the ratio of predicted
+to measured seconds:
+
+* the GPU: the step's busy time, its wall time less the time the training thread waited for host buckets and the
+  device tail's AdamW, against the predicted compute of its micro-batches. Only where the roofline says the
+  micro-batches are compute-bound (with the link or host memory binding them, the ratio would say nothing of the
+  GEMMs);
+* the CPU: the worker's Adam seconds against the roofline's, only on a step that undid nothing (an undo or redo
+  adds passes the roofline's step does not have) and that has host buckets.
+
+A ratio is clamped to ``[1 / RATE_CLAMP, RATE_CLAMP]``: one step is a noisy measurement, and a larger correction
+means the profile describes another machine, which the log says. The restated profile is what the optimizer's
+re-plan uses, and the record (``optimizer.calibration["timing"]``) keeps predicted and measured side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .hardware import HardwareProfile
+from .memory_model import ModelShape, PlanLike
+from .plan import OffloadPlan
+from .step_time import predict_step_time
+
+__all__ = ["RATE_CLAMP", "MeasuredStep", "RateCalibration", "calibrate_rates"]
+
+RATE_CLAMP = 2.0
+"""The largest factor by which one measured step restates a rate."""
+# The roofline's micro-batch counts as compute-bound when its time is the GPU's within this share.
+_COMPUTE_BOUND = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredStep:
+    """One optimizer step as the engine measured it (``StepStats``)."""
+
+    iteration_s: float
+    """Wall seconds from the previous ``step()`` to this one: every micro-batch and the step."""
+    wait_s: float
+    """Seconds the training thread blocked on host buckets."""
+    cpu_s: float
+    """Seconds the CPU worker spent in Adam."""
+    clipped: bool
+    """Clipping fired (the verdict was a redo): the roofline's clipping case."""
+    undid: bool
+    """The worker undid or redid speculative work in this step."""
+    micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if min(self.iteration_s, self.wait_s, self.cpu_s) < 0 or self.micro_batches < 1:
+            raise ValueError(f"{self}: seconds must be >= 0 and micro_batches >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class RateCalibration:
+    """What :func:`calibrate_rates` compared and restated."""
+
+    predicted_step_s: float
+    measured_step_s: float
+    gemm_factor: float | None
+    """Factor applied to the profile's GEMM rate (``None``: not calibrated, with why in ``notes``)."""
+    cpu_factor: float | None
+    """Factor applied to the profile's CPU Adam rate (``None``: not calibrated)."""
+    profile: HardwareProfile
+    """The profile with the restated rates."""
+    notes: tuple[str, ...] = ()
+
+    def as_record(self) -> dict[str, object]:
+        return {"predicted_step_s": self.predicted_step_s, "measured_step_s": self.measured_step_s,
+                "gemm_factor": self.gemm_factor, "cpu_factor": self.cpu_factor,
+                "matmul_tflops": self.profile.matmul_tflops, "cpu_adam_gparams": self.profile.cpu_adam_gparams,
+                "notes": list(self.notes)}
+
+
+def _clamp(x: float) -> float:
+    return min(RATE_CLAMP, max(1.0 / RATE_CLAMP, x))
+
+
+def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, model: object, batch_size: int, seq_len: int,
+                    grad_ckpt: bool, measured: MeasuredStep, mlp_tile_tokens: int | None = None,
+                    keep_attention: bool = False) -> RateCalibration | None:
+    """[Note: calibrating the rates]: ``profile`` with its GEMM and CPU Adam rates restated from ``measured``, one
+    step of ``plan`` on ``model`` (a transformers config or ``ModelShape``) at ``batch_size x seq_len``; ``None``
+    when the profile lacks the rates the roofline needs. One process."""
+    shape = ModelShape.from_config(model)
+    kw = dict(batch_size=batch_size, seq_len=seq_len, grad_ckpt=grad_ckpt, mlp_tile_tokens=mlp_tile_tokens,
+              keep_attention=keep_attention, clipping_every_step=measured.clipped,
+              micro_batches=measured.micro_batches)
+    t = predict_step_time(shape, PlanLike.from_plan(plan), profile, **kw)  # type: ignore[arg-type]
+    if t is None:
+        return None
+    notes: list[str] = []
+    gemm: float | None = None
+    busy = measured.iteration_s - measured.wait_s - t.tail_s
+    compute_bound = t.micro_batches == 1 or t.micro_batch_s <= t.gpu_s * (1 + _COMPUTE_BOUND)
+    if not compute_bound:
+        notes.append("GEMM rate kept: the roofline binds the micro-batches by the link or host memory")
+    elif busy <= 0:
+        notes.append("GEMM rate kept: the step waited for the host longer than it ran")
+    else:
+        predicted_busy = (t.micro_batches - 1) * t.micro_batch_s + t.gpu_s
+        gemm = _clamp(predicted_busy / busy)
+    cpu: float | None = None
+    if not plan.host_numel:
+        notes.append("CPU Adam rate kept: no host buckets")
+    elif measured.undid:
+        notes.append("CPU Adam rate kept: the step undid or redid speculative work")
+    elif measured.cpu_s <= 0:
+        notes.append("CPU Adam rate kept: the worker's seconds were not measured")
+    else:
+        # the roofline's CPU seconds of this step: with clipping, the whole host pass after the verdict (20 of 28
+        # B/param with deferred moment stores), else the speculative and remaining passes of one step's buckets
+        assert profile.cpu_adam_gparams is not None
+        predicted_cpu = (plan.host_numel / (profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1.0)
+                         if measured.clipped else t.cpu_s)
+        cpu = _clamp(predicted_cpu / measured.cpu_s)
+    for name, f in (("GEMM", gemm), ("CPU Adam", cpu)):
+        if f is not None and f in (RATE_CLAMP, 1.0 / RATE_CLAMP):
+            notes.append(f"{name} rate off by more than {RATE_CLAMP:.0f}x: the profile describes another machine "
+                         "(hf-superoffload plan --profile measure measures this one)")
+    assert profile.matmul_tflops is not None and profile.cpu_adam_gparams is not None
+    restated = dataclasses.replace(
+        profile,
+        matmul_tflops=profile.matmul_tflops * (gemm or 1.0),
+        cpu_adam_gparams=profile.cpu_adam_gparams * (cpu or 1.0),
+    )
+    return RateCalibration(t.step_s, measured.iteration_s, gemm, cpu, restated, tuple(notes))
