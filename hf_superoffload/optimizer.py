@@ -17,6 +17,7 @@ import torch
 from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
+from .planning.calibration import MeasuredStep, calibrate_rates
 from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
 from .planning.memory_model import ModelShape, PlanLike, estimate
 from .planning.plan import OffloadPlan
@@ -169,6 +170,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._fitted: Workload | None = None  # ... and that batch's workload
         self._budget: HardwareProfile | None = None  # the device budget later batches are checked against
         self._steps_taken = 0
+        self._forwards = self._step_forwards = 0  # training forwards since the last step, and in it
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
         self.calibration: dict[str, Any] | None = None
         """What the calibration measured and changed (kept layers and device buckets, before and after), once it
@@ -338,6 +340,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             return
         if not self._calibrated and self._steps_taken >= CALIBRATION_STEPS:
             self._calibrate()
+        self._forwards += 1
         shape = _batch_shape(args, kwargs)
         if shape is None or shape[0] * shape[1] <= self._fitted_tokens:
             return
@@ -359,6 +362,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         then give the room to kept layers or, if the memory model was short, take it back (kept layers first,
         then device buckets to the host)."""
         self._calibrated = True
+        timing = self._calibrate_rates()
+        if timing is not None:
+            self.calibration = {"timing": timing}
         need = _measured_device_need(self.device, self._other_at_plan)
         if need is None or self._budget is None or self._fitted is None:
             return
@@ -386,9 +392,35 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                             "activations instead of %d", kept, plan.kept_layers)
                 self._set_kept_layers(kept)
                 self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
-        self.calibration = {"measured_need_bytes": need, "predicted_required_bytes": est.gpu_required_bytes,
+        self.calibration = {**(self.calibration or {}),
+                            "measured_need_bytes": need, "predicted_required_bytes": est.gpu_required_bytes,
                             "kept_layers": (before[0], self.plan.kept_layers),
                             "device_buckets": (before[1], len(self.plan.device_buckets))}
+
+    def _calibrate_rates(self) -> dict[str, Any] | None:
+        """[Note: calibrating the rates] in planning/calibration.py: the last step against the roofline; the device
+        budget takes the restated rates, so every later choice prices with what this machine measured."""
+        stats, w, budget = self._built.stats if self._built is not None else None, self._fitted, self._budget
+        if (stats is None or w is None or budget is None or self._comm is not None or stats.iteration_s <= 0
+                or stats.verdict == StepVerdict.SKIP.value):
+            return None
+        measured = MeasuredStep(stats.iteration_s, stats.wait_s, stats.cpu_s,
+                                clipped=stats.verdict == StepVerdict.REDO.value, undid=stats.wasted_buckets > 0,
+                                micro_batches=max(1, self._step_forwards))
+        w = self._planning_workload(w)
+        cal = calibrate_rates(budget, plan=self.plan, model=w.model, batch_size=w.batch_size, seq_len=w.seq_len,
+                              grad_ckpt=w.grad_ckpt, measured=measured, mlp_tile_tokens=w.mlp_tile_tokens,
+                              keep_attention=w.keep_attention)
+        if cal is None:
+            return None
+        self._budget = dataclasses.replace(budget, matmul_tflops=cal.profile.matmul_tflops,
+                                           cpu_adam_gparams=cal.profile.cpu_adam_gparams)
+        factors = ", ".join(f"{name} rate x{f:.2f}" for name, f in (("GEMM", cal.gemm_factor),
+                                                                     ("CPU Adam", cal.cpu_factor)) if f is not None)
+        logger.info("hf_superoffload: step %d took %.3f s over %d micro-batch(es), %.3f s predicted; %s%s",
+                    self._steps_taken, cal.measured_step_s, measured.micro_batches, cal.predicted_step_s,
+                    factors or "rates kept", "".join(f"; {n}" for n in cal.notes))
+        return {**cal.as_record(), "micro_batches": measured.micro_batches}
 
     def _fit(self, workload: Workload, what: str) -> tuple[bool, str]:
         """Make the plan hold ``workload`` on the device budget: as it is, with fewer kept layers, or with device
@@ -509,6 +541,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             raise
         self.last_grad_norm = stats.grad_norm
         self._steps_taken += 1
+        self._step_forwards, self._forwards = self._forwards, 0
         if stats.verdict == StepVerdict.SKIP.value:
             self.skipped_steps += 1
             logger.warning("hf_superoffload: non-finite gradient, step skipped (%d so far)", self.skipped_steps)

@@ -1,0 +1,80 @@
+"""[Note: calibrating the rates] in a run: after the first steps the optimizer compares the last one with the roofline,
+records both, logs the restated rates and prices later choices with them. On CPU the profile's rates are an H200's,
+so the measured step is far slower: the correction is clamped and the log says the profile is another machine's."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload.planning import hardware
+from hf_superoffload.planning.calibration import RATE_CLAMP, MeasuredStep, calibrate_rates
+from hf_superoffload.planning.planner import CALIBRATION_STEPS
+from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps
+
+GiB = 1024**3
+BATCH, SEQ = 2, 24
+
+
+def _h200_rates(free: int) -> hardware.HardwareProfile:
+    h200 = hardware.HardwareProfile.shipped("h200_pcie")
+    return dataclasses.replace(pretend_profile(free), matmul_tflops=h200.matmul_tflops,
+                               cpu_adam_gparams=h200.cpu_adam_gparams, h2d_gbps=h200.h2d_gbps, d2h_gbps=h200.d2h_gbps,
+                               device_memory_gbps=h200.device_memory_gbps, host_memory_gbps=h200.host_memory_gbps)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """One micro-batch per step: both rates are off by more than the clamp. Two: the recorded step counts both, and
+    at H200 rates this tiny model's micro-batches are bound by host accumulation's link and adds, not the GEMMs,
+    so the GEMM rate is kept."""
+    profile = _h200_rates(64 * GiB)
+    monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
+    model = tiny_llama(seed=3, num_hidden_layers=2)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                config=SuperOffloadConfig(gpu_resident_buckets=0))
+    g = torch.Generator().manual_seed(11)
+    data = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range((CALIBRATION_STEPS + 1) * accum)]
+    with caplog.at_level(logging.INFO, logger="hf_superoffload"):
+        steps = train_steps(model, opt, data, accumulation=accum)
+    assert opt.calibration is not None
+    timing = opt.calibration["timing"]
+    last = steps[CALIBRATION_STEPS - 1].stats  # the step the calibration measured
+    assert timing["micro_batches"] == accum
+    assert timing["measured_step_s"] == last.iteration_s
+    # the same comparison, made here from the recorded step, gives the recorded factors
+    w = opt.workload
+    assert w is not None
+    expect = calibrate_rates(profile, plan=opt.plan, model=w.model, batch_size=w.batch_size, seq_len=w.seq_len,
+                             grad_ckpt=w.grad_ckpt,
+                             measured=MeasuredStep(last.iteration_s, last.wait_s, last.cpu_s,
+                                                   clipped=last.verdict == "redo", undid=last.wasted_buckets > 0,
+                                                   micro_batches=accum))
+    assert expect is not None
+    assert (timing["gemm_factor"], timing["cpu_factor"]) == (expect.gemm_factor, expect.cpu_factor)
+    # a CPU is far slower than an H200: clamped, and the log says the profile is another machine's
+    said = [r.getMessage() for r in caplog.records if "predicted;" in r.getMessage()]
+    assert len(said) == 1 and "CPU Adam rate x0.50" in said[0] and "another machine" in said[0], said
+    assert timing["cpu_factor"] == pytest.approx(1 / RATE_CLAMP)
+    if accum == 1:
+        assert timing["gemm_factor"] == pytest.approx(1 / RATE_CLAMP), timing
+        assert timing["matmul_tflops"] == pytest.approx(profile.matmul_tflops / RATE_CLAMP)
+        assert "GEMM rate x0.50" in said[0]
+    else:
+        assert timing["gemm_factor"] is None and "GEMM rate kept" in said[0], timing
+    opt.close()
+
+
+def test_a_profile_without_rates_records_no_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: pretend_profile(64 * GiB)))
+    model = tiny_llama(seed=3, num_hidden_layers=2)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, log_plan=False)
+    g = torch.Generator().manual_seed(11)
+    train_steps(model, opt, [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(CALIBRATION_STEPS + 1)])
+    assert opt.calibration is None or "timing" not in opt.calibration
+    opt.close()
