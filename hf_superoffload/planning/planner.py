@@ -351,7 +351,7 @@ def make_plan(
     fastest = min(t for _, _, t in tried)
     label, plan, t = next(c for c in tried if c[2] <= fastest * (1 + _SWITCH_TIE))  # candidates in rule order
     others = "; ".join(f"{lb} {tt:.2f} s" for lb, _, tt in tried if lb != label) or "no other fits"
-    searched = {f for f in _SEARCHED if getattr(config, f) == "auto"}
+    searched = {f for f in _SEARCHED if len({getattr(c, f) for _, c in candidates}) > 1}
     notes = tuple(_searched_note(n, searched) for n in plan.notes)
     note = (f"plan search: {label}, {t:.2f} s/step predicted with clipping on every step (auto: the fastest of the "
             f"{len(candidates)} combinations of {', '.join(sorted(_SEARCHED[f] for f in searched))}, each with its "
