@@ -150,7 +150,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if profile is None:
             profile = with_known_rates(HardwareProfile.read(ordered[0].device), ordered[0].device)
             if workload is not None:
-                profile = _count_own_weights_as_free(profile, model, ordered[0].device)
+                profile = _count_own_weights_as_free(profile, _own_weight_bytes(model, ordered[0].device),
+                                                     ordered[0].device)
         if workload is not None and self._chunked_loss:
             workload = dataclasses.replace(workload, chunked_loss=True)
         self.workload: Workload | None = workload  # what the plan is made for (read from the first batch, or given)
@@ -254,10 +255,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def _profile_now(self) -> HardwareProfile:
         """The construction-time profile with the device memory free now (the model's own weights counted as free)."""
         profile, device = self._profile, self._ordered[0].device
-        if device.type == "cuda":
-            profile = dataclasses.replace(profile, device_free_bytes=cuda_free_bytes(device)[0])
-            self._other_at_plan = max(0, torch.cuda.memory_allocated(device) - _own_weight_bytes(self._model, device))
-        return _count_own_weights_as_free(profile, self._model, device)
+        if device.type != "cuda":
+            return profile
+        own = _own_weight_bytes(self._model, device)
+        self._other_at_plan = max(0, torch.cuda.memory_allocated(device) - own)
+        profile = dataclasses.replace(profile, device_free_bytes=cuda_free_bytes(device)[0])
+        return _count_own_weights_as_free(profile, own, device)
 
     def _planning_workload(self, workload: Workload) -> Workload:
         # once kept layers are set the model no longer checkpoints every layer: the optimizer's own doing
@@ -732,13 +735,13 @@ def _own_weight_bytes(model: torch.nn.Module, device: torch.device) -> int:
     return own
 
 
-def _count_own_weights_as_free(profile: HardwareProfile, model: torch.nn.Module, device: torch.device) -> HardwareProfile:
-    """The memory model counts the model's resident weights in a workload's need, so the budget it is checked
-    against is the free device memory *plus* what those weights already take (and this process's allocator
-    cache, which it can reuse); otherwise the weights would count twice and the GPU tail come out too small."""
+def _count_own_weights_as_free(profile: HardwareProfile, own: int, device: torch.device) -> HardwareProfile:
+    """The memory model counts the model's resident weights (``own`` bytes on ``device``) in a workload's need, so
+    the budget it is checked against is the free device memory *plus* what those weights already take (and this
+    process's allocator cache, which it can reuse); otherwise the weights would count twice and the GPU tail come
+    out too small."""
     if profile.device_free_bytes is None or device.type != "cuda":
         return profile
-    own = _own_weight_bytes(model, device)
     cache = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return dataclasses.replace(profile, device_free_bytes=profile.device_free_bytes + own + max(0, cache))
 
