@@ -649,8 +649,11 @@ def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size
     where = (f"the largest that fit: {found}" if found
              else "not even batch 1 fits at this sequence length, nor a shorter sequence at this batch")
     ckpt = "" if workload.grad_ckpt else "turn on gradient checkpointing, "
+    pinned = [f for f in ("gpu_resident_buckets", "weight_placement", "cast_side") if getattr(config, f) != "auto"]
+    unpin = f"leave {' and '.join(pinned)} to 'auto' (the search then weighs {'it' if len(pinned) == 1 else 'them'}), " \
+        if pinned else ""
     raise PlanError(f"{b} x {s} tokens per step does not fit this device with any plan ({why}); {where}. Use a "
-                    f"smaller batch or shorter sequences, {ckpt}free device memory, or use more GPUs")
+                    f"smaller batch or shorter sequences, {ckpt}{unpin}free device memory, or use more GPUs")
 
 
 # [Note: calibration from the measured peak]

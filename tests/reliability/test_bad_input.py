@@ -117,6 +117,10 @@ def test_a_workload_that_fits_no_plan_is_refused_with_the_frontier(rel: Any) -> 
     assert rel.worker_threads() == threads
     assert not any(p._post_accumulate_grad_hooks for p in model.parameters())
     assert not any(m._forward_pre_hooks for m in model.modules())
+    # a setting the user fixed is named: leaving it to the search may be what fits
+    with pytest.raises(PlanError, match=r"leave gpu_resident_buckets to 'auto' \(the search then weighs it\)"):
+        SuperOffloadOptimizer(model, lr=1e-3, workload=workload, profile=profile,
+                              config=SuperOffloadConfig(gpu_resident_buckets=1))
 
 
 def test_a_first_batch_that_fits_no_plan_is_refused_before_its_forward(monkeypatch: pytest.MonkeyPatch) -> None:
