@@ -148,6 +148,7 @@ def _train(args: argparse.Namespace) -> int:
         show_plan(opt.plan)
     else:  # [Note: workload from the first batch]: planned at the first training forward
         opt.plan_listeners.append(show_plan)
+    opt.calibration_listeners.append(tqdm.write)  # [Note: calibration from the measured peak]: once, early
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
     tokens = args.batch_size * args.seq_len
     t_start, t_last, first_loss, loss_val = time.perf_counter(), time.perf_counter(), None, float("nan")

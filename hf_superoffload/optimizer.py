@@ -164,6 +164,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._micro_batches: int | None = None  # per optimizer step, when the integration knows it
         self.plan_listeners: list[Callable[[OffloadPlan], None]] = []
         """Called once with the plan when the engine is built (integrations log it on the main process)."""
+        self.calibration_listeners: list[Callable[[str], None]] = []
+        """Called once with a summary of the calibration after the first steps, when it measured something
+        (integrations show it where the plan was shown)."""
         self._batch_hook: Any = None
         self._growth_hook: Any = None
         self._kept: KeptLayers | None = None  # [Note: kept layers]: the layers the plan leaves unchecked
@@ -343,6 +346,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             return
         if not self._calibrated and self._steps_taken >= CALIBRATION_STEPS:
             self._calibrate()
+            if self.calibration is not None:
+                text = calibration_summary(self.calibration, CALIBRATION_STEPS)
+                for listener in self.calibration_listeners:
+                    listener(text)
         self._forwards += 1
         shape = _batch_shape(args, kwargs)
         if shape is None or shape[0] * shape[1] <= self._fitted_tokens:
@@ -711,6 +718,26 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         engine = getattr(self, "_built", None)
         if engine is not None:
             engine.close()
+
+
+def calibration_summary(record: dict[str, Any], steps: int) -> str:
+    """``optimizer.calibration`` in words: what the first ``steps`` steps measured against the plan's predictions and
+    what changed."""
+    gib, parts = 1024**3, []
+    if "measured_need_bytes" in record:
+        parts.append(f"peak {record['measured_need_bytes'] / gib:.1f} GiB reserved, "
+                     f"{record['predicted_required_bytes'] / gib:.1f} GiB predicted")
+    for key, what in (("kept_layers", "kept layers"), ("device_buckets", "device buckets")):
+        if key in record:
+            before, after = record[key]
+            parts.append(f"{what} {before} -> {after}")
+    timing = record.get("timing")
+    if timing:
+        factors = [f"{name} rate x{f:.2f}" for name, f in (("GEMM", timing["gemm_factor"]),
+                                                           ("CPU Adam", timing["cpu_factor"])) if f is not None]
+        parts.append(f"step {timing['measured_step_s']:.3f} s measured, {timing['predicted_step_s']:.3f} s predicted"
+                     + (f" ({', '.join(factors)})" if factors else ""))
+    return f"hf_superoffload calibration after {steps} steps: " + "; ".join(parts)
 
 
 def _measured_device_need(device: torch.device, other_at_plan: int) -> int | None:

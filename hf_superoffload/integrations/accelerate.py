@@ -274,6 +274,8 @@ def prepare_superoffload(
         log_plan(opt.plan)
     else:  # [Note: workload from the first batch]: planned at the first training forward
         opt.plan_listeners.append(log_plan)
+    if accelerator.is_main_process:  # [Note: calibration from the measured peak]: once, where the plan was shown
+        opt.calibration_listeners.append(show_plan)
     return model, wrapped
 
 

@@ -356,6 +356,12 @@ class _SuperOffloadCallback(TrainerCallback):
                 log_plan(opt.plan)
             else:  # [Note: workload from the first batch]: planned at the first training forward
                 opt.plan_listeners.append(log_plan)
+
+            def log_calibration(text: str) -> None:  # [Note: calibration from the measured peak]: once, early
+                state.log_history.append({"superoffload/calibration": text, "step": state.global_step})
+                show_plan(text)
+
+            opt.calibration_listeners.append(log_calibration)
         self._trainer._telemetry.reset()
         self._rate_from = (time.perf_counter(), self._trainer._tokens_seen)
         self.preemption.install()

@@ -30,16 +30,19 @@ def _h200_rates(free: int) -> hardware.HardwareProfile:
 @pytest.mark.parametrize("accum", [1, 2])
 def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """One micro-batch per step: both rates are off by more than the clamp. Two: the recorded step counts both, and
+    """Speculation off, so the measured step undid nothing whatever the worker's timing (a speculative step undone
+    by clipping leaves the CPU rate uncalibrated). One micro-batch per step: both rates are off by more than the clamp. Two: the recorded step counts both, and
     at H200 rates this tiny model's micro-batches are bound by host accumulation's link and adds, not the GEMMs,
     so the GEMM rate is kept."""
     profile = _h200_rates(64 * GiB)
     monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
     model = tiny_llama(seed=3, num_hidden_layers=2)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
-                                config=SuperOffloadConfig(gpu_resident_buckets=0))
+                                config=SuperOffloadConfig(gpu_resident_buckets=0, speculation=False))
     g = torch.Generator().manual_seed(11)
     data = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range((CALIBRATION_STEPS + 1) * accum)]
+    told: list[str] = []
+    opt.calibration_listeners.append(told.append)
     with caplog.at_level(logging.INFO, logger="hf_superoffload"):
         steps = train_steps(model, opt, data, accumulation=accum)
     assert opt.calibration is not None
@@ -61,6 +64,8 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     said = [r.getMessage() for r in caplog.records if "predicted;" in r.getMessage()]
     assert len(said) == 1 and "CPU Adam rate x0.50" in said[0] and "another machine" in said[0], said
     assert timing["cpu_factor"] == pytest.approx(1 / RATE_CLAMP)
+    assert len(told) == 1 and told[0].startswith(f"hf_superoffload calibration after {CALIBRATION_STEPS} steps: step ")
+    assert "s measured" in told[0] and "CPU Adam rate x0.50" in told[0]
     if accum == 1:
         assert timing["gemm_factor"] == pytest.approx(1 / RATE_CLAMP), timing
         assert timing["matmul_tflops"] == pytest.approx(profile.matmul_tflops / RATE_CLAMP)
@@ -78,3 +83,14 @@ def test_a_profile_without_rates_records_no_timing(monkeypatch: pytest.MonkeyPat
     train_steps(model, opt, [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(CALIBRATION_STEPS + 1)])
     assert opt.calibration is None or "timing" not in opt.calibration
     opt.close()
+
+
+def test_the_summary_says_what_was_measured_and_what_changed() -> None:
+    from hf_superoffload.optimizer import calibration_summary
+
+    record = {"measured_need_bytes": 130 * GiB, "predicted_required_bytes": 128 * GiB, "kept_layers": (21, 26),
+              "device_buckets": (193, 193),
+              "timing": {"measured_step_s": 0.936, "predicted_step_s": 0.888, "gemm_factor": 0.95, "cpu_factor": None}}
+    assert calibration_summary(record, 2) == (
+        "hf_superoffload calibration after 2 steps: peak 130.0 GiB reserved, 128.0 GiB predicted; kept layers 21 -> "
+        "26; device buckets 193 -> 193; step 0.936 s measured, 0.888 s predicted (GEMM rate x0.95)")
