@@ -26,6 +26,7 @@ from .planning.planner import (
     Workload,
     calibrated_budget,
     device_holds,
+    grow_tail,
     make_plan,
     most_kept_layers,
     refuse_unless_fits,
@@ -177,8 +178,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._forwards = self._step_forwards = 0  # training forwards since the last step, and in it
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
         self.calibration: dict[str, Any] | None = None
-        """What the calibration measured and changed (kept layers and device buckets, before and after), once it
-        ran on a GPU."""
+        """What the calibration measured and changed (kept layers and device buckets, before and after, and how
+        many parameters moved their optimizer state to the device), once it ran on a GPU."""
         self._other_at_plan = 0  # device bytes allocated at the first batch that are not the model's weights
         self._fp32_values: list[torch.Tensor | None] | None = None
         infer = profile_read and not converted and self._infers_workload()
@@ -369,8 +370,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     def _calibrate(self) -> None:
         """[Note: calibration from the measured peak] in planning/planner.py: once, before the forward after the
         first ``CALIBRATION_STEPS`` steps, restate the device budget from what this process reserved at its peak,
-        then give the room to kept layers or, if the memory model was short, take it back (kept layers first,
-        then device buckets to the host)."""
+        then give the room to kept layers and what they leave to the device tail or, if the memory model was
+        short, take it back (kept layers first, then device buckets to the host)."""
         self._calibrated = True
         timing = self._calibrate_rates()
         if timing is not None:
@@ -402,10 +403,30 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                             "activations instead of %d", kept, plan.kept_layers)
                 self._set_kept_layers(kept)
                 self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
+        grown = self._grow(workload) if ok else 0
         self.calibration = {**(self.calibration or {}),
                             "measured_need_bytes": need, "predicted_required_bytes": est.gpu_required_bytes,
                             "kept_layers": (before[0], self.plan.kept_layers),
-                            "device_buckets": (before[1], len(self.plan.device_buckets))}
+                            "device_buckets": (before[1], len(self.plan.device_buckets)),
+                            "moved_to_device_params": grown}
+
+    def _grow(self, workload: Workload) -> int:
+        """[Note: moving the tail to the device] in runtime/tail_move.py: the room the calibrated budget leaves
+        beside the kept layers goes to the device tail where the planner's tail search would put it; returns how
+        many parameters moved their optimizer state to the device."""
+        assert self._built is not None and self._budget is not None
+        if not self._built.can_move_to_device:
+            return 0
+        plan = self.plan
+        grown = grow_tail(plan, workload, self._budget, numels=[p.numel() for p in self._ordered], element_size=2,
+                          config=self.config)
+        if grown is None:
+            return 0
+        moved = self._built.move_to_device(grown)
+        self._set_kept_layers(grown.kept_layers)
+        logger.info("hf_superoffload: the measured peak leaves room: %d parameters (%d bucket(s)) moved their "
+                    "optimizer state to the device", moved, len(grown.device_buckets) - len(plan.device_buckets))
+        return moved
 
     def _calibrate_rates(self) -> dict[str, Any] | None:
         """[Note: calibrating the rates] in planning/calibration.py: the last step against the roofline; the device

@@ -24,7 +24,7 @@ from .plan import (
 from .step_time import predict_step_time
 
 __all__ = ["AUTO_D2H_LEAD", "CALIBRATED_MARGIN", "CALIBRATION_STEPS", "LANDING_RING_SLOTS", "PlanError", "Workload", "calibrated_budget",
-           "d2h_lead", "device_holds", "fit_frontier",
+           "d2h_lead", "device_holds", "fit_frontier", "grow_tail",
            "landing_ring_slots", "make_plan", "partition_buckets",
            "refuse_unless_fits", "share_count", "shrink_tail", "split_cores"]
 
@@ -691,12 +691,18 @@ def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, meas
     return dataclasses.replace(profile, device_free_bytes=max(0, int(usable / (1.0 - _DEVICE_MARGIN))))
 
 
-def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
-                element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
-    """[Note: moving the tail to the host] in runtime/tail_move.py: the plan with the fewest of ``plan``'s device
-    buckets moved to the host with which the device holds ``workload`` (with the most kept layers beside it) and the
-    host holds the moved state; ``None`` if even no device tail fits, or the host cannot take what must move. One
-    process, stationary weights."""
+# The switches a move of the tail keeps: the engine's arenas and threads are built for them
+# (runtime/tail_move.py: ``check_move``). The deferred stores, the D2H lead and gate and the upload thread follow
+# the host share, as ``make_plan`` sets them for each tail size.
+_MOVE_KEEPS = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory", "host_accumulation",
+               "nonspeculative_in_place")
+
+
+def _plans_by_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
+                   element_size: int, config: SuperOffloadConfig) -> Any:
+    """``k -> make_plan``'s plan for a tail of ``k`` buckets with ``plan``'s switches pinned (``None`` where the host
+    cannot hold the rest, or the pinned plan would still change a switch the engine keeps); ``None`` itself when
+    ``plan``'s tail cannot move (data parallel, weight flow, an unknown device budget)."""
     if plan.world_size != 1 or plan.weight_mode is not WeightMode.STATIONARY or profile.device_free_bytes is None:
         return None
     pinned = config.replace(
@@ -704,18 +710,32 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
         accumulate_on_host=plan.host_accumulation is not HostAccumulation.OFF,
         host_accumulation_dtype=("auto" if plan.host_accumulation is HostAccumulation.OFF
                                  else plan.host_accumulation.value))
-    same = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory", "host_accumulation",
-            "nonspeculative_in_place")
-    host = profile.host_available_bytes
-    tail = len(plan.device_buckets)
-    for k in range(tail - 1, -1, -1):
+
+    def plan_at(k: int) -> OffloadPlan | None:
         try:
-            shrunk = make_plan(numels, element_size=element_size, config=pinned.replace(gpu_resident_buckets=k),
-                               profile=profile, workload=workload)
+            moved = make_plan(numels, element_size=element_size, config=pinned.replace(gpu_resident_buckets=k),
+                              profile=profile, workload=workload)
         except PlanError:
-            return None  # the host cannot hold this tail's host share; a smaller tail needs more
-        if any(getattr(shrunk, f) != getattr(plan, f) for f in same):
             return None
+        return None if any(getattr(moved, f) != getattr(plan, f) for f in _MOVE_KEEPS) else moved
+
+    return plan_at
+
+
+def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
+                element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
+    """[Note: moving the tail to the host] in runtime/tail_move.py: the plan with the fewest of ``plan``'s device
+    buckets moved to the host with which the device holds ``workload`` (with the most kept layers beside it) and the
+    host holds the moved state; ``None`` if even no device tail fits, or the host cannot take what must move. One
+    process, stationary weights."""
+    plan_at = _plans_by_tail(plan, workload, profile, numels=numels, element_size=element_size, config=config)
+    if plan_at is None:
+        return None
+    host = profile.host_available_bytes
+    for k in range(len(plan.device_buckets) - 1, -1, -1):
+        shrunk = plan_at(k)
+        if shrunk is None:
+            return None  # the host cannot hold this tail's host share (a smaller tail needs more), or a switch flips
         if not device_holds(shrunk, workload, profile, 1)[0]:
             continue
         est = estimate(workload.model, plan_like=PlanLike.from_plan(shrunk), **workload.estimate_kwargs())
@@ -724,6 +744,39 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
             return None
         return shrunk
     return None
+
+
+def grow_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
+              element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
+    """[Note: moving the tail to the device] in runtime/tail_move.py: the plan with ``plan``'s last host buckets
+    moved to the device that the planner's own tail search picks between ``plan``'s tail and the largest one the
+    device holds for ``workload`` (with the most kept layers beside each): ``make_plan``'s plan for that tail with
+    ``plan``'s switches pinned. ``None`` when no larger tail fits, the roofline predicts none faster (within the
+    search's tie), the host cannot hold the move, or the tail was configured (``gpu_resident_buckets``: a user's
+    constraint). One process, stationary weights."""
+    if config.gpu_resident_buckets != "auto" or not plan.host_buckets:
+        return None
+    plan_at = _plans_by_tail(plan, workload, profile, numels=numels, element_size=element_size, config=config)
+    if plan_at is None:
+        return None
+    tail = len(plan.device_buckets)
+
+    def holds(k: int) -> bool:
+        return device_holds(plan_at(k), workload, profile, 1)[0]
+
+    if not holds(tail + 1):
+        return None
+    most = bisect_largest_int(tail + 1, len(plan.buckets), holds)
+    best, _ = _fastest_tail(tail, most, plan_at, workload, profile)
+    grown = plan_at(best) if best > tail else None
+    host = profile.host_available_bytes
+    if grown is None or host is None:
+        return grown
+    # during the move the old host arenas stay while one device arena waits on the host, then one smaller host
+    # arena at a time is filled beside the old ones
+    est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
+    during = max(4 * plan.device_numel, 4 * grown.host_numel)
+    return grown if est.host_peak_bytes + during <= host else None
 
 
 def _make_plan(

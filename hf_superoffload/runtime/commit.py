@@ -76,8 +76,10 @@ class MomentCommits:
         return self.layout.plan
 
     def relayout(self) -> None:
-        """Device buckets became host buckets ([Note: moving the tail to the host]): the share counts them too, and
-        the deferred stores follow the new plan (nothing is pending: the engine committed it before the move)."""
+        """Buckets moved between the device tail and the host ([Note: moving the tail to the host], [Note: moving
+        the tail to the device]): the share counts the host buckets now there (an adaptive share at most all of
+        them), and the deferred stores follow the new plan (nothing is pending: the engine committed it before the
+        move)."""
         plan = self._plan
         self._shards = [b.spec.shard for b in self.layout.host_buckets]
         if self._mode is not plan.defer_master:
@@ -87,6 +89,8 @@ class MomentCommits:
             self.master_count = len(self._shards)
         elif self._mode is MasterDeferral.SHARE:
             self.master_count = plan.master_buckets
+        else:
+            self.master_count = min(self.master_count, len(self._shards))
 
     def defers_master(self, b: HostBucket) -> bool:
         """Whether ``b``'s verdict-known pass of this step leaves the fp32 master to the commit."""

@@ -43,7 +43,7 @@ from .layout import BucketLayout, check_plan
 from .registry import module_weights
 from .sharding import Sharding
 from .streams import StreamSet
-from .tail_move import move_to_host
+from .tail_move import move_to_device, move_to_host
 from .telemetry import StepStats, Telemetry
 from .upload import Uploads
 from .validation import GroupHypers, SpeculationGovernor, StepVerdict, decide
@@ -175,11 +175,27 @@ class OffloadEngine:
         self.plan = plan
 
     @property
+    def _movable(self) -> bool:
+        """A quiet point of a tail that may move: one process, stationary weights, no host accumulation, between
+        steps."""
+        return self.comm is None and self._flow is None and self._accum is None and not self.step_in_progress
+
+    @property
     def can_move_to_host(self) -> bool:
         """Whether :meth:`move_to_host` may run now: one process, stationary weights, no host accumulation, between
         steps."""
-        return (self.comm is None and self._flow is None and self._accum is None and self.plan.device_numel > 0
-                and not self.step_in_progress)
+        return self._movable and self.plan.device_numel > 0
+
+    @property
+    def can_move_to_device(self) -> bool:
+        """Whether :meth:`move_to_device` may run now: as :attr:`can_move_to_host`, with host buckets to move."""
+        return self._movable and self.plan.host_numel > 0
+
+    def _quiesce(self) -> None:
+        """Before a move: every upload done, the device weights final, no deferred store pending (they read the
+        arenas a move reallocates)."""
+        self.synchronize()
+        self.commit_moments()
 
     def move_to_host(self, plan: OffloadPlan) -> int:
         """Train on with ``plan``, which moves the first device buckets to the host ([Note: moving the tail to the
@@ -188,8 +204,7 @@ class OffloadEngine:
         if not self.can_move_to_host:
             raise RuntimeError("the device tail moves to the host between steps, in one process with stationary "
                                "weights and without host accumulation")
-        self.synchronize()  # every upload done, the device weights final
-        self.commit_moments()  # deferred stores read the landing arenas the move regrows
+        self._quiesce()
         if not self.plan.host_numel:
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), plan.cpu_threads)
         moved = move_to_host(self.layout, plan)
@@ -200,6 +215,22 @@ class OffloadEngine:
         self.commits.relayout()
         if plan.upload_thread:
             self.uploads.start_thread(self._wake_all)
+        return sum(p.numel() for b in moved for p in b.params)
+
+    def move_to_device(self, plan: OffloadPlan) -> int:
+        """Train on with ``plan``, which moves the last host buckets to the device ([Note: moving the tail to the
+        device] in runtime/tail_move.py). At the same quiet point as :meth:`move_to_host`. Returns how many
+        parameters moved."""
+        if not self.can_move_to_device:
+            raise RuntimeError("host buckets move to the device between steps, in one process with stationary "
+                               "weights and without host accumulation")
+        self._quiesce()
+        moved = move_to_device(self.layout, plan)
+        self.plan = plan
+        for b in moved:
+            self.uploads.unwaited.discard(b.index)  # synchronize() waited for them: a device bucket has no upload
+        self.hooks.relayout()
+        self.commits.relayout()
         return sum(p.numel() for b in moved for p in b.params)
 
     # -- the host buckets, as the integrations and tests read them ------------------------------------

@@ -89,12 +89,18 @@ class Hooks:
                 self._forward_handles.append(m.register_forward_pre_hook(self._make_pre_forward(ordered, indices)))
 
     def relayout(self) -> None:
-        """Device buckets became host buckets ([Note: moving the tail to the host]): the forward hooks wait for the
-        new set, and the next step learns the unhooked reads of the moved parameters as the first step did."""
+        """Buckets moved between the device tail and the host ([Note: moving the tail to the host], [Note: moving
+        the tail to the device]): the forward hooks wait for the new set of host buckets, what was learned of
+        parameters now on the device is forgotten, and the next step learns the unhooked reads of the moved
+        parameters as the first step did."""
         for h in self._forward_handles:
             h.remove()
         self._forward_handles = []
         self._hook_forwards()
+        on_host = {b.index for b in self.layout.host_buckets}
+        self.unhooked = {i for i in self.unhooked if self.layout.bucket_of[i].index in on_host}
+        self._learned = {i for i in self._learned if self.layout.bucket_of[i].index in on_host}
+        self.early_waits = [b for b in self.early_waits if b.index in on_host]
         if self._track_unhooked:
             self.hooked = set()
 

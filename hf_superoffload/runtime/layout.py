@@ -1,8 +1,8 @@
 """The plan made concrete: the host and device arenas, the buckets viewing them, the gradient statistics.
 
 The first stage of the data flow (plan -> hooks -> buckets -> host pass -> commit -> upload): everything here is
-allocated at construction from the frozen :class:`OffloadPlan`, and again only when a later plan moves the first
-device buckets to the host (runtime/tail_move.py); later stages only read and write views.
+allocated at construction from the frozen :class:`OffloadPlan`, and again only when a later plan moves buckets
+between the device tail and the host (runtime/tail_move.py); later stages only read and write views.
 [Note: casts] and [Note: spread statistics] in docs/design.md say why the arenas look the way they do.
 """
 
@@ -211,6 +211,10 @@ class BucketLayout:
         self.dev_master = torch.empty(n_dev, dtype=torch.float32, device=dev)
         self.dev_exp_avg = torch.empty(n_dev, dtype=torch.float32, device=dev)
         self.dev_exp_avg_sq = torch.empty(n_dev, dtype=torch.float32, device=dev)
+        self._bind_device_views()
+
+    def _bind_device_views(self) -> None:
+        """Point every device bucket's state views at its slice of the device arenas."""
         for b in self.device_buckets:
             sl = slice(b.spec.offset, b.spec.offset + b.spec.shard)
             b.master = self.dev_master[sl]
@@ -221,24 +225,25 @@ class BucketLayout:
         """Bytes of the device tail's fp32 master and moments (what a move to the host returns to the device)."""
         return sum(t.untyped_storage().nbytes() for t in (self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq))
 
-    # -- what a move of the tail to the host changes (runtime/tail_move.py composes these) -----------------------
-    def regrow_host_arenas(self, plan: OffloadPlan) -> None:
-        """Take ``plan``, whose host share starts with the current one: each host arena it needs is regrown to the
-        new ``host_numel`` with the current contents in front (an arena it no longer needs is dropped), one at a
-        time, and the host buckets are bound to the new arenas. Idle host buckets only."""
-        n_old = self.plan.host_numel
+    # -- what a move of the tail changes (runtime/tail_move.py composes these) -------------------------------------
+    def resize_host_arenas(self, plan: OffloadPlan) -> None:
+        """Take ``plan``, whose host buckets are the current ones, more (a move to the host) or fewer (a move to the
+        device) of them: each host arena it needs is reallocated at the new ``host_numel`` with the contents both
+        share in front (an arena it no longer needs is dropped), one at a time, and the host buckets are bound to
+        the new arenas. Idle host buckets only."""
+        n_kept = min(self.plan.host_numel, plan.host_numel)
         for b in self.host_buckets:
-            b.drop_views()  # each old arena is freed as soon as its regrown copy holds its contents
+            b.drop_views()  # each old arena is freed as soon as its resized copy holds its contents
         before = self._host_arena_kinds()
         self.plan = plan
         kinds = self._host_arena_kinds()
         for name in before.keys() - kinds.keys():  # the second landing arena, when deferred stores turn off
             del self.arenas[name]
         for name, (dtype, pinned, what) in kinds.items():
-            grown = HostBuffer(plan.host_numel, dtype, pin=pinned, name=what)
+            resized = HostBuffer(plan.host_numel, dtype, pin=pinned, name=what)
             if name in before:
-                grown.tensor[:n_old].copy_(self.arenas[name].tensor[:n_old])
-            self.arenas[name] = grown
+                resized.tensor[:n_kept].copy_(self.arenas[name].tensor[:n_kept])
+            self.arenas[name] = resized
         for b in self.host_buckets:
             self.bind_host(b)
 
@@ -258,6 +263,36 @@ class BucketLayout:
         for b, saved in zip(staying, held, strict=True):
             for dst, src in zip((b.master, b.exp_avg, b.exp_avg_sq), saved, strict=True):
                 dst.copy_(src)
+
+    def grow_device_tail(self, plan: OffloadPlan, arriving: Sequence[DeviceBucket]) -> None:
+        """Put ``arriving`` (``plan``'s device buckets that are host buckets now) in front of the device buckets,
+        every device bucket at its offset in ``plan``: the device arenas are reallocated at ``plan``'s
+        ``device_numel`` with the current buckets' state, the arriving buckets' views left for the caller to fill.
+        One arena at a time through host memory: each old arena waits on the host while its replacement is
+        allocated, so the device never holds more than the new arenas. The host arenas stay as they are."""
+        staying = self.device_buckets
+        before = [b.spec for b in staying]
+        for b in staying:
+            b.spec = plan.buckets[b.index]
+        self.device_buckets = sorted([*arriving, *staying], key=lambda b: b.index)
+        for name in ("dev_master", "dev_exp_avg", "dev_exp_avg_sq"):
+            held = getattr(self, name).to("cpu", copy=True)
+            setattr(self, name, torch.empty(0, dtype=torch.float32, device=self.device))
+            self._bind_device_views()  # the old arena's views go with it
+            grown = torch.empty(plan.device_numel, dtype=torch.float32, device=self.device)
+            for b, old in zip(staying, before, strict=True):
+                grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(held[old.offset : old.offset + old.shard])
+            setattr(self, name, grown)
+        self._bind_device_views()
+
+    def remove_host_buckets(self, leaving: Sequence[HostBucket]) -> None:
+        """Forget ``leaving`` (host buckets the device buckets now stand for) and index every bucket again."""
+        gone = {b.index for b in leaving}
+        for b in leaving:
+            b.drop_views()
+        self.host_buckets = [b for b in self.host_buckets if b.index not in gone]
+        self.buckets = sorted(self.host_buckets + self.device_buckets, key=lambda b: b.index)
+        self._index_buckets()
 
     def add_host_buckets(self, buckets: Sequence[HostBucket]) -> None:
         """Append bound host buckets that were device buckets and index every bucket again."""

@@ -1,8 +1,10 @@
-"""Moving the first device buckets' optimizer state to the host, for a later batch the device tail leaves too little
-memory for: the check that a new plan is such a move, and the move itself over the layout's arenas.
+"""Moving optimizer state between the device tail and the host: the first device buckets to the host, for a later
+batch the device tail leaves too little memory for; the last host buckets to the device, when the measured peak
+leaves room. The checks that a new plan is such a move, and the moves themselves over the layout's arenas.
 
-The planner chooses the new plan (``planner.shrink_tail``); the engine calls :func:`move_to_host` at a quiet point
-and then tells the stages that keep per-bucket state about the new layout.
+The planner chooses the new plan (``planner.shrink_tail``, ``planner.grow_tail``); the engine calls
+:func:`move_to_host` or :func:`move_to_device` at a quiet point and then tells the stages that keep per-bucket
+state about the new layout.
 """
 
 from __future__ import annotations
@@ -10,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..planning.plan import HostAccumulation, OffloadPlan, Placement, WeightMode
-from .bucket import HostBucket
+from .bucket import DeviceBucket, HostBucket
 from .layout import BucketLayout
 
-__all__ = ["check_move", "move_to_host"]
+__all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host"]
 
 # [Note: moving the tail to the host]
 # A later batch longer than the one the plan was made for may need more activation memory than the device tail
@@ -31,27 +33,60 @@ __all__ = ["check_move", "move_to_host"]
 # the new arenas at once.
 
 
-def check_move(old: OffloadPlan, new: OffloadPlan) -> None:
-    """Refuse a ``new`` plan that does more than move ``old``'s first device buckets to the host with the same
-    bucket boundaries (what ``planner.shrink_tail`` returns; the engine is built for everything else)."""
+# [Note: moving the tail to the device]
+# The reverse move. When the calibration ([Note: calibration from the measured peak] in planning/planner.py) finds
+# room that kept layers do not take (every layer kept, or none can be: no per-layer checkpointing), the last host
+# buckets in gradient-arrival order become the first device buckets: ``planner.grow_tail`` picks how many the way
+# the planner's own tail search would (the largest tail the calibrated budget holds, unless the roofline predicts a
+# smaller one faster), with the same switches kept as above, so the plan is again ``make_plan``'s for that tail and
+# training on equals a run started with it from the state at the move, bit for bit (before the move those buckets
+# stepped with the CPU Adam). At the same quiet point as the move to the host, after every upload and every
+# deferred store: the committed host state copy of the moved buckets is copied into the device arenas, which grow
+# one arena at a time through host memory (the device never holds the old and the new arenas at once); then the
+# host arenas are reallocated at the smaller host share, so the moved buckets' host memory is freed (each arena is
+# briefly held twice, one at a time). The deferred stores, the D2H lead and gate, the master share and the upload
+# thread follow the smaller host share; a gate thread or upload thread a plan without host buckets no longer asks
+# for stays idle.
+
+
+def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:
+    """What both moves need: one process, stationary weights, no host accumulation, the same bucket boundaries and
+    the engine's switches."""
     if old.world_size != 1 or old.weight_mode is not WeightMode.STATIONARY:
-        raise ValueError("moving the device tail to the host needs one process and stationary weights")
+        raise ValueError(f"moving the device tail {what} needs one process and stationary weights")
     if old.host_accumulation is not HostAccumulation.OFF:
-        raise ValueError("moving the device tail to the host is not supported with host gradient accumulation")
+        raise ValueError(f"moving the device tail {what} is not supported with host gradient accumulation")
     places = [(s.param_indices, s.numel) for s in old.buckets], [(s.param_indices, s.numel) for s in new.buckets]
     if places[0] != places[1]:
         raise ValueError("the new plan cuts the buckets differently; only the device tail's size may change")
+    switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory",
+                "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation", "landing_ring")
+    changed = [f for f in switches if getattr(old, f) != getattr(new, f)]
+    if changed:
+        raise ValueError(f"a move {what} keeps the engine's switches; the new plan changes {changed}: build it "
+                         f"with planner.{build}")
+
+
+def check_move(old: OffloadPlan, new: OffloadPlan) -> None:
+    """Refuse a ``new`` plan that does more than move ``old``'s first device buckets to the host with the same
+    bucket boundaries (what ``planner.shrink_tail`` returns; the engine is built for everything else)."""
+    _check_movable(old, new, "to the host", "shrink_tail")
     n_host = len(old.host_buckets)
     moved = len(new.host_buckets) - n_host
     if moved <= 0 or new.buckets[:n_host] != old.buckets[:n_host] or any(
             s.placement is not Placement.HOST for s in new.buckets[: n_host + moved]):
         raise ValueError("the new plan must move the first device buckets to the host, and keep the host buckets")
-    switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory",
-                "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation", "landing_ring")
-    changed = [f for f in switches if getattr(old, f) != getattr(new, f)]
-    if changed:
-        raise ValueError(f"a move to the host keeps the engine's switches; the new plan changes {changed}: build it "
-                         "with planner.shrink_tail")
+
+
+def check_move_to_device(old: OffloadPlan, new: OffloadPlan) -> None:
+    """Refuse a ``new`` plan that does more than move ``old``'s last host buckets to the device with the same
+    bucket boundaries (what ``planner.grow_tail`` returns)."""
+    _check_movable(old, new, "to the device", "grow_tail")
+    n_host = len(new.host_buckets)
+    if n_host >= len(old.host_buckets) or new.buckets[:n_host] != old.buckets[:n_host] or any(
+            s.placement is not Placement.DEVICE for s in new.buckets[n_host:]):
+        raise ValueError("the new plan must move the last host buckets to the device, and keep the other host "
+                         "buckets where they are")
 
 
 @torch.no_grad()
@@ -64,7 +99,7 @@ def move_to_host(layout: BucketLayout, plan: OffloadPlan) -> list[HostBucket]:
     check_move(layout.plan, plan)
     moved = [s.index for s in plan.buckets if s.placement is not layout.plan.buckets[s.index].placement]
     leaving = {b.index: b for b in layout.device_buckets if b.index in moved}
-    layout.regrow_host_arenas(plan)  # the layout's plan is ``plan`` from here on
+    layout.resize_host_arenas(plan)  # the layout's plan is ``plan`` from here on
     host_new = [HostBucket(plan.buckets[i], leaving[i].params) for i in moved]
     for b in host_new:
         layout.bind_host(b)
@@ -77,3 +112,22 @@ def move_to_host(layout: BucketLayout, plan: OffloadPlan) -> list[HostBucket]:
     layout.shrink_device_tail([b for b in layout.device_buckets if b.index not in leaving])
     layout.add_host_buckets(host_new)
     return host_new
+
+
+@torch.no_grad()
+def move_to_device(layout: BucketLayout, plan: OffloadPlan) -> list[DeviceBucket]:
+    """[Note: moving the tail to the device]: make ``plan``, which moves the last host buckets of ``layout``'s plan to
+    the device and changes nothing else the layout holds, concrete. Their committed fp32 master and moments are
+    copied bit for bit into the grown device arenas; the host arenas are reallocated at the smaller host share.
+    Quiet point only: no step in flight, every upload done, no moment store pending. Returns the new device
+    buckets."""
+    check_move_to_device(layout.plan, plan)
+    leaving = [b for b in layout.host_buckets if plan.buckets[b.index].placement is Placement.DEVICE]
+    arriving = [DeviceBucket(plan.buckets[b.index], b.params) for b in leaving]
+    layout.grow_device_tail(plan, arriving)
+    for d, h in zip(arriving, leaving, strict=True):
+        for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), h.pmv[layout.cur], strict=True):
+            dst.copy_(src)
+    layout.remove_host_buckets(leaving)
+    layout.resize_host_arenas(plan)  # the layout's plan is ``plan`` from here on
+    return arriving
