@@ -750,16 +750,20 @@ def grow_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *
               element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
     """[Note: moving the tail to the device] in runtime/tail_move.py: the plan with ``plan``'s last host buckets
     moved to the device that the planner's own tail search picks between ``plan``'s tail and the largest one the
-    device holds for ``workload`` (with the most kept layers beside each): ``make_plan``'s plan for that tail with
-    ``plan``'s switches pinned. ``None`` when no larger tail fits, the roofline predicts none faster (within the
+    device holds for ``workload`` beside at least ``plan``'s kept layers (the room goes to kept layers first):
+    ``make_plan``'s plan for that tail with ``plan``'s switches pinned. ``None`` when no larger tail fits, the roofline predicts none faster (within the
     search's tie), the host cannot hold the move, or the tail was configured (``gpu_resident_buckets``: a user's
     constraint). One process, stationary weights."""
     if config.gpu_resident_buckets != "auto" or not plan.host_buckets:
         return None
-    plan_at = _plans_by_tail(plan, workload, profile, numels=numels, element_size=element_size, config=config)
-    if plan_at is None:
+    plans_at = _plans_by_tail(plan, workload, profile, numels=numels, element_size=element_size, config=config)
+    if plans_at is None:
         return None
     tail = len(plan.device_buckets)
+
+    def plan_at(k: int) -> OffloadPlan | None:  # the kept layers keep what they took: the tail grows with the rest
+        grown = plans_at(k)
+        return grown if grown is not None and grown.kept_layers >= plan.kept_layers else None
 
     def holds(k: int) -> bool:
         return device_holds(plan_at(k), workload, profile, 1)[0]

@@ -29,7 +29,9 @@ BIND = "tests/runtime/test_binding_parity.py"
 SKIP = "tests/runtime/test_skip_after_speculation.py"
 DET = "tests/runtime/test_determinism.py"
 MOVE = "tests/runtime/test_tail_move.py"
+GROW = "tests/runtime/test_tail_growth.py"
 _MOVE_COPY = "for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):"
+_GROW_COPY = "for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), h.pmv[layout.cur], strict=True):"
 
 _STEP_CALL = ("            param, grad, exp_avg, exp_avg_sq, int(step), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,\n"
               "            hyper.weight_decay, float(grad_scale), param_bf16_out, src_p,")
@@ -239,5 +241,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        d = leaving[b.index]\n",
         "        d = layout.device_buckets[len(layout.device_buckets) - len(leaving) + moved.index(b.index)]\n",
         (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[double_buffer-verdict-first]",),
+    ),
+    Mutation(  # [Note: moving the tail to the device]: the moved buckets' second moments are never copied in
+        "tail_growth_drops_exp_avg_sq", "hf_superoffload/runtime/tail_move.py", _GROW_COPY,
+        _GROW_COPY.replace("d.exp_avg_sq)", "d.exp_avg_sq.clone())"),
+        (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[inverse]",),
+    ),
+    Mutation(  # the double buffer's other (uncommitted) state copy goes to the device
+        "tail_growth_reads_the_other_state_copy", "hf_superoffload/runtime/tail_move.py", _GROW_COPY,
+        _GROW_COPY.replace("h.pmv[layout.cur]", "h.pmv[-1]"),
+        (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[double_buffer]",),
+    ),
+    Mutation(  # the buckets already on the device keep their old offsets in the grown arenas
+        "tail_growth_keeps_the_old_offsets", "hf_superoffload/runtime/layout.py",
+        "held[old.offset : old.offset + old.shard]", "held[b.spec.offset : b.spec.offset + b.spec.shard]",
+        (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[plain]",),
     ),
 )
