@@ -664,7 +664,8 @@ def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size
 # process really reserved at its peak, the allocator's own high-water mark, which includes its fragmentation, and
 # replaces those margins by the measurement: a plan fits the calibrated budget when the measured need plus what
 # the memory model says the change adds stays under the free memory less ``CALIBRATED_MARGIN``. Where the model
-# was cautious the room goes to kept layers (the step gets faster, the values stay the same); where it was short
+# was cautious the room goes to kept layers (the step gets faster, the values stay the same), and what they leave
+# to the device tail (``grow_tail``, [Note: moving the tail to the device] in runtime/tail_move.py); where it was short
 # the kept layers go first, then device buckets move to the host ([Note: moving the tail to the host] in
 # runtime/tail_move.py), before the next forward allocates anything; if neither is possible it only warns (the run
 # has not run out of memory so far). Once per run: later batches are checked against the calibrated budget.
