@@ -752,6 +752,8 @@ def calibration_summary(record: dict[str, Any], steps: int) -> str:
         if key in record:
             before, after = record[key]
             parts.append(f"{what} {before} -> {after}")
+    if record.get("moved_to_device_params"):
+        parts.append(f"{record['moved_to_device_params'] / 1e6:.1f}M parameters' optimizer state moved to the device")
     timing = record.get("timing")
     if timing:
         factors = [f"{name} rate x{f:.2f}" for name, f in (("GEMM", timing["gemm_factor"]),

@@ -16,6 +16,7 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload import optimizer as optimizer_module
+from hf_superoffload.optimizer import calibration_summary
 from hf_superoffload.planning import hardware, planner
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import PlanLike, estimate
@@ -51,7 +52,7 @@ def device(monkeypatch: pytest.MonkeyPatch):
             monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
             monkeypatch.setattr(optimizer_module, "cuda_free_bytes", lambda device: (free, free))
             monkeypatch.setattr(optimizer_module, "with_known_rates", lambda profile, device: profile)
-            monkeypatch.setattr(optimizer_module, "_count_own_weights_as_free", lambda profile, model, device: profile)
+            monkeypatch.setattr(optimizer_module, "_count_own_weights_as_free", lambda profile, own, device: profile)
 
         def measure(self, fn: Any) -> None:
             def measured(device: torch.device, other: int) -> int | None:
@@ -136,7 +137,10 @@ def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *
     k = len(opt.plan.device_buckets)
     assert tail < k and (k == len(opt.plan.buckets)) == (share == 1.0), "the measured room should grow the tail"
     assert opt.calibration is not None and opt.calibration["device_buckets"] == (tail, k)
-    assert opt.calibration["moved_to_device_params"] == sum(s.numel for s in opt.plan.buckets[-k:-tail])
+    moved = sum(s.numel for s in opt.plan.buckets[-k:-tail])
+    assert opt.calibration["moved_to_device_params"] == moved
+    assert f"{moved / 1e6:.1f}M parameters' optimizer state moved to the device" in calibration_summary(
+        opt.calibration, CALIBRATION_STEPS)
     assert opt.engine.layout.plan is opt.plan
     assert {b.index for b in opt.engine.host_buckets} == {s.index for s in opt.plan.host_buckets}
     if ckpt:
