@@ -7,6 +7,7 @@ on the masters, and bf16 weights copied back from the masters after every step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -50,11 +51,19 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str |
 
 
 def pretend_profile(device_free_bytes: int | None, *, host_available_bytes: int = 64 * 1024**3,
-                    cpu_threads: int = 2) -> HardwareProfile:
+                    cpu_threads: int = 2, rates_of: str | None = None) -> HardwareProfile:
     """A CPU run's hardware profile that reports ``device_free_bytes`` free on the device, as a GPU would: what
-    the planner sizes the tail and the kept layers from (``None``: unknown, as on a CPU)."""
-    return HardwareProfile(device_type="cpu", device_free_bytes=device_free_bytes,
-                           host_available_bytes=host_available_bytes, cpu_threads=cpu_threads)
+    the planner sizes the tail and the kept layers from (``None``: unknown, as on a CPU). ``rates_of``: a shipped
+    profile (e.g. ``"h200_pcie"``) whose GEMM, CPU Adam, link and memory rates it borrows, so that the roofline
+    prices plans and the calibration times steps against them."""
+    profile = HardwareProfile(device_type="cpu", device_free_bytes=device_free_bytes,
+                              host_available_bytes=host_available_bytes, cpu_threads=cpu_threads)
+    if rates_of is None:
+        return profile
+    src = HardwareProfile.shipped(rates_of)
+    return dataclasses.replace(profile, matmul_tflops=src.matmul_tflops, cpu_adam_gparams=src.cpu_adam_gparams,
+                               h2d_gbps=src.h2d_gbps, d2h_gbps=src.d2h_gbps, device_memory_gbps=src.device_memory_gbps,
+                               host_memory_gbps=src.host_memory_gbps)
 
 
 class TrainedStep(NamedTuple):

@@ -61,16 +61,11 @@ def test_the_calibration_reaches_the_trainer_user_once(hf: Any, tmp_path: Any, c
     """[Note: calibration from the measured peak]: what the first steps measured and changed is shown where the
     plan was, once, and kept in the log history. On CPU the device is simulated (a profile that reports free device
     memory and the H200's rates, so the plan waits for the first batch and the steps are timed against them)."""
-    import dataclasses
-
     from hf_superoffload.planning import hardware
     from hf_superoffload.planning.planner import CALIBRATION_STEPS
     from hf_superoffload.testing import pretend_profile
 
-    h200 = hardware.HardwareProfile.shipped("h200_pcie")
-    profile = dataclasses.replace(pretend_profile(64 * 1024**3), matmul_tflops=h200.matmul_tflops,
-                                  cpu_adam_gparams=h200.cpu_adam_gparams, h2d_gbps=h200.h2d_gbps,
-                                  d2h_gbps=h200.d2h_gbps, device_memory_gbps=h200.device_memory_gbps)
+    profile = pretend_profile(64 * 1024**3, rates_of="h200_pcie")
     monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
     args = SuperOffloadArguments(**hf.train_kwargs(tmp_path, max_steps=CALIBRATION_STEPS + 2, **hf.SMALL_BUCKETS))
     trainer = SuperOffloadTrainer(model=tiny_llama(seed=0), args=args, train_dataset=hf.TokenDataset(16))

@@ -4,7 +4,6 @@ so the measured step is far slower: the correction is clamped and the log says t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import pytest
@@ -20,13 +19,6 @@ GiB = 1024**3
 BATCH, SEQ = 2, 24
 
 
-def _h200_rates(free: int) -> hardware.HardwareProfile:
-    h200 = hardware.HardwareProfile.shipped("h200_pcie")
-    return dataclasses.replace(pretend_profile(free), matmul_tflops=h200.matmul_tflops,
-                               cpu_adam_gparams=h200.cpu_adam_gparams, h2d_gbps=h200.h2d_gbps, d2h_gbps=h200.d2h_gbps,
-                               device_memory_gbps=h200.device_memory_gbps, host_memory_gbps=h200.host_memory_gbps)
-
-
 @pytest.mark.parametrize("accum", [1, 2])
 def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -34,7 +26,7 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     by clipping leaves the CPU rate uncalibrated). One micro-batch per step: both rates are off by more than the clamp. Two: the recorded step counts both, and
     at H200 rates this tiny model's micro-batches are bound by host accumulation's link and adds, not the GEMMs,
     so the GEMM rate is kept."""
-    profile = _h200_rates(64 * GiB)
+    profile = pretend_profile(64 * GiB, rates_of="h200_pcie")
     monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
     model = tiny_llama(seed=3, num_hidden_layers=2)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
@@ -62,10 +54,16 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     assert (timing["gemm_factor"], timing["cpu_factor"]) == (expect.gemm_factor, expect.cpu_factor)
     # a CPU is far slower than an H200: clamped, and the log says the profile is another machine's
     said = [r.getMessage() for r in caplog.records if "predicted;" in r.getMessage()]
-    assert len(said) == 1 and "CPU Adam rate x0.50" in said[0] and "another machine" in said[0], said
-    assert timing["cpu_factor"] == pytest.approx(1 / RATE_CLAMP)
+    assert len(said) == 1 and ("another machine" in said[0]) == (accum == 1 or last.cpu_s > 0), said
+    # the worker's seconds of an iteration are those of the passes that end in it: a tiny model's pass may end before
+    # the step that queued it returns, and then the next iteration has none to measure (a real model's pass runs
+    # into the next forward); either way the record, the log and the summary agree
+    if last.cpu_s > 0:
+        assert timing["cpu_factor"] == pytest.approx(1 / RATE_CLAMP) and "CPU Adam rate x0.50" in said[0]
+    else:
+        assert timing["cpu_factor"] is None and "CPU Adam rate kept: the worker's seconds were not measured" in said[0]
     assert len(told) == 1 and told[0].startswith(f"hf_superoffload calibration after {CALIBRATION_STEPS} steps: step ")
-    assert "s measured" in told[0] and "CPU Adam rate x0.50" in told[0]
+    assert "s measured" in told[0] and ("CPU Adam rate x0.50" in told[0]) == (last.cpu_s > 0)
     if accum == 1:
         assert timing["gemm_factor"] == pytest.approx(1 / RATE_CLAMP), timing
         assert timing["matmul_tflops"] == pytest.approx(profile.matmul_tflops / RATE_CLAMP)
