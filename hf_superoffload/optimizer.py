@@ -480,6 +480,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 logger.info("hf_superoffload: %s: %d parameters (%d bucket(s)) moved their optimizer state to the "
                             "host so that it fits", what, moved, len(plan.device_buckets) - len(shrunk.device_buckets))
                 ok = True
+        if not ok and self._built.mid_accumulation and plan.device_numel:
+            why = (f"{why}; the device tail moves to the host only at an optimizer step's first micro-batch, and "
+                   "this micro-batch follows others whose gradients are summed on the host")
         return ok, why
 
     @property

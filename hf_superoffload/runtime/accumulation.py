@@ -70,29 +70,50 @@ class HostAccumulator:
         self._worker = worker
         self._timeout = timeout_s
         self._threads = num_threads
+        self._dtype, self._pin = landing_dtype, pin
         self.buffers: list[HostBuffer] = []
         self._ring: list[torch.Tensor] = []
+        self._sums: dict[int, _BucketSum] = {}
+        self._free: list[int] = []
+        self._cond = threading.Condition()
+        self._woken = False
+        self.relayout(buckets, host_numel=host_numel, ring=ring)
+
+    def relayout(self, buckets: Sequence[HostBucket], *, host_numel: int, ring: Sequence[int]) -> None:
+        """Size the buffers for ``buckets`` (bound to the host arenas of a plan with ``host_numel`` host elements and
+        the landing ring ``ring``) and start every bucket's sum afresh: at construction, and after a move of the
+        device tail ([Note: moving the tail to the host] in runtime/tail_move.py), after :meth:`release`."""
+        self.release()
         arena = None
-        if mode is HostAccumulation.FP32:
+        if self.mode is HostAccumulation.FP32:
             buf = HostBuffer(host_numel, torch.float32, pin=False, name="fp32 gradient accumulator")
             self.buffers.append(buf)
             arena = buf.tensor
         else:
             sizes = tuple(ring)
-            buf = HostBuffer(sum(sizes), landing_dtype, pin=pin, name="accumulation landing ring")
+            buf = HostBuffer(sum(sizes), self._dtype, pin=self._pin, name="accumulation landing ring")
             self.buffers.append(buf)
             self._ring = list(buf.tensor.split(list(sizes))) if sizes else []
-        self._sums: dict[int, _BucketSum] = {}
         for b in buckets:
             total = arena[b.spec.offset : b.spec.offset + b.spec.shard] if arena is not None else b.landing
             s = _BucketSum(total)
             s.idle.set()
             self._sums[b.index] = s
-        self._free = list(range(len(self._ring)))
-        self._cond = threading.Condition()
-        self._woken = False
+        with self._cond:
+            self._free = list(range(len(self._ring)))
+
+    def release(self) -> None:
+        """Drop the buffers and the per-bucket sums (their views of the landing arena too), so that a move of the
+        device tail regrows the host arenas without them; :meth:`relayout` allocates them again."""
+        assert self.empty, "the accumulation buffers are resized between optimizer steps only"
+        self.buffers, self._ring, self._sums = [], [], {}
 
     # ---------------------------------------------------------------------------------------------- queries
+    @property
+    def empty(self) -> bool:
+        """No micro-batch of the current optimizer step has been submitted (a step boundary)."""
+        return all(s.summed == 0 for s in self._sums.values())
+
     def summed(self, b: HostBucket) -> int:
         """Micro-batches of ``b`` submitted in this step (0: nothing accumulated, the plain path applies)."""
         return self._sums[b.index].summed

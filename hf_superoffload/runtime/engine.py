@@ -43,7 +43,7 @@ from .layout import BucketLayout, check_plan
 from .registry import module_weights
 from .sharding import Sharding
 from .streams import StreamSet
-from .tail_move import move_to_device, move_to_host
+from .tail_move import check_move, check_move_to_device, move_to_device, move_to_host
 from .telemetry import StepStats, Telemetry
 from .upload import Uploads
 from .validation import GroupHypers, SpeculationGovernor, StepVerdict, decide
@@ -176,20 +176,51 @@ class OffloadEngine:
 
     @property
     def _movable(self) -> bool:
-        """A quiet point of a tail that may move: one process, stationary weights, no host accumulation, between
-        steps."""
-        return self.comm is None and self._flow is None and self._accum is None and not self.step_in_progress
+        """A quiet point of a tail that may move: one process, stationary weights, between steps (with host
+        accumulation: before the step's first micro-batch, when nothing is summed on the host)."""
+        return (self.comm is None and self._flow is None and not self.step_in_progress
+                and (self._accum is None or self._accum.empty))
+
+    @property
+    def mid_accumulation(self) -> bool:
+        """Host accumulation holds gradients of micro-batches of the current optimizer step: the tail cannot move
+        until its ``step()`` ([Note: moving the tail to the host] in runtime/tail_move.py)."""
+        return self._accum is not None and (self.step_in_progress or not self._accum.empty)
 
     @property
     def can_move_to_host(self) -> bool:
-        """Whether :meth:`move_to_host` may run now: one process, stationary weights, no host accumulation, between
-        steps."""
+        """Whether :meth:`move_to_host` may run now: one process, stationary weights, between steps (with host
+        accumulation: at a step's first micro-batch)."""
         return self._movable and self.plan.device_numel > 0
 
     @property
     def can_move_to_device(self) -> bool:
         """Whether :meth:`move_to_device` may run now: as :attr:`can_move_to_host`, with host buckets to move."""
         return self._movable and self.plan.host_numel > 0
+
+    def _refuse_move(self, what: str) -> None:
+        if self.mid_accumulation:
+            raise RuntimeError(f"{what} at a step's first micro-batch, not while host accumulation holds the "
+                               "gradients of earlier micro-batches of the step")
+        raise RuntimeError(f"{what} between steps, in one process with stationary weights")
+
+    def _release_accumulation(self) -> None:
+        """Before a move: nothing is summed on the host, so the accumulation buffers go first (the host arenas then
+        regrow without them, and no bucket's sum keeps an old landing arena alive)."""
+        if self._accum is None:
+            return
+        arenas = self.layout.arenas
+        for name in [n for n in arenas if n.startswith("accumulation")]:
+            del arenas[name]
+        self._accum.release()
+
+    def _relayout_accumulation(self, plan: OffloadPlan) -> None:
+        """After a move: the host accumulation's buffers at the new host share (the fp32 arena, or the landing ring
+        sized by the largest host shards) and every host bucket's sum bound to them."""
+        if self._accum is None:
+            return
+        self._accum.relayout(self.layout.host_buckets, host_numel=plan.host_numel, ring=plan.landing_ring)
+        self.layout.arenas.update((f"accumulation{k}", buf) for k, buf in enumerate(self._accum.buffers))
 
     def _quiesce(self) -> None:
         """Before a move: every upload done, the device weights final, no deferred store pending (they read the
@@ -202,13 +233,15 @@ class OffloadEngine:
         host] in runtime/tail_move.py). At a quiet point only: no step in progress (the optimizer calls it in a
         training forward's pre-hook). Returns how many parameters moved."""
         if not self.can_move_to_host:
-            raise RuntimeError("the device tail moves to the host between steps, in one process with stationary "
-                               "weights and without host accumulation")
+            self._refuse_move("the device tail moves to the host")
+        check_move(self.plan, plan)  # before anything is released
         self._quiesce()
         if not self.plan.host_numel:
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), plan.cpu_threads)
+        self._release_accumulation()
         moved = move_to_host(self.layout, plan)
         self.plan = plan
+        self._relayout_accumulation(plan)
         if plan.d2h_gate:  # a larger host share may turn the gate on; the next backward's first tasks use it
             self._worker.enable_gate()
         self.hooks.relayout()
@@ -222,11 +255,13 @@ class OffloadEngine:
         device] in runtime/tail_move.py). At the same quiet point as :meth:`move_to_host`. Returns how many
         parameters moved."""
         if not self.can_move_to_device:
-            raise RuntimeError("host buckets move to the device between steps, in one process with stationary "
-                               "weights and without host accumulation")
+            self._refuse_move("host buckets move to the device")
+        check_move_to_device(self.plan, plan)  # before anything is released
         self._quiesce()
+        self._release_accumulation()
         moved = move_to_device(self.layout, plan)
         self.plan = plan
+        self._relayout_accumulation(plan)
         for b in moved:
             self.uploads.unwaited.discard(b.index)  # synchronize() waited for them: a device bucket has no upload
         self.hooks.relayout()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..planning.plan import HostAccumulation, OffloadPlan, Placement, WeightMode
+from ..planning.plan import OffloadPlan, Placement, WeightMode
 from .bucket import DeviceBucket, HostBucket
-from .layout import BucketLayout
+from .layout import BucketLayout, check_plan
 
 __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host"]
 
@@ -50,21 +50,20 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 
 
 def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:
-    """What both moves need: one process, stationary weights, no host accumulation, the same bucket boundaries and
-    the engine's switches."""
+    """What both moves need: one process, stationary weights, the same bucket boundaries and the engine's switches
+    (host accumulation's mode among them; its landing ring follows the host shards)."""
     if old.world_size != 1 or old.weight_mode is not WeightMode.STATIONARY:
         raise ValueError(f"moving the device tail {what} needs one process and stationary weights")
-    if old.host_accumulation is not HostAccumulation.OFF:
-        raise ValueError(f"moving the device tail {what} is not supported with host gradient accumulation")
     places = [(s.param_indices, s.numel) for s in old.buckets], [(s.param_indices, s.numel) for s in new.buckets]
     if places[0] != places[1]:
         raise ValueError("the new plan cuts the buckets differently; only the device tail's size may change")
     switches = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory",
-                "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation", "landing_ring")
+                "nonspeculative_in_place", "world_size", "rank", "cpu_affinity", "host_accumulation")
     changed = [f for f in switches if getattr(old, f) != getattr(new, f)]
     if changed:
         raise ValueError(f"a move {what} keeps the engine's switches; the new plan changes {changed}: build it "
                          f"with planner.{build}")
+    check_plan(new, comm=None)  # among others: a landing ring slot as large as the largest host shard
 
 
 def check_move(old: OffloadPlan, new: OffloadPlan) -> None:
