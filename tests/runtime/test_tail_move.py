@@ -292,3 +292,107 @@ def test_a_batch_no_tail_fits_is_refused_and_changes_nothing(device_budget) -> N
     assert _same(before, weights_and_state(model, opt))
     train_steps(model, opt, _batches([SHORT]))  # the run goes on
     opt.close()
+
+
+# -- host gradient accumulation ([Note: host accumulation] in docs/weight_flow.md) -----------------------------------
+MICRO = 2  # micro-batches per optimizer step
+ACCUM_CLIP = 2.0  # the steps after the move clip in some steps, not in others
+
+
+def _accumulating(config: SuperOffloadConfig, steps: list[int]) -> tuple[SuperOffloadOptimizer, torch.nn.Module,
+                                                                          list[torch.Tensor]]:
+    """A run whose first batch shows that micro-batches accumulate (its plan sums the host buckets' gradients on
+    the host), and ``MICRO`` micro-batches of each of ``steps``' lengths."""
+    model = tiny_llama(**MODEL)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=ACCUM_CLIP, log_plan=False, config=config)
+    return opt, model, _batches([s for s in steps for _ in range(MICRO)])
+
+
+def _accumulating_from(saved: dict[str, object], config: SuperOffloadConfig, k: int,
+                       seq: int = LONG) -> tuple[SuperOffloadOptimizer, torch.nn.Module]:
+    """A run started with ``k`` device buckets, planned for ``MICRO`` accumulated micro-batches of ``seq`` tokens,
+    from the saved state."""
+    model = tiny_llama(**MODEL)
+    model.load_state_dict(saved["model"])
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=ACCUM_CLIP, log_plan=False,
+                                config=config.replace(gpu_resident_buckets=k),
+                                workload=Workload(model.config, BATCH, seq, grad_ckpt=False, accumulation=True,
+                                                  micro_batches=MICRO))
+    opt.load_state_dict(saved["opt"])
+    return opt, model
+
+
+def _accumulated_norms(model: torch.nn.Module, opt: SuperOffloadOptimizer, batches: list[torch.Tensor]) -> list[float]:
+    return [step.stats.grad_norm for step in train_steps(model, opt, batches, accumulation=MICRO)]
+
+
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+@pytest.mark.parametrize("dtype", ["fp32", "landing"])
+def test_a_move_under_host_accumulation_equals_starting_with_the_smaller_tail(device_budget, dtype: str,
+                                                                               rollback: str) -> None:
+    """The longer batch arrives at a step's first micro-batch, when nothing is summed on the host: the tail moves,
+    and the accumulation buffers follow the new host share (the fp32 arena at ``host_numel``; the landing ring
+    sized by the largest host shards, here with more slots), so training on equals a run started with the smaller
+    tail from the state at the move, bit for bit, with the arenas that run allocates."""
+    config = SuperOffloadConfig(rollback=rollback, host_accumulation_dtype=dtype)
+    device_budget(_budget(tiny_llama(**MODEL)))
+    opt, model, data = _accumulating(config, [SHORT] * 3 + [LONG] * 3)
+    train_steps(model, opt, data[: 3 * MICRO], accumulation=MICRO)
+    tail, ring = len(opt.plan.device_buckets), opt.plan.landing_ring
+    assert opt.plan.host_accumulation.value == dtype, "the run accumulates on the host"
+    assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail for the short batch"
+    before = _saved(opt, model)
+    norms = _accumulated_norms(model, opt, data[3 * MICRO :])
+    k = len(opt.plan.device_buckets)
+    assert 0 < k < tail, "the long batch should move some, not all, device buckets to the host"
+    if dtype == "landing":
+        assert len(opt.plan.landing_ring) > len(ring), "the ring follows the host shards"
+
+    ref, ref_model = _accumulating_from(before, config, k)
+    assert _runtime_fields(ref.plan) == _runtime_fields(opt.plan)
+    assert _accumulated_norms(ref_model, ref, data[3 * MICRO :]) == norms
+    assert any(n > ACCUM_CLIP for n in norms) and any(n < ACCUM_CLIP for n in norms), "clipping should fire sometimes"
+    assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
+    ours, theirs = opt.engine.layout, ref.engine.layout
+    assert "accumulation0" in ours.arenas
+    assert {n: a.nbytes for n, a in ours.arenas.items()} == {n: a.nbytes for n, a in theirs.arenas.items()}
+    opt.close()
+    ref.close()
+
+
+def test_a_longer_micro_batch_mid_step_is_refused_and_the_next_step_moves(device_budget) -> None:
+    """A longer micro-batch after one whose gradients are summed on the host cannot move the tail (the sums are cut
+    for the current host share): it is refused in one line naming why and the fix, with the step in progress as it
+    was; the step finishes, and the same longer batch at the next step's first micro-batch moves the tail. The run
+    equals one that never tried the refused micro-batch, bit for bit."""
+    config = SuperOffloadConfig(host_accumulation_dtype="fp32")
+    device_budget(_budget(tiny_llama(**MODEL)))
+    runs = [_accumulating(config, [SHORT] * 2 + [LONG] * 2) for _ in range(2)]
+    for opt, model, data in runs:
+        train_steps(model, opt, data[: 2 * MICRO], accumulation=MICRO)
+    (opt, model, data), (twin, twin_model, _) = runs
+    tail, plan = len(opt.plan.device_buckets), opt.plan
+    short = data[0]
+    for o, m in ((opt, model), (twin, twin_model)):  # the first micro-batch of the third step
+        with o.no_sync():
+            m(input_ids=short, labels=short).loss.backward()
+    assert opt.engine.mid_accumulation and not opt.engine.can_move_to_host
+    long = data[-1]
+    refused = r"only at an optimizer step's first micro-batch.*nothing was run or changed.*superoffload_max_seq_len"
+    with pytest.raises(RuntimeError, match=refused) as e, opt.no_sync():
+        model(input_ids=long, labels=long)
+    assert "\n" not in str(e.value)
+    assert opt.plan is plan and opt.engine.layout.plan is plan
+    with pytest.raises(RuntimeError, match="first micro-batch"):
+        opt.engine.move_to_host(plan)
+    norms = []
+    for o, m in ((opt, model), (twin, twin_model)):
+        m(input_ids=short, labels=short).loss.backward()  # the step's boundary micro-batch
+        o.step()
+        o.zero_grad()
+        norms.append([o.last_step_stats.grad_norm, *_accumulated_norms(m, o, data[2 * MICRO :])])
+    assert len(opt.plan.device_buckets) < tail, "the longer batch at the step boundary moved the tail"
+    assert norms[0] == norms[1]
+    assert _same(weights_and_state(model, opt), weights_and_state(twin_model, twin))
+    opt.close()
+    twin.close()
