@@ -20,7 +20,7 @@ from hf_superoffload.optimizer import calibration_summary
 from hf_superoffload.planning import hardware, planner
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import PlanLike, estimate
-from hf_superoffload.planning.plan import OffloadPlan, Placement, Rollback
+from hf_superoffload.planning.plan import HostAccumulation, OffloadPlan, Placement, Rollback
 from hf_superoffload.planning.planner import (
     CALIBRATED_MARGIN,
     CALIBRATION_STEPS,
@@ -68,8 +68,9 @@ def _batches(n: int) -> list[torch.Tensor]:
     return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(n)]
 
 
-def _norms(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor]) -> list[float]:
-    return [step.stats.grad_norm for step in train_steps(model, opt, batches)]
+def _norms(opt: SuperOffloadOptimizer, model: torch.nn.Module, batches: list[torch.Tensor],
+           micro: int = 1) -> list[float]:
+    return [step.stats.grad_norm for step in train_steps(model, opt, batches, accumulation=micro)]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -118,22 +119,24 @@ def _saved(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> dict[str, Any]
 
 
 def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *, share: float,
-                         ckpt: bool = False) -> None:
+                         ckpt: bool = False, micro: int = 1) -> None:
     """Train ``CALIBRATION_STEPS`` steps on ``on`` with a first plan that keeps a partial tail, then a measured need
     that leaves room for ``share`` of the host buckets on the device too; the forward after the calibration moves
     them, and training on equals a run started with that plan (on the calibrated budget) from the state just
-    before, bit for bit, with the arenas that run allocates."""
+    before, bit for bit, with the arenas that run allocates. ``micro``: micro-batches per step (more than one:
+    the first plan sums them on the host, and the move runs at a step's first micro-batch)."""
     model = tiny_llama(**MODEL, checkpointing=ckpt).to(on)
     device.budget(_partial_budget(model), device_type=on.type)
     device.measure(_room_for(config, share))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=CLIP, log_plan=False, config=config)
     device.opt = opt
-    data = [ids.to(on) for ids in _batches(CALIBRATION_STEPS + 3)]
-    _norms(opt, model, data[:CALIBRATION_STEPS])
-    tail, kept = len(opt.plan.device_buckets), opt.plan.kept_layers
+    data = [ids.to(on) for ids in _batches(micro * (CALIBRATION_STEPS + 3))]
+    _norms(opt, model, data[: micro * CALIBRATION_STEPS], micro)
+    tail, kept, accumulation = len(opt.plan.device_buckets), opt.plan.kept_layers, opt.plan.host_accumulation
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail"
+    assert (accumulation is HostAccumulation.OFF) == (micro == 1)
     before = _saved(opt, model)
-    norms = _norms(opt, model, data[CALIBRATION_STEPS:])
+    norms = _norms(opt, model, data[micro * CALIBRATION_STEPS :], micro)
     k = len(opt.plan.device_buckets)
     assert tail < k and (k == len(opt.plan.buckets)) == (share == 1.0), "the measured room should grow the tail"
     assert opt.calibration is not None and opt.calibration["device_buckets"] == (tail, k)
@@ -151,10 +154,12 @@ def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *
     ref_model.load_state_dict(before["model"])
     ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=CLIP, log_plan=False, profile=opt._budget,
                                 config=config.replace(gpu_resident_buckets=k),
-                                workload=Workload(ref_model.config, BATCH, SEQ, grad_ckpt=ckpt))
+                                workload=Workload(ref_model.config, BATCH, SEQ, grad_ckpt=ckpt, accumulation=micro > 1,
+                                                  micro_batches=micro if micro > 1 else None))
     ref.load_state_dict(before["opt"])
     assert dataclasses.replace(ref.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
-    assert _norms(ref, ref_model, data[CALIBRATION_STEPS:]) == norms
+    assert opt.plan.host_accumulation is accumulation
+    assert _norms(ref, ref_model, data[micro * CALIBRATION_STEPS :], micro) == norms
     assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
     assert any(n > CLIP for n in norms) and any(n < CLIP for n in norms), "clipping should fire in some steps"
     ours, theirs = opt.engine.layout, ref.engine.layout
@@ -173,6 +178,17 @@ def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *
 def test_training_after_growth_equals_starting_with_the_larger_tail(device, config: SuperOffloadConfig) -> None:
     """Half of the host buckets move; the others stay where they were."""
     _room_grows_the_tail(device, torch.device("cpu"), config, share=0.5)
+
+
+@pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
+@pytest.mark.parametrize("dtype", ["fp32", "landing"])
+def test_growth_under_host_accumulation_equals_starting_with_the_larger_tail(device, dtype: str,
+                                                                             rollback: str) -> None:
+    """Micro-batches summed on the host ([Note: host accumulation] in docs/weight_flow.md): the calibration runs at
+    a step's first micro-batch, when nothing is summed, and the accumulation buffers shrink with the host share
+    (the fp32 arena at ``host_numel``; the landing ring sized by the remaining host shards)."""
+    config = SuperOffloadConfig(rollback=rollback, host_accumulation_dtype=dtype)
+    _room_grows_the_tail(device, torch.device("cpu"), config, share=0.5, micro=2)
 
 
 def test_room_for_every_bucket_empties_the_host(device) -> None:
