@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
 from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
 from hf_superoffload.planning.plan import HostAccumulation
@@ -91,3 +92,58 @@ def test_the_trainer_tells_the_optimizer_its_micro_batches(hf: Any, tmp_path: An
     trainer.create_optimizer()
     assert told == [3]
     trainer.superoffload_optimizer.close()
+
+
+class _LengthsDataset(torch.utils.data.Dataset):
+    """Token blocks whose length changes along the dataset (what dynamic padding gives a Trainer)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = [torch.randint(0, 128, (n,), generator=g) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def test_a_longer_batch_at_a_step_boundary_moves_the_tail(hf: Any, tmp_path: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: moving the tail to the host] under host accumulation through the Trainer: on a device budget that
+    holds about half of the optimizer beside the first (shorter) batches, the first longer batch arrives at an
+    optimizer step's first micro-batch and the tail moves to the host instead of refusing the batch."""
+    from hf_superoffload.planning import hardware
+    from hf_superoffload.planning.memory_model import PlanLike, estimate
+    from hf_superoffload.testing import pretend_profile
+
+    model = tiny_llama(seed=3, num_hidden_layers=4)
+    n = sum(p.numel() for p in model.parameters())
+    need = [estimate(model.config, batch_size=2, seq_len=24, grad_ckpt=False, chunked_loss=True,
+                     plan_like=PlanLike(device_numel=d, host_numel=n - d, bucket_bytes=2 * n // 8)).gpu_required_bytes
+            for d in (0, n)]
+    budget = int((need[0] + need[1]) / 2 / (1 - 0.04))
+    monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: pretend_profile(budget)))
+    steps = 4
+    lengths = [24] * (2 * ACCUM * 2) + [32] * (2 * ACCUM * 2)  # two steps of each length, 2 sequences a batch
+    kw = hf.train_kwargs(tmp_path, max_steps=steps, gradient_accumulation_steps=ACCUM, learning_rate=LR)
+    trainer = SuperOffloadTrainer(model=model, args=SuperOffloadArguments(**kw), train_dataset=_LengthsDataset(lengths))
+    monkeypatch.setattr(trainer, "_get_train_sampler",
+                        lambda *a, **k: torch.utils.data.SequentialSampler(trainer.train_dataset))
+    tails: list[int] = []
+    orig = trainer.training_step
+
+    def training_step(*a: Any, **k: Any) -> Any:
+        out = orig(*a, **k)
+        tails.append(len(trainer.superoffload_optimizer.plan.device_buckets))
+        return out
+
+    trainer.training_step = training_step  # type: ignore[method-assign]
+    trainer.train()
+    opt = trainer.superoffload_optimizer
+    assert opt.plan.host_accumulation is not HostAccumulation.OFF
+    assert trainer.state.global_step == steps
+    assert len(tails) == steps * ACCUM
+    short, long = set(tails[: 2 * ACCUM]), set(tails[2 * ACCUM :])
+    assert len(short) == len(long) == 1 and 0 < min(long) < min(short), tails
+    opt.close()
