@@ -693,8 +693,8 @@ def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, meas
 
 
 # The switches a move of the tail keeps: the engine's arenas and threads are built for them
-# (runtime/tail_move.py: ``check_move``). The deferred stores, the D2H lead and gate and the upload thread follow
-# the host share, as ``make_plan`` sets them for each tail size.
+# (runtime/tail_move.py: ``check_move``). The deferred stores, the D2H lead and gate, the upload thread and host
+# accumulation's landing ring follow the host share, as ``make_plan`` sets them for each tail size.
 _MOVE_KEEPS = ("weight_mode", "cast_side", "rollback", "speculation", "cpu_threads", "pin_memory", "host_accumulation",
                "nonspeculative_in_place")
 

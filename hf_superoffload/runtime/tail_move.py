@@ -22,15 +22,26 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # leaves. Before its forward runs, the optimizer asks for the plan with the fewest device buckets moved to the host
 # that still fits (the first device buckets in gradient-arrival order become the last host buckets; bucket
 # boundaries and the switches that shape the host arenas stay: rollback, cast side, host accumulation; the deferred
-# stores, the D2H lead and gate and the upload thread follow the new host share), and the engine moves their fp32
+# stores, the D2H lead and gate, the upload thread and the accumulation buffers follow the new host share), and the
+# engine moves their fp32
 # master and moments at that quiet point. The plan is exactly the one ``make_plan`` gives for that tail size with
 # those switches, so training on equals a run started with it from the same state, bit for bit (not one started
 # with it from the first step: before the move the tail's buckets stepped with the device AdamW, which rounds
 # differently from the CPU Adam). The move runs in the forward pre-hook, between steps, after every upload; not
-# under data parallelism, weight flow or host accumulation (the batch is refused as before). It briefly holds more
-# host memory than either plan: each host arena is regrown one at a time, and the remaining tail's state waits on
-# the host while its device arenas are reallocated at their new size, so that the device never holds the old and
-# the new arenas at once.
+# under data parallelism or weight flow (the batch is refused as before). It briefly holds more host memory than
+# either plan: each host arena is regrown one at a time, and the remaining tail's state waits on the host while its
+# device arenas are reallocated at their new size, so that the device never holds the old and the new arenas at
+# once.
+#
+# Under host accumulation ([Note: host accumulation] in docs/weight_flow.md) the move runs only at an optimizer
+# step's first micro-batch, where nothing is summed on the host yet: the accumulator's buffers hold no state then,
+# so they are dropped before the host arenas regrow and allocated again for the new plan (the fp32 arena at the
+# new ``host_numel``; the landing ring at the new ``OffloadPlan.landing_ring``, which follows the largest host
+# shards), and every host bucket's sum is bound afresh. The accumulation mode itself is a switch the move keeps.
+# A later micro-batch of the step finds partial sums laid out for the old host share, and a bucket that changed
+# sides would have summed its earlier micro-batches where the new plan does not (in ``param.grad`` on the device,
+# or on the host), so a longer batch there is refused in one line that says so and names the workload to plan
+# for (the engine's ``mid_accumulation``); the next step's first micro-batch may move.
 
 
 # [Note: moving the tail to the device]
@@ -44,9 +55,10 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # deferred store: the committed host state copy of the moved buckets is copied into the device arenas, which grow
 # one arena at a time through host memory (the device never holds the old and the new arenas at once); then the
 # host arenas are reallocated at the smaller host share, so the moved buckets' host memory is freed (each arena is
-# briefly held twice, one at a time). The deferred stores, the D2H lead and gate, the master share and the upload
-# thread follow the smaller host share; a gate thread or upload thread a plan without host buckets no longer asks
-# for stays idle.
+# briefly held twice, one at a time). The deferred stores, the D2H lead and gate, the master share, the upload
+# thread and host accumulation's buffers follow the smaller host share, at a step's first micro-batch as above; a
+# gate thread or upload thread a plan without host buckets no longer asks for stays idle. Host accumulation keeps
+# at least one host bucket (a plan without host buckets accumulates on the device: a switch the move keeps).
 
 
 def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:

@@ -15,9 +15,10 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.memory_model import PlanLike, estimate
-from hf_superoffload.planning.plan import OffloadPlan, Placement
+from hf_superoffload.planning.plan import HostAccumulation, OffloadPlan, Placement
 from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
 from hf_superoffload.runtime import streams
+from hf_superoffload.runtime.tail_move import check_move
 from hf_superoffload.testing import master_of, pretend_profile, tiny_llama, train_steps, weights_and_state
 
 MODEL = dict(seed=3, num_hidden_layers=4)
@@ -396,3 +397,27 @@ def test_a_longer_micro_batch_mid_step_is_refused_and_the_next_step_moves(device
     assert _same(weights_and_state(model, opt), weights_and_state(twin_model, twin))
     opt.close()
     twin.close()
+
+
+def test_a_move_keeps_the_accumulation_mode_and_its_ring_follows_the_host_shards() -> None:
+    """``shrink_tail`` under host accumulation pins its mode and lets the landing ring follow the host shards, as
+    ``make_plan`` sizes it for that tail; ``check_move`` takes that plan and refuses one that changes the mode or
+    whose ring cannot hold the largest host shard."""
+    model = tiny_llama(**MODEL)
+    profile = pretend_profile(_budget(model))
+    numels = [p.numel() for p in reversed(list(model.parameters()))]
+    config = SuperOffloadConfig(host_accumulation_dtype="landing")
+    short = Workload(model.config, BATCH, SHORT, grad_ckpt=False, chunked_loss=True, accumulation=True,
+                     micro_batches=MICRO)
+    plan = make_plan(numels, element_size=2, config=config, profile=profile, workload=short)
+    long = dataclasses.replace(short, seq_len=LONG)
+    shrunk = shrink_tail(plan, long, profile, numels=numels, element_size=2, config=config)
+    assert shrunk is not None and shrunk.host_accumulation is plan.host_accumulation is HostAccumulation.LANDING
+    fresh = make_plan(numels, element_size=2, config=config.replace(gpu_resident_buckets=len(shrunk.device_buckets)),
+                      profile=profile, workload=long)
+    assert shrunk.landing_ring == fresh.landing_ring != plan.landing_ring
+    check_move(plan, shrunk)
+    with pytest.raises(ValueError, match=r"changes \['host_accumulation'\]"):
+        check_move(plan, dataclasses.replace(shrunk, host_accumulation=HostAccumulation.FP32, landing_ring=()))
+    with pytest.raises(ValueError, match="ring slot as large as the largest host bucket"):
+        check_move(plan, dataclasses.replace(shrunk, landing_ring=(1,)))
