@@ -257,4 +257,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         "held[old.offset : old.offset + old.shard]", "held[b.spec.offset : b.spec.offset + b.spec.shard]",
         (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[plain]",),
     ),
+    Mutation(  # [Note: moving the tail to the host] under host accumulation: the accumulator keeps the old host share
+        "tail_move_keeps_the_accumulation_buffers", "hf_superoffload/runtime/engine.py",
+        "        self._release_accumulation()\n        moved = move_to_host(self.layout, plan)\n        self.plan = plan\n"
+        "        self._relayout_accumulation(plan)\n",
+        "        moved = move_to_host(self.layout, plan)\n        self.plan = plan\n",
+        (f"{MOVE}::test_a_move_under_host_accumulation_equals_starting_with_the_smaller_tail[fp32-inverse]",),
+    ),
+    Mutation(  # a longer micro-batch after others summed on the host moves the tail under the partial sums
+        "tail_moves_mid_accumulation", "hf_superoffload/runtime/engine.py",
+        "        return (self.comm is None and self._flow is None and not self.step_in_progress\n"
+        "                and (self._accum is None or self._accum.empty))\n",
+        "        return self.comm is None and self._flow is None\n",
+        (f"{MOVE}::test_a_longer_micro_batch_mid_step_is_refused_and_the_next_step_moves",),
+    ),
 )
