@@ -351,9 +351,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 text = calibration_summary(self.calibration, CALIBRATION_STEPS)
                 for listener in self.calibration_listeners:
                     listener(text)
-        self._forwards += 1
         shape = _batch_shape(args, kwargs)
         if shape is None or shape[0] * shape[1] <= self._fitted_tokens:
+            self._forwards += 1
             return
         larger = dataclasses.replace(self.workload, batch_size=shape[0], seq_len=shape[1])
         ok, why = self._fit(larger, f"a training batch of {shape[0]} x {shape[1]} tokens")
@@ -366,6 +366,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 f"seq_len={shape[1]}, grad_ckpt={w.grad_ckpt})), or superoffload_max_seq_len with the Trainer; or cap "
                 "the batches' length")
         self._fitted_tokens, self._fitted = shape[0] * shape[1], larger
+        self._forwards += 1  # counted once it runs: a refused forward is no micro-batch of the step
 
     def _calibrate(self) -> None:
         """[Note: calibration from the measured peak] in planning/planner.py: once, before the forward after the
