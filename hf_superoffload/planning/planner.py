@@ -429,28 +429,17 @@ def _worst_case_s(plan: OffloadPlan, workload: Workload, profile: HardwareProfil
     return None if t is None else t.step_s
 
 
-def _search_tail(
-    numels: Sequence[int],
-    *,
-    element_size: int,
-    config: SuperOffloadConfig,
-    profile: HardwareProfile,
-    world_size: int = 1,
-    rank: int = 0,
-    local_world_size: int = 1,
-    local_rank: int = 0,
-    cores: Sequence[int] | None = None,
-    workload: Workload | None = None,
-) -> OffloadPlan:
-    """The plan for ``config``'s switches, the rules deciding its ``"auto"`` ones (arguments as :func:`make_plan`'s).
+def _search_tail(numels: Sequence[int], *, element_size: int, config: SuperOffloadConfig, profile: HardwareProfile,
+                 world_size: int = 1, workload: Workload | None = None, **ranks: Any) -> OffloadPlan:
+    """The plan for ``config``'s switches, the rules deciding its ``"auto"`` ones (arguments as :func:`make_plan`'s;
+    ``ranks``: its ``rank``, ``local_world_size``, ``local_rank`` and ``cores``).
 
     With ``gpu_resident_buckets="auto"``, the device tail is first sized for the device (the memory the activations
     leave, or ``device_memory_fraction``); when the host RAM cannot hold the rest, the tail grows, bucket by
     bucket, until it can, as long as the device holds it; between the two, the fastest predicted tail
     ([Note: tail from both memories] above).
     """
-    kw = dict(element_size=element_size, profile=profile, world_size=world_size, rank=rank,
-              local_world_size=local_world_size, local_rank=local_rank, cores=cores, workload=workload)
+    kw = dict(element_size=element_size, profile=profile, world_size=world_size, workload=workload, **ranks)
 
     def plan_at(n: int | str) -> OffloadPlan | None:
         try:

@@ -13,12 +13,10 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
-from hf_superoffload import optimizer as optimizer_module
-from hf_superoffload.planning import hardware
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.planner import CALIBRATED_MARGIN, CALIBRATION_STEPS, Workload, calibrated_budget
-from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, weights_and_state
+from hf_superoffload.testing import tiny_llama, train_steps, weights_and_state
 
 GiB = 1024**3
 BATCH, SEQ = 2, 24
@@ -26,29 +24,6 @@ BATCH, SEQ = 2, 24
 
 def _model(ckpt: bool) -> torch.nn.Module:
     return tiny_llama(seed=3, num_hidden_layers=4, checkpointing=ckpt)
-
-
-@pytest.fixture
-def device(monkeypatch: pytest.MonkeyPatch):
-    """A simulated device: ``budget(bytes)`` sets the free memory the first batch's plan sees, ``measure(fn)`` what
-    the calibration reads as this run's peak (``fn(opt)``; ``None``: nothing measured, as on a CPU)."""
-
-    class Device:
-        opt: SuperOffloadOptimizer | None = None
-        reads = 0
-
-        def budget(self, free: int) -> None:
-            profile = pretend_profile(free)
-            monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
-
-        def measure(self, fn) -> None:
-            def measured(device: torch.device, other: int) -> int | None:
-                self.reads += 1
-                return None if self.opt is None else fn(self.opt)
-
-            monkeypatch.setattr(optimizer_module, "_measured_device_need", measured)
-
-    return Device()
 
 
 def _batches(n: int) -> list[torch.Tensor]:
@@ -91,7 +66,7 @@ def test_the_calibrated_budget_replaces_the_margins_by_the_measurement() -> None
                                           cpu_threads=1), predicted_required=1, measured_need=1)
 
 
-def test_room_the_model_did_not_see_goes_to_kept_layers_and_changes_no_value(device) -> None:
+def test_room_the_model_did_not_see_goes_to_kept_layers_and_changes_no_value(sim_device) -> None:
     """The tail-move test's budget leaves room for one kept layer beside a partial tail of 5 buckets; a measured
     need well under the prediction keeps more layers from the forward after the calibration on, and the run equals
     one where nothing was measured. The tail is configured (a user's constraint, which the calibration does not
@@ -100,11 +75,11 @@ def test_room_the_model_did_not_see_goes_to_kept_layers_and_changes_no_value(dev
     runs = []
     for measure in (True, False):
         model = _model(ckpt=True)
-        device.budget(int((1074000000 + 350000) / 0.96))
-        device.measure(lambda opt, measure=measure: _required(opt) - 400_000 if measure else None)
+        sim_device.budget(int((1074000000 + 350000) / 0.96))
+        sim_device.measure(lambda opt, measure=measure: _required(opt) - 400_000 if measure else None)
         opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
                                     config=SuperOffloadConfig(gpu_resident_buckets=5))
-        device.opt = opt
+        sim_device.opt = opt
         data = _batches(CALIBRATION_STEPS + 2)
         norms = _train(opt, model, data[:CALIBRATION_STEPS])
         kept = opt.plan.kept_layers
@@ -123,7 +98,7 @@ def test_room_the_model_did_not_see_goes_to_kept_layers_and_changes_no_value(dev
     assert _same(runs[0][1], runs[1][1])
 
 
-def _shortfall_moves_the_tail(device, on: torch.device, *, partial: bool) -> None:
+def _shortfall_moves_the_tail(sim_device, on: torch.device, *, partial: bool) -> None:
     """Train ``CALIBRATION_STEPS`` steps on ``on``, with a simulated measured need that leaves room for two thirds of
     the device tail; the forward after the calibration moves device buckets to the host, and training on equals a
     run started with that smaller tail from the state just before. ``partial``: the budget left a partial tail."""
@@ -138,9 +113,9 @@ def _shortfall_moves_the_tail(device, on: torch.device, *, partial: bool) -> Non
         assert opt._budget is not None and opt._budget.device_free_bytes is not None
         return int(opt._budget.device_free_bytes * (1 - CALIBRATED_MARGIN) + _required(opt) - target)
 
-    device.measure(measured)
+    sim_device.measure(measured)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
-    device.opt = opt
+    sim_device.opt = opt
     data = [ids.to(on) for ids in _batches(CALIBRATION_STEPS + 3)]
     _train(opt, model, data[:CALIBRATION_STEPS])
     tail = len(opt.plan.device_buckets)
@@ -156,7 +131,7 @@ def _shortfall_moves_the_tail(device, on: torch.device, *, partial: bool) -> Non
     assert {b.index for b in opt.engine.host_buckets} == {s.index for s in opt.plan.host_buckets}
     assert opt.calibration is not None and opt.calibration["device_buckets"] == (tail, k)
 
-    device.opt = None  # the reference measures nothing: it starts with the smaller tail
+    sim_device.opt = None  # the reference measures nothing: it starts with the smaller tail
     ref_model = _model(ckpt=False).to(on)
     ref_model.load_state_dict(before["model"])
     ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
@@ -170,13 +145,13 @@ def _shortfall_moves_the_tail(device, on: torch.device, *, partial: bool) -> Non
     ref.close()
 
 
-def test_a_measured_need_over_the_prediction_moves_device_buckets_to_the_host(device) -> None:
+def test_a_measured_need_over_the_prediction_moves_device_buckets_to_the_host(sim_device) -> None:
     """The model was short by a third of the tail's state, on a simulated budget that leaves a partial tail."""
     model = _model(ckpt=False)
     n = sum(p.numel() for p in model.parameters())
     need = [_required_for(model, d, n) for d in (0, n)]
-    device.budget(int((need[0] + need[1]) / 2 / 0.96))
-    _shortfall_moves_the_tail(device, torch.device("cpu"), partial=True)
+    sim_device.budget(int((need[0] + need[1]) / 2 / 0.96))
+    _shortfall_moves_the_tail(sim_device, torch.device("cpu"), partial=True)
 
 
 def _required_for(model: torch.nn.Module, device_numel: int, n: int) -> int:
@@ -185,16 +160,16 @@ def _required_for(model: torch.nn.Module, device_numel: int, n: int) -> int:
                                        bucket_bytes=2 * n // 8)).gpu_required_bytes
 
 
-def test_a_shortfall_nothing_can_fix_is_logged_and_the_run_goes_on(device, caplog) -> None:
+def test_a_shortfall_nothing_can_fix_is_logged_and_the_run_goes_on(sim_device, caplog) -> None:
     """Every state already on the host and no kept layer to give back: the run has trained without running out of
     memory (the allocator frees its cache and retries before it fails), so the calibration warns and changes
     nothing; the plan's budget stays calibrated for later batches."""
     model = _model(ckpt=False)
-    device.budget(64 * GiB)
-    device.measure(lambda opt: 200 * GiB)
+    sim_device.budget(64 * GiB)
+    sim_device.measure(lambda opt: 200 * GiB)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
                                 config=SuperOffloadConfig(gpu_resident_buckets=0))
-    device.opt = opt
+    sim_device.opt = opt
     data = _batches(CALIBRATION_STEPS + 1)
     _train(opt, model, data[:CALIBRATION_STEPS])
     plan = opt.plan
@@ -205,28 +180,28 @@ def test_a_shortfall_nothing_can_fix_is_logged_and_the_run_goes_on(device, caplo
     opt.close()
 
 
-def test_nothing_is_measured_before_the_calibration_steps_nor_twice(device) -> None:
+def test_nothing_is_measured_before_the_calibration_steps_nor_twice(sim_device) -> None:
     model = _model(ckpt=False)
-    device.budget(64 * GiB)
-    device.measure(lambda opt: _required(opt))
+    sim_device.budget(64 * GiB)
+    sim_device.measure(lambda opt: _required(opt))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
-    device.opt = opt
+    sim_device.opt = opt
     data = _batches(CALIBRATION_STEPS + 3)
     _train(opt, model, data[:CALIBRATION_STEPS])
-    assert device.reads == 0
+    assert sim_device.reads == 0
     _train(opt, model, data[CALIBRATION_STEPS:])
-    assert device.reads == 1
+    assert sim_device.reads == 1
     opt.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_a_measured_shortfall_moves_device_buckets_and_training_goes_on_as_if_started_so(device) -> None:
+def test_on_a_gpu_a_measured_shortfall_moves_device_buckets_and_training_goes_on_as_if_started_so(sim_device) -> None:
     """The move's CUDA path (device arenas reallocated through host memory, the device AdamW's state copied out):
     the real free memory plans every bucket on the device. The model's CUDA kernels run deterministically
     (``torch.use_deterministic_algorithms``) so the runs can be compared bit for bit."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        _shortfall_moves_the_tail(device, torch.device("cuda"), partial=False)
+        _shortfall_moves_the_tail(sim_device, torch.device("cuda"), partial=False)
     finally:
         torch.use_deterministic_algorithms(was)

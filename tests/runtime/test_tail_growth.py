@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
-from hf_superoffload import optimizer as optimizer_module
 from hf_superoffload.optimizer import calibration_summary
-from hf_superoffload.planning import hardware, planner
+from hf_superoffload.planning import planner
 from hf_superoffload.planning.hardware import HardwareProfile
 from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.plan import HostAccumulation, OffloadPlan, Placement, Rollback
@@ -36,31 +35,6 @@ from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, we
 BATCH, SEQ = 2, 24
 MODEL = dict(seed=3, num_hidden_layers=4)
 CLIP = 1.5  # the steps after the calibration clip in some steps, not in others
-
-
-@pytest.fixture
-def device(monkeypatch: pytest.MonkeyPatch):
-    """A simulated device: ``budget(bytes)`` sets the free memory the first batch's plan sees (on CUDA too: the
-    driver's figure and the known rates are left out), ``measure(fn)`` what the calibration reads as this run's peak
-    (``fn(opt)``; nothing measured while ``opt`` is ``None``)."""
-
-    class Device:
-        opt: SuperOffloadOptimizer | None = None
-
-        def budget(self, free: int, device_type: str = "cpu") -> None:
-            profile = dataclasses.replace(pretend_profile(free), device_type=device_type)
-            monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
-            monkeypatch.setattr(optimizer_module, "cuda_free_bytes", lambda device: (free, free))
-            monkeypatch.setattr(optimizer_module, "with_known_rates", lambda profile, device: profile)
-            monkeypatch.setattr(optimizer_module, "_count_own_weights_as_free", lambda profile, own, device: profile)
-
-        def measure(self, fn: Any) -> None:
-            def measured(device: torch.device, other: int) -> int | None:
-                return None if self.opt is None else fn(self.opt)
-
-            monkeypatch.setattr(optimizer_module, "_measured_device_need", measured)
-
-    return Device()
 
 
 def _batches(n: int) -> list[torch.Tensor]:
@@ -118,7 +92,7 @@ def _saved(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> dict[str, Any]
     return torch.load(buf, weights_only=False)
 
 
-def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *, share: float,
+def _room_grows_the_tail(sim_device, on: torch.device, config: SuperOffloadConfig, *, share: float,
                          ckpt: bool = False, micro: int = 1) -> None:
     """Train ``CALIBRATION_STEPS`` steps on ``on`` with a first plan that keeps a partial tail, then a measured need
     that leaves room for ``share`` of the host buckets on the device too; the forward after the calibration moves
@@ -126,10 +100,10 @@ def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *
     before, bit for bit, with the arenas that run allocates. ``micro``: micro-batches per step (more than one:
     the first plan sums them on the host, and the move runs at a step's first micro-batch)."""
     model = tiny_llama(**MODEL, checkpointing=ckpt).to(on)
-    device.budget(_partial_budget(model), device_type=on.type)
-    device.measure(_room_for(config, share))
+    sim_device.budget(_partial_budget(model), device_type=on.type)
+    sim_device.measure(_room_for(config, share))
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=CLIP, log_plan=False, config=config)
-    device.opt = opt
+    sim_device.opt = opt
     data = [ids.to(on) for ids in _batches(micro * (CALIBRATION_STEPS + 3))]
     _norms(opt, model, data[: micro * CALIBRATION_STEPS], micro)
     tail, kept, accumulation = len(opt.plan.device_buckets), opt.plan.kept_layers, opt.plan.host_accumulation
@@ -149,7 +123,7 @@ def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *
     if ckpt:
         assert opt.plan.kept_layers == 4 > kept, "kept layers take the room first"
 
-    device.opt = None  # the reference measures nothing: it starts with the larger tail on the calibrated budget
+    sim_device.opt = None  # the reference measures nothing: it starts with the larger tail on the calibrated budget
     ref_model = tiny_llama(**MODEL, checkpointing=ckpt).to(on)
     ref_model.load_state_dict(before["model"])
     ref = SuperOffloadOptimizer(ref_model, lr=1e-2, max_grad_norm=CLIP, log_plan=False, profile=opt._budget,
@@ -175,31 +149,31 @@ def _room_grows_the_tail(device, on: torch.device, config: SuperOffloadConfig, *
     SuperOffloadConfig(rollback="inverse"),
     SuperOffloadConfig(rollback="inverse", speculation=False),
 ], ids=["plain", "double_buffer", "inverse", "inverse-verdict-first"])
-def test_training_after_growth_equals_starting_with_the_larger_tail(device, config: SuperOffloadConfig) -> None:
+def test_training_after_growth_equals_starting_with_the_larger_tail(sim_device, config: SuperOffloadConfig) -> None:
     """Half of the host buckets move; the others stay where they were."""
-    _room_grows_the_tail(device, torch.device("cpu"), config, share=0.5)
+    _room_grows_the_tail(sim_device, torch.device("cpu"), config, share=0.5)
 
 
 @pytest.mark.parametrize("rollback", ["double_buffer", "inverse"])
 @pytest.mark.parametrize("dtype", ["fp32", "landing"])
-def test_growth_under_host_accumulation_equals_starting_with_the_larger_tail(device, dtype: str,
+def test_growth_under_host_accumulation_equals_starting_with_the_larger_tail(sim_device, dtype: str,
                                                                              rollback: str) -> None:
     """Micro-batches summed on the host ([Note: host accumulation] in docs/weight_flow.md): the calibration runs at
     a step's first micro-batch, when nothing is summed, and the accumulation buffers shrink with the host share
     (the fp32 arena at ``host_numel``; the landing ring sized by the remaining host shards)."""
     config = SuperOffloadConfig(rollback=rollback, host_accumulation_dtype=dtype)
-    _room_grows_the_tail(device, torch.device("cpu"), config, share=0.5, micro=2)
+    _room_grows_the_tail(sim_device, torch.device("cpu"), config, share=0.5, micro=2)
 
 
-def test_room_for_every_bucket_empties_the_host(device) -> None:
+def test_room_for_every_bucket_empties_the_host(sim_device) -> None:
     """Every host bucket moves: the host arenas shrink to nothing and the deferred stores turn off with them."""
-    _room_grows_the_tail(device, torch.device("cpu"), SuperOffloadConfig(), share=1.0)
+    _room_grows_the_tail(sim_device, torch.device("cpu"), SuperOffloadConfig(), share=1.0)
 
 
-def test_room_beyond_every_kept_layer_grows_the_tail(device) -> None:
+def test_room_beyond_every_kept_layer_grows_the_tail(sim_device) -> None:
     """Under per-layer checkpointing the room goes to kept layers first (every one of them here); the tail grows
     with what they leave."""
-    _room_grows_the_tail(device, torch.device("cpu"), SuperOffloadConfig(), share=0.5, ckpt=True)
+    _room_grows_the_tail(sim_device, torch.device("cpu"), SuperOffloadConfig(), share=0.5, ckpt=True)
 
 
 def _setting(model: torch.nn.Module, **budget: Any) -> tuple[list[int], Workload, HardwareProfile]:
@@ -290,11 +264,11 @@ def test_a_move_that_changes_switches_or_cuts_is_refused() -> None:
         check_move_to_device(plan, shrunk)
 
 
-def test_nothing_grows_where_the_calibrated_budget_holds_no_more(device) -> None:
+def test_nothing_grows_where_the_calibrated_budget_holds_no_more(sim_device) -> None:
     """A measured need at the budget the plan was sized for leaves no room for another bucket: the calibration
     moves nothing and the run trains on as it was."""
     model = tiny_llama(**MODEL)
-    device.budget(_partial_budget(model))
+    sim_device.budget(_partial_budget(model))
 
     def measured(opt: SuperOffloadOptimizer) -> int:  # exactly what the plan leaves unused, taken
         budget = opt._budget
@@ -302,9 +276,9 @@ def test_nothing_grows_where_the_calibrated_budget_holds_no_more(device) -> None
         return int(budget.device_free_bytes * (1 - CALIBRATED_MARGIN) - budget.device_free_bytes * (1 - 0.04)
                    + _need(opt._planning_workload(opt.workload), opt.plan))
 
-    device.measure(measured)
+    sim_device.measure(measured)
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=CLIP, log_plan=False)
-    device.opt = opt
+    sim_device.opt = opt
     data = _batches(CALIBRATION_STEPS + 1)
     _norms(opt, model, data[:CALIBRATION_STEPS])
     plan = opt.plan
@@ -315,7 +289,7 @@ def test_nothing_grows_where_the_calibrated_budget_holds_no_more(device) -> None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_measured_room_grows_the_tail_and_training_goes_on_as_if_started_so(device) -> None:
+def test_on_a_gpu_measured_room_grows_the_tail_and_training_goes_on_as_if_started_so(sim_device) -> None:
     """The growth's CUDA path (device arenas grown through host memory, page-locked host arenas reallocated, the
     upload thread and the forward hooks of the moved parameters dropped) on a simulated budget. The model's CUDA
     kernels run deterministically (``torch.use_deterministic_algorithms``) so the runs can be compared bit for
@@ -323,6 +297,6 @@ def test_on_a_gpu_measured_room_grows_the_tail_and_training_goes_on_as_if_starte
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        _room_grows_the_tail(device, torch.device("cuda"), SuperOffloadConfig(), share=0.5)
+        _room_grows_the_tail(sim_device, torch.device("cuda"), SuperOffloadConfig(), share=0.5)
     finally:
         torch.use_deterministic_algorithms(was)
