@@ -23,15 +23,14 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # that still fits (the first device buckets in gradient-arrival order become the last host buckets; bucket
 # boundaries and the switches that shape the host arenas stay: rollback, cast side, host accumulation; the deferred
 # stores, the D2H lead and gate, the upload thread and the accumulation buffers follow the new host share), and the
-# engine moves their fp32
-# master and moments at that quiet point. The plan is exactly the one ``make_plan`` gives for that tail size with
-# those switches, so training on equals a run started with it from the same state, bit for bit (not one started
-# with it from the first step: before the move the tail's buckets stepped with the device AdamW, which rounds
-# differently from the CPU Adam). The move runs in the forward pre-hook, between steps, after every upload; not
-# under data parallelism or weight flow (the batch is refused as before). It briefly holds more host memory than
-# either plan: each host arena is regrown one at a time, and the remaining tail's state waits on the host while its
-# device arenas are reallocated at their new size, so that the device never holds the old and the new arenas at
-# once.
+# engine moves their fp32 master and moments at that quiet point. The plan is exactly the one ``make_plan`` gives
+# for that tail size with those switches, so training on equals a run started with it from the same state, bit for
+# bit (not one started with it from the first step: before the move the tail's buckets stepped with the device
+# AdamW, which rounds differently from the CPU Adam). The move runs in the forward pre-hook, between steps, after
+# every upload; not under data parallelism or weight flow (the batch is refused as before). It briefly holds more
+# host memory than either plan: each host arena is regrown one at a time, and the remaining tail's state waits on
+# the host while its device arenas are reallocated at their new size, so that the device never holds the old and
+# the new arenas at once.
 #
 # Under host accumulation ([Note: host accumulation] in docs/weight_flow.md) the move runs only at an optimizer
 # step's first micro-batch, where nothing is summed on the host yet: the accumulator's buffers hold no state then,
