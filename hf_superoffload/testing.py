@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FP32_UNIT_ROUNDOFF", "ROUNDINGS_PER_STEP", "ReferenceAdamW", "TokenDataset", "TrainedStep", "master_of",
-    "pretend_profile", "rounding_floor_ratio", "state_of", "state_tensors", "tiny_llama", "tiny_llama_config",
+    "pretend_profile", "rounding_floor_ratio", "snapshot", "state_of", "state_tensors", "tiny_llama",
+    "tiny_llama_config",
     "train_steps", "weights_and_state",
 ]
 
@@ -231,3 +232,15 @@ def state_of(opt: SuperOffloadOptimizer, param: torch.Tensor) -> dict[str, torch
 def master_of(opt: SuperOffloadOptimizer, param: torch.Tensor) -> torch.Tensor:
     """A copy on the CPU of the committed fp32 master of model parameter ``param`` (see :func:`state_of`)."""
     return state_of(opt, param)["master"]
+
+
+def snapshot(model: torch.nn.Module, opt: SuperOffloadOptimizer) -> dict[str, Any]:
+    """A deep copy of ``model``'s and ``opt``'s state dicts taken through ``torch.save`` (what a checkpoint holds),
+    to start a reference run from the state at some point of another."""
+    import io
+
+    opt.synchronize()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

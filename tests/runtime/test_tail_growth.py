@@ -7,7 +7,6 @@ in test_calibration.py."""
 from __future__ import annotations
 
 import dataclasses
-import io
 from types import SimpleNamespace
 from typing import Any
 
@@ -30,7 +29,7 @@ from hf_superoffload.planning.planner import (
     shrink_tail,
 )
 from hf_superoffload.runtime.tail_move import check_move, check_move_to_device
-from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps, weights_and_state
+from hf_superoffload.testing import pretend_profile, snapshot, tiny_llama, train_steps, weights_and_state
 
 BATCH, SEQ = 2, 24
 MODEL = dict(seed=3, num_hidden_layers=4)
@@ -84,14 +83,6 @@ def _room_for(config: SuperOffloadConfig, share: float) -> Any:
     return measured
 
 
-def _saved(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> dict[str, Any]:
-    opt.synchronize()
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 def _room_grows_the_tail(sim_device, on: torch.device, config: SuperOffloadConfig, *, share: float,
                          ckpt: bool = False, micro: int = 1) -> None:
     """Train ``CALIBRATION_STEPS`` steps on ``on`` with a first plan that keeps a partial tail, then a measured need
@@ -109,7 +100,7 @@ def _room_grows_the_tail(sim_device, on: torch.device, config: SuperOffloadConfi
     tail, kept, accumulation = len(opt.plan.device_buckets), opt.plan.kept_layers, opt.plan.host_accumulation
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail"
     assert (accumulation is HostAccumulation.OFF) == (micro == 1)
-    before = _saved(opt, model)
+    before = snapshot(model, opt)
     norms = _norms(opt, model, data[micro * CALIBRATION_STEPS :], micro)
     k = len(opt.plan.device_buckets)
     assert tail < k and (k == len(opt.plan.buckets)) == (share == 1.0), "the measured room should grow the tail"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
 import threading
 import weakref
 
@@ -19,7 +18,14 @@ from hf_superoffload.planning.plan import HostAccumulation, OffloadPlan, Placeme
 from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
 from hf_superoffload.runtime import streams
 from hf_superoffload.runtime.tail_move import check_move
-from hf_superoffload.testing import master_of, pretend_profile, tiny_llama, train_steps, weights_and_state
+from hf_superoffload.testing import (
+    master_of,
+    pretend_profile,
+    snapshot,
+    tiny_llama,
+    train_steps,
+    weights_and_state,
+)
 
 MODEL = dict(seed=3, num_hidden_layers=4)
 BATCH, SHORT, LONG = 2, 24, 32  # on the budget below, 2 x 32 tokens leave room for a smaller tail only
@@ -54,14 +60,6 @@ def _runtime_fields(plan: OffloadPlan) -> OffloadPlan:
     return dataclasses.replace(plan, notes=(), kept_layers=0)
 
 
-def _saved(opt: SuperOffloadOptimizer, model: torch.nn.Module) -> dict[str, object]:
-    opt.synchronize()
-    buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 def _started_with(saved: dict[str, object], config: SuperOffloadConfig, k: int, *, seq: int = LONG,
                   ckpt: bool = False) -> tuple[SuperOffloadOptimizer, torch.nn.Module]:
     """A run started with ``k`` device buckets (planned for the long batch), from the saved state."""
@@ -88,7 +86,7 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
     train_steps(model, opt, data[:3])
     tail = len(opt.plan.device_buckets)
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail for the short batch"
-    before = _saved(opt, model)
+    before = snapshot(model, opt)
     norms = _grad_norms(model, opt, data[3:])
     k = len(opt.plan.device_buckets)
     assert 0 < k < tail, "the long batch should move some, not all, device buckets to the host"
@@ -121,7 +119,7 @@ def test_a_tail_holding_every_bucket_moves_to_empty_host_arenas(device_budget) -
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     train_steps(model, opt, data[:2])
     assert opt.plan.host_numel == 0
-    before = _saved(opt, model)
+    before = snapshot(model, opt)
     norms = _grad_norms(model, opt, data[2:])
     k = len(opt.plan.device_buckets)
     assert 0 < k < len(opt.plan.buckets)
@@ -154,7 +152,7 @@ def test_a_move_that_turns_the_d2h_gate_on_starts_the_gate(device_budget, monkey
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     train_steps(model, opt, data[:2])
     assert not opt.plan.d2h_gate and not opt.engine._worker.gated, "the worker is gated only when the plan asks"
-    before = _saved(opt, model)
+    before = snapshot(model, opt)
     norms = _grad_norms(model, opt, data[2:])
     assert opt.plan.d2h_gate and opt.plan.host_numel > opt.plan.device_numel
     assert len(gated) == 2 * len(opt.engine.host_buckets)
@@ -176,7 +174,7 @@ def test_a_move_also_sets_the_kept_layers_of_its_plan(device_budget) -> None:
     train_steps(model, opt, data[:2])
     tail, kept = len(opt.plan.device_buckets), opt.plan.kept_layers
     assert tail and kept, "the budget should keep a layer beside a partial tail"
-    before = _saved(opt, model)
+    before = snapshot(model, opt)
     norms = _grad_norms(model, opt, data[2:])
     k = len(opt.plan.device_buckets)
     assert k < tail
@@ -243,7 +241,7 @@ def test_a_checkpoint_after_the_move_resumes_bit_identically(device_budget) -> N
     opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     train_steps(model, opt, data[:4])  # the move happens at the first long batch
     k = len(opt.plan.device_buckets)
-    saved = _saved(opt, model)
+    saved = snapshot(model, opt)
     norms = _grad_norms(model, opt, data[4:])
     fresh, fresh_model = _started_with(saved, SuperOffloadConfig(), k)
     assert _grad_norms(fresh_model, fresh, data[4:]) == norms
@@ -342,7 +340,7 @@ def test_a_move_under_host_accumulation_equals_starting_with_the_smaller_tail(de
     tail, ring = len(opt.plan.device_buckets), opt.plan.landing_ring
     assert opt.plan.host_accumulation.value == dtype, "the run accumulates on the host"
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail for the short batch"
-    before = _saved(opt, model)
+    before = snapshot(model, opt)
     norms = _accumulated_norms(model, opt, data[3 * MICRO :])
     k = len(opt.plan.device_buckets)
     assert 0 < k < tail, "the long batch should move some, not all, device buckets to the host"
