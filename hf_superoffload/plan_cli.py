@@ -294,6 +294,7 @@ def main_plan(args: argparse.Namespace) -> int:
     if step is not None and plan is not None and plan.rollback.value == "snapshot":
         plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
     est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
+    frontier: tuple[int | None, int | None] | None = None
     try:
         check_fits(est, share)
     except PlanError as e:
@@ -322,17 +323,19 @@ def main_plan(args: argparse.Namespace) -> int:
             largest = largest_model_that_fits(shape, profile=share, host_bytes_per_param=plan_like.host_bytes_per_param,
                                               max_layers=MAX_LAYERS, weight_mode=plan_like.weight_mode,
                                               bucket_bytes=plan_like.bucket_bytes, **run)
+    # The longest sequence agrees with the verdict: where the run fits, how far this plan goes (both memories; a
+    # longer sequence may still fit with a smaller device tail, which `plan --seq-len` at that length searches);
+    # where it does not, the plan search's own frontier below the asked length (None: not even one token).
     longest = None
-    if profile.device_free_bytes is not None:
-        free = profile.device_free_bytes
-
+    if profile.device_free_bytes is not None and reason is None:
         def seq_fits(n: int) -> bool:
-            e = estimate(shape, plan_like=plan_like, batch_size=args.batch_size, seq_len=n * sp,
-                         grad_ckpt=args.grad_ckpt, **sp_kw)
-            return e.gpu_required_bytes <= free
+            return fits(estimate(shape, plan_like=plan_like, batch_size=args.batch_size, seq_len=n * sp,
+                                 grad_ckpt=args.grad_ckpt, **sp_kw), share)
 
         per_rank = bisect_largest(1, MAX_SEQ // sp, seq_fits)
         longest = None if per_rank is None else per_rank * sp
+    elif frontier is not None:
+        longest = frontier[1] or 0
     if sp > 1:
         notes.append(f"sequence parallel: {sp} ranks per sequence, {-(-args.seq_len // sp)} tokens of each sequence "
                      f"per GPU; loss over chunks of {chunk} tokens; optimizer state sharded over the {sp} ranks "
@@ -345,7 +348,8 @@ def main_plan(args: argparse.Namespace) -> int:
     out = {
         "fits": reason is None, "reason": reason,
         "longest_sequence": None if longest is None else {"tokens": longest, "sequence_parallel": sp,
-                                                          "at_search_limit": longest >= MAX_SEQ - sp},
+                                                          "at_search_limit": longest >= MAX_SEQ - sp,
+                                                          "with_this_plan": reason is None},
         "model": {"source": args.model, "numel": sum(numels), **dataclasses.asdict(shape)},
         "run": run, "profile": profile.to_dict(),
         "plan": None if plan is None else {
@@ -425,10 +429,13 @@ def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfil
         "none" if lg is None else f"{'at least ' if lg['at_search_limit'] else ''}{lg['num_layers']} layers, "
         f"{lg['numel'] / 1e9:.2f}B parameters"))
     ls = out["longest_sequence"]
-    if ls is not None:
+    if ls is not None and not ls["tokens"]:
+        lines.append(f"longest sequence that fits at batch {run['batch_size']}: none (no plan fits one token)")
+    elif ls is not None:
+        how = "with this plan" if ls["with_this_plan"] else "shorter than asked, with the plan search's plan for it"
         lines.append(f"longest sequence that fits at batch {run['batch_size']}: "
                      f"{'at least ' if ls['at_search_limit'] else ''}{ls['tokens']:,} tokens "
-                     f"({ls['sequence_parallel']} GPU(s) per sequence)")
+                     f"({ls['sequence_parallel']} GPU(s) per sequence; {how})")
     lines += [f"note: {n}" for n in out["notes"]]
     lines.append("fits: yes" if out["fits"] else f"DOES NOT FIT: {out['reason']}")
     return "\n".join(lines)

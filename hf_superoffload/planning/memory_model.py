@@ -276,6 +276,8 @@ class MemoryEstimate:
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
     keep_attention: bool = False
+    accumulation: bool = False
+    chunked_loss: bool = False
 
     @property
     def gpu_peak_phase(self) -> str:
@@ -439,7 +441,7 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
 
     return MemoryEstimate(s, batch_size, seq_len, grad_ckpt, p, {**phases, "step": step},
                           host, untouched, tuple(notes), sequence_parallel, loss_chunk_tokens, mlp_tile_tokens,
-                          keep_attention)
+                          keep_attention, accumulation, chunked_loss)
 
 
 # ---------------------------------------------------------------------------------------------- fit checks
@@ -456,9 +458,11 @@ def fits(est: MemoryEstimate, profile: HardwareProfile) -> bool:
 
 
 def _again(est: MemoryEstimate, **changes: Any) -> MemoryEstimate:
+    """``est``'s run estimated again with ``changes`` (every other input as ``est`` had it)."""
     kw = dict(batch_size=est.batch_size, seq_len=est.seq_len, grad_ckpt=est.grad_ckpt, plan_like=est.plan_like,
               sequence_parallel=est.sequence_parallel, loss_chunk_tokens=est.loss_chunk_tokens,
-              mlp_tile_tokens=est.mlp_tile_tokens)
+              mlp_tile_tokens=est.mlp_tile_tokens, keep_attention=est.keep_attention,
+              accumulation=est.accumulation, chunked_loss=est.chunked_loss)
     return estimate(est.shape, **(kw | changes))
 
 
@@ -513,7 +517,8 @@ def check_fits(est: MemoryEstimate, profile: HardwareProfile, *, frontier: tuple
                 out.append(f"  - batch size {b} fits (same sequence length; accumulate gradients for the same tokens)")
             elif sq:
                 out.append(f"  - at batch size 1, sequences up to {sq} tokens fit")
-        if est.gpu.get("logits", 0) > 0.25 * est.gpu_peak_bytes:
+        full_logits = est.loss_chunk_tokens is None and not est.chunked_loss  # HF's loss over all logits
+        if full_logits and est.gpu.get("logits", 0) > 0.25 * est.gpu_peak_bytes:
             out.append(f"  - the logits take {est.gpu['logits'] / GiB:.1f} GiB (12 B per token and vocabulary entry): "
                        "a chunked cross-entropy would remove most of it")
         if p.optimizer == "superoffload" and p.device_numel and "gpu_resident_buckets" not in searched:

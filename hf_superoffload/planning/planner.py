@@ -491,10 +491,14 @@ def _search_tail(numels: Sequence[int], *, element_size: int, config: SuperOfflo
     if not ok:
         if lo == 0:
             return first  # nothing fits beside the activations even with no tail: the verdict says so
+        # the plan search weighs flow whenever the placement is "auto": offer it only where the user pinned it away
+        flow = {"stationary": "weight_placement='auto' (streamed weights), ",
+                "auto": "", "flow": ""}[config.weight_placement]
+        weighed = " (the plan search weighed streamed weights too)" if config.weight_placement == "auto" else ""
         raise PlanError(f"{host_error or ''} A device tail large enough for the host ({lo} of {n_buckets} buckets, "
                         f"{first.device_numel * _DEVICE_BYTES_PER_PARAM / gib:.1f} GiB of optimizer state and gradients) "
-                        f"does not fit the device either: {why}. Add host RAM, use weight_placement='flow', a "
-                        "shorter sequence or a smaller batch, or more GPUs.") from None
+                        f"does not fit the device either{weighed}: {why}. Add host RAM, use {flow}a shorter sequence "
+                        "or a smaller batch, or more GPUs.") from None
     most = bisect_largest_int(lo, n_buckets, lambda n: device_holds(plan_at(n), workload, profile, world_size)[0])
     best, predicted = _fastest_tail(lo, most, kept_at, workload, profile, world_size)
     plan = kept_at(best)

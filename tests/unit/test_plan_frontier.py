@@ -68,3 +68,21 @@ def test_the_options_of_a_run_that_does_not_fit_come_from_the_search(capsys: pyt
 
     assert fits(batch, 2048) and not fits(batch + 1, 2048)
     assert fits(8, seq) and not fits(8, seq + 1)
+
+
+def test_every_line_of_plan_agrees_with_the_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    """8B batch 4 on the rtx4090 profile (24 GB GPU, 64 GiB host) fits no plan: the longest-sequence line says none
+    (it once offered 1,341 tokens, checked on the GPU only), and the refusal offers neither streamed weights (the
+    search weighed them) nor a chunked cross-entropy (the optimizer installs one). Where the run fits, its longest
+    sequence is at least the one asked for."""
+    rc = main(["--model", "8b", "--batch-size", "4", "--seq-len", "2048", "--grad-ckpt", "--profile", "rtx4090"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "DOES NOT FIT" in out
+    assert "longest sequence that fits at batch 4: none" in out
+    assert "weight_placement='flow'" not in out and "chunked cross-entropy" not in out
+    assert "the plan search weighed streamed weights too" in out
+    rc = main(["--model", "8b", "--batch-size", "4", "--seq-len", "2048", "--grad-ckpt", "--profile", "h200",
+               "--json"])
+    fit = json.loads(capsys.readouterr().out)
+    assert rc == 0 and fit["fits"]
+    assert fit["longest_sequence"]["tokens"] >= 2048 and fit["longest_sequence"]["with_this_plan"]
