@@ -440,9 +440,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                                 clipped=stats.verdict == StepVerdict.REDO.value, undid=stats.wasted_buckets > 0,
                                 micro_batches=max(1, self._step_forwards))
         w = self._planning_workload(w)
-        cal = calibrate_rates(budget, plan=self.plan, model=w.model, batch_size=w.batch_size, seq_len=w.seq_len,
-                              grad_ckpt=w.grad_ckpt, measured=measured, mlp_tile_tokens=w.mlp_tile_tokens,
-                              keep_attention=w.keep_attention)
+        cal = calibrate_rates(budget, plan=self.plan, workload=w, measured=measured)
         if cal is None:
             return None
         self._budget = dataclasses.replace(budget, matmul_tflops=cal.profile.matmul_tflops,

@@ -27,9 +27,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from .hardware import HardwareProfile
-from .memory_model import ModelShape, PlanLike
+from .memory_model import PlanLike
 from .plan import OffloadPlan
-from .step_time import predict_step_time
+from .planner import Workload
 
 __all__ = ["RATE_CLAMP", "MeasuredStep", "RateCalibration", "calibrate_rates"]
 
@@ -85,17 +85,13 @@ def _clamp(x: float) -> float:
     return min(RATE_CLAMP, max(1.0 / RATE_CLAMP, x))
 
 
-def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, model: object, batch_size: int, seq_len: int,
-                    grad_ckpt: bool, measured: MeasuredStep, mlp_tile_tokens: int | None = None,
-                    keep_attention: bool = False) -> RateCalibration | None:
+def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Workload,
+                    measured: MeasuredStep) -> RateCalibration | None:
     """[Note: calibrating the rates]: ``profile`` with its GEMM and CPU Adam rates restated from ``measured``, one
-    step of ``plan`` on ``model`` (a transformers config or ``ModelShape``) at ``batch_size x seq_len``; ``None``
-    when the profile lacks the rates the roofline needs. One process."""
-    shape = ModelShape.from_config(model)
-    kw = dict(batch_size=batch_size, seq_len=seq_len, grad_ckpt=grad_ckpt, mlp_tile_tokens=mlp_tile_tokens,
-              keep_attention=keep_attention, clipping_every_step=measured.clipped,
-              micro_batches=measured.micro_batches)
-    t = predict_step_time(shape, PlanLike.from_plan(plan), profile, **kw)  # type: ignore[arg-type]
+    step of ``plan`` on ``workload`` (its micro-batches as measured); ``None`` when the profile lacks the rates the
+    roofline needs. One process."""
+    t = workload.step_time(PlanLike.from_plan(plan), profile, clipping_every_step=measured.clipped,
+                           micro_batches=measured.micro_batches)
     if t is None:
         return None
     notes: list[str] = []

@@ -21,7 +21,7 @@ from .plan import (
     Rollback,
     WeightMode,
 )
-from .step_time import predict_step_time
+from .step_time import StepTime, predict_step_time
 
 __all__ = ["AUTO_D2H_LEAD", "CALIBRATED_MARGIN", "CALIBRATION_STEPS", "LANDING_RING_SLOTS", "PlanError", "Workload", "calibrated_budget",
            "d2h_lead", "device_holds", "fit_frontier", "grow_tail",
@@ -87,6 +87,19 @@ class Workload:
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches}: use the micro-batches per optimizer step (>= 1) "
                              "or None")
+
+    def step_time(self, plan_like: PlanLike, profile: HardwareProfile, *, world_size: int = 1,
+                  clipping_every_step: bool = False, micro_batches: int | None = None) -> StepTime | None:
+        """The roofline's step ([Note: step-time roofline]) of ``plan_like`` for this workload on ``profile``:
+        ``world_size`` ranks on this host (data parallel over the sequence-parallel groups), ``micro_batches`` in
+        place of the workload's own; ``None`` when the profile lacks a rate."""
+        return predict_step_time(ModelShape.from_config(self.model), plan_like, profile, batch_size=self.batch_size,
+                                 seq_len=self.seq_len, grad_ckpt=self.grad_ckpt,
+                                 sequence_parallel=self.sequence_parallel,
+                                 data_parallel=max(1, world_size // self.sequence_parallel),
+                                 mlp_tile_tokens=self.mlp_tile_tokens, keep_attention=self.keep_attention,
+                                 clipping_every_step=clipping_every_step,
+                                 micro_batches=micro_batches or self.micro_batches or 1)
 
     def estimate_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``memory_model.estimate`` this workload fixes."""
@@ -420,12 +433,7 @@ def _searched_note(note: str, searched: set[str]) -> str:
 
 def _worst_case_s(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, world_size: int = 1) -> float | None:
     """Predicted seconds per optimizer step of ``plan`` when clipping fires on every step (the search's objective)."""
-    t = predict_step_time(ModelShape.from_config(workload.model), PlanLike.from_plan(plan), profile,
-                          batch_size=workload.batch_size, seq_len=workload.seq_len, grad_ckpt=workload.grad_ckpt,
-                          sequence_parallel=workload.sequence_parallel,
-                          data_parallel=max(1, world_size // workload.sequence_parallel),
-                          mlp_tile_tokens=workload.mlp_tile_tokens, keep_attention=workload.keep_attention,
-                          clipping_every_step=True, micro_batches=workload.micro_batches or 1)
+    t = workload.step_time(PlanLike.from_plan(plan), profile, world_size=world_size, clipping_every_step=True)
     return None if t is None else t.step_s
 
 
@@ -974,14 +982,9 @@ def _price_exactness(plan: OffloadPlan, workload: Workload | None, profile: Hard
     deferred speculation more than ``_EXACTNESS_PRICE`` slower."""
     if workload is None:
         return plan
-    shape = ModelShape.from_config(workload.model)
 
-    def step(p: OffloadPlan) -> float | None:
-        t = predict_step_time(shape, PlanLike.from_plan(p), profile, batch_size=workload.batch_size,
-                              seq_len=workload.seq_len, grad_ckpt=workload.grad_ckpt,
-                              sequence_parallel=workload.sequence_parallel,
-                              data_parallel=max(1, world_size // workload.sequence_parallel),
-                              mlp_tile_tokens=workload.mlp_tile_tokens, keep_attention=workload.keep_attention)
+    def step(p: OffloadPlan) -> float | None:  # one micro-batch: deferred speculation prices the step's own terms
+        t = workload.step_time(PlanLike.from_plan(p), profile, world_size=world_size, micro_batches=1)
         return None if t is None else t.step_s
 
     algebraic = dataclasses.replace(plan, deferred_speculation=False)

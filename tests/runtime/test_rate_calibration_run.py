@@ -45,8 +45,7 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     # the same comparison, made here from the recorded step, gives the recorded factors
     w = opt.workload
     assert w is not None
-    expect = calibrate_rates(profile, plan=opt.plan, model=w.model, batch_size=w.batch_size, seq_len=w.seq_len,
-                             grad_ckpt=w.grad_ckpt,
+    expect = calibrate_rates(profile, plan=opt.plan, workload=w,
                              measured=MeasuredStep(last.iteration_s, last.wait_s, last.cpu_s,
                                                    clipped=last.verdict == "redo", undid=last.wasted_buckets > 0,
                                                    micro_batches=accum))

@@ -12,7 +12,7 @@ from hf_superoffload.config import SuperOffloadConfig
 from hf_superoffload.plan_cli import arrival_numels, load_model_config, resolve_profile
 from hf_superoffload.planning.calibration import RATE_CLAMP, MeasuredStep, calibrate_rates
 from hf_superoffload.planning.memory_model import ModelShape, PlanLike
-from hf_superoffload.planning.planner import make_plan
+from hf_superoffload.planning.planner import Workload, make_plan
 from hf_superoffload.planning.step_time import predict_step_time
 
 BATCH, SEQ = 4, 2048
@@ -35,7 +35,7 @@ def _predicted(shape: Any, plan: Any, profile: Any, clipped: bool) -> Any:
 
 
 def _calibrate(shape: Any, plan: Any, profile: Any, m: MeasuredStep) -> Any:
-    cal = calibrate_rates(profile, plan=plan, model=shape, batch_size=BATCH, seq_len=SEQ, grad_ckpt=True, measured=m)
+    cal = calibrate_rates(profile, plan=plan, workload=Workload(shape, BATCH, SEQ, True), measured=m)
     assert cal is not None
     return cal
 
