@@ -38,6 +38,7 @@ from .cpu_worker import CpuWorker
 from .device_tail import step_device_tail
 from .flush import GradFlush
 from .hooks import Hooks
+from .host_memory import HostBuffer
 from .host_pass import HostPass
 from .layout import BucketLayout, check_plan
 from .registry import module_weights
@@ -135,7 +136,6 @@ class OffloadEngine:
                 ring=plan.landing_ring,
                 landing_dtype=layout.arenas["landing"].tensor.dtype, pin=plan.pin_memory and self.streams.is_cuda,
                 worker=self._worker, timeout_s=timeout_s, num_threads=plan.cpu_threads)
-            layout.arenas.update((f"accumulation{k}", buf) for k, buf in enumerate(self._accum.buffers))
         self.sharding = (Sharding(comm=comm, layout=layout, streams=self.streams, lock=self._lock, timeout_s=timeout_s,
                                   raise_if_worker_failed=self._worker.raise_if_failed, on_error=self._wake_all)
                          if comm is not None else None)
@@ -207,12 +207,8 @@ class OffloadEngine:
     def _release_accumulation(self) -> None:
         """Before a move: nothing is summed on the host, so the accumulation buffers go first (the host arenas then
         regrow without them, and no bucket's sum keeps an old landing arena alive)."""
-        if self._accum is None:
-            return
-        arenas = self.layout.arenas
-        for name in [n for n in arenas if n.startswith("accumulation")]:
-            del arenas[name]
-        self._accum.release()
+        if self._accum is not None:
+            self._accum.release()
 
     def _relayout_accumulation(self, plan: OffloadPlan) -> None:
         """After a move: the host accumulation's buffers at the new host share (the fp32 arena, or the landing ring
@@ -220,7 +216,6 @@ class OffloadEngine:
         if self._accum is None:
             return
         self._accum.relayout(self.layout.host_buckets, host_numel=plan.host_numel, ring=plan.landing_ring)
-        self.layout.arenas.update((f"accumulation{k}", buf) for k, buf in enumerate(self._accum.buffers))
 
     def _quiesce(self) -> None:
         """Before a move: every upload done, the device weights final, no deferred store pending (they read the
@@ -283,8 +278,14 @@ class OffloadEngine:
         return self.commits.pending
 
     @property
+    def accumulation_buffers(self) -> list[HostBuffer]:
+        """The host accumulation's buffers (the fp32 arena or the landing ring; none without host accumulation)."""
+        return list(self._accum.buffers) if self._accum is not None else []
+
+    @property
     def pinned_bytes(self) -> int:
-        return self.layout.pinned_bytes
+        """Page-locked host bytes: the layout's arenas and the host accumulation's buffers."""
+        return self.layout.pinned_bytes + sum(b.nbytes for b in self.accumulation_buffers if b.pinned)
 
     @property
     def step_in_progress(self) -> bool:

@@ -69,8 +69,8 @@ class BucketLayout:
 
     Attributes:
         arenas: every host arena by name (``master{k}``/``exp_avg{k}``/``exp_avg_sq{k}`` per state copy ``k``,
-            ``landing`` (+ ``landing1``), ``staging``, ``weights``, ``accumulation{k}``); kept for their page
-            registration and for ``pinned_bytes``.
+            ``landing`` (+ ``landing1``), ``staging``, ``weights``); kept for their page registration and for
+            ``pinned_bytes`` (the host accumulation's buffers are its own).
         copies: host state copies (2: double buffer, 1: in place / inverse undo).
         cur: the host state copy that holds the committed state.
         cast_on_cpu: [Note: casts]: the CPU Adam writes bf16 staging (else the fp32 master is the upload source).

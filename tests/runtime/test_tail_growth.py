@@ -33,7 +33,7 @@ from hf_superoffload.testing import pretend_profile, snapshot, tiny_llama, train
 
 BATCH, SEQ = 2, 24
 MODEL = dict(seed=3, num_hidden_layers=4)
-CLIP = 1.5  # the steps after the calibration clip in some steps, not in others
+CLIP = 1.7  # after the calibration some steps clip, others not (norms 1.13-1.84 plain, 1.54-6.5 accumulating)
 
 
 def _batches(n: int) -> list[torch.Tensor]:
