@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -404,30 +405,33 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                             "activations instead of %d", kept, plan.kept_layers)
                 self._set_kept_layers(kept)
                 self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
-        grown = self._grow(workload) if ok else 0
+        grown, move_s = self._grow(workload) if ok else (0, 0.0)
         self.calibration = {**(self.calibration or {}),
                             "measured_need_bytes": need, "predicted_required_bytes": est.gpu_required_bytes,
                             "kept_layers": (before[0], self.plan.kept_layers),
                             "device_buckets": (before[1], len(self.plan.device_buckets)),
-                            "moved_to_device_params": grown}
+                            "moved_to_device_params": grown, "move_s": move_s}
 
-    def _grow(self, workload: Workload) -> int:
+    def _grow(self, workload: Workload) -> tuple[int, float]:
         """[Note: moving the tail to the device] in runtime/tail_move.py: the room the calibrated budget leaves
         beside the kept layers goes to the device tail where the planner's tail search would put it; returns how
-        many parameters moved their optimizer state to the device."""
+        many parameters moved their optimizer state to the device and the seconds the move took."""
         assert self._built is not None and self._budget is not None
         if not self._built.can_move_to_device:
-            return 0
+            return 0, 0.0
         plan = self.plan
         grown = grow_tail(plan, workload, self._budget, numels=[p.numel() for p in self._ordered], element_size=2,
                           config=self.config)
         if grown is None:
-            return 0
+            return 0, 0.0
+        t = time.perf_counter()
         moved = self._built.move_to_device(grown)
+        took = time.perf_counter() - t
         self._set_kept_layers(grown.kept_layers)
         logger.info("hf_superoffload: the measured peak leaves room: %d parameters (%d bucket(s)) moved their "
-                    "optimizer state to the device", moved, len(grown.device_buckets) - len(plan.device_buckets))
-        return moved
+                    "optimizer state to the device in %.1f s", moved,
+                    len(grown.device_buckets) - len(plan.device_buckets), took)
+        return moved, took
 
     def _calibrate_rates(self) -> dict[str, Any] | None:
         """[Note: calibrating the rates] in planning/calibration.py: the last step against the roofline; the device
@@ -474,10 +478,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             shrunk = shrink_tail(plan, self._planning_workload(workload), budget,
                                  numels=[p.numel() for p in self._ordered], element_size=2, config=self.config)
             if shrunk is not None:
+                t = time.perf_counter()
                 moved = self._built.move_to_host(shrunk)
                 self._set_kept_layers(shrunk.kept_layers)
                 logger.info("hf_superoffload: %s: %d parameters (%d bucket(s)) moved their optimizer state to the "
-                            "host so that it fits", what, moved, len(plan.device_buckets) - len(shrunk.device_buckets))
+                            "host in %.1f s so that it fits", what, moved,
+                            len(plan.device_buckets) - len(shrunk.device_buckets), time.perf_counter() - t)
                 ok = True
         if not ok and self._built.mid_accumulation and plan.device_numel:
             why = (f"{why}; the device tail moves to the host only at an optimizer step's first micro-batch, and "
@@ -755,7 +761,8 @@ def calibration_summary(record: dict[str, Any], steps: int) -> str:
             before, after = record[key]
             parts.append(f"{what} {before} -> {after}")
     if record.get("moved_to_device_params"):
-        parts.append(f"{record['moved_to_device_params'] / 1e6:.1f}M parameters' optimizer state moved to the device")
+        parts.append(f"{record['moved_to_device_params'] / 1e6:.1f}M parameters' optimizer state moved to the device"
+                     + (f" in {record['move_s']:.1f} s" if "move_s" in record else ""))
     timing = record.get("timing")
     if timing:
         factors = [f"{name} rate x{f:.2f}" for name, f in (("GEMM", timing["gemm_factor"]),

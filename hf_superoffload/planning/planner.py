@@ -741,7 +741,7 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
         if not device_holds(shrunk, workload, profile, 1)[0]:
             continue
         est = estimate(workload.model, plan_like=PlanLike.from_plan(shrunk), **workload.estimate_kwargs())
-        during = max(4 * shrunk.host_numel, 12 * shrunk.device_numel)  # one regrown arena, or the staged tail
+        during = max(4 * shrunk.host_numel, 4 * shrunk.device_numel)  # one regrown arena, or one staged arena
         if host is not None and est.host_peak_bytes + during > host:
             return None
         return shrunk
@@ -778,11 +778,10 @@ def grow_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *
     host = profile.host_available_bytes
     if grown is None or host is None:
         return grown
-    # during the move the old host arenas stay while one device arena waits on the host, then one smaller host
-    # arena at a time is filled beside the old ones
+    # during the move the host arenas stay as they are ([Note: the host arenas keep their size] in
+    # runtime/tail_move.py) while one arena of the old tail at a time waits on the host
     est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
-    during = max(4 * plan.device_numel, 4 * grown.host_numel)
-    return grown if est.host_peak_bytes + during <= host else None
+    return grown if est.host_peak_bytes + 4 * plan.device_numel <= host else None
 
 
 def _make_plan(

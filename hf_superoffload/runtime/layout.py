@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..planning.plan import (
+    BucketSpec,
     CastSide,
     HostAccumulation,
     MasterDeferral,
@@ -26,7 +27,18 @@ from .bucket import DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .host_memory import HostBuffer
 
-__all__ = ["BucketLayout", "check_plan"]
+__all__ = ["BucketLayout", "check_plan", "stage_on_host"]
+
+
+def stage_on_host(arena: torch.Tensor, pieces: Sequence[BucketSpec]) -> torch.Tensor:
+    """The ``pieces`` (each spec's ``[offset, offset + shard)``) of a device ``arena``, one after another in a new
+    host tensor: what waits on the host while the arena is reallocated (a pageable copy: a move is rare)."""
+    held = torch.empty(sum(s.shard for s in pieces), dtype=arena.dtype, device="cpu")
+    at = 0
+    for s in pieces:
+        held[at : at + s.shard].copy_(arena[s.offset : s.offset + s.shard])
+        at += s.shard
+    return held
 
 
 def check_plan(plan: OffloadPlan, *, comm: ShardGroup | None) -> None:
@@ -226,12 +238,12 @@ class BucketLayout:
         return sum(t.untyped_storage().nbytes() for t in (self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq))
 
     # -- what a move of the tail changes (runtime/tail_move.py composes these) -------------------------------------
-    def resize_host_arenas(self, plan: OffloadPlan) -> None:
+    def fit_host_arenas(self, plan: OffloadPlan) -> None:
         """Take ``plan``, whose host buckets are the current ones, more (a move to the host) or fewer (a move to the
-        device) of them: each host arena it needs is reallocated at the new ``host_numel`` with the contents both
-        share in front (an arena it no longer needs is dropped), one at a time, and the host buckets are bound to
-        the new arenas. Idle host buckets only."""
-        n_kept = min(self.plan.host_numel, plan.host_numel)
+        device) of them, and bind the host buckets again. An arena too small for ``plan``'s ``host_numel`` is
+        reallocated at it with its contents in front, one arena at a time; one that holds it keeps its size and its
+        pages ([Note: the host arenas keep their size] in runtime/tail_move.py); one ``plan`` no longer needs, and
+        every one when no host bucket is left, is freed. Idle host buckets only."""
         for b in self.host_buckets:
             b.drop_views()  # each old arena is freed as soon as its resized copy holds its contents
         before = self._host_arena_kinds()
@@ -240,50 +252,67 @@ class BucketLayout:
         for name in before.keys() - kinds.keys():  # the second landing arena, when deferred stores turn off
             del self.arenas[name]
         for name, (dtype, pinned, what) in kinds.items():
-            resized = HostBuffer(plan.host_numel, dtype, pin=pinned, name=what)
-            if name in before:
-                resized.tensor[:n_kept].copy_(self.arenas[name].tensor[:n_kept])
-            self.arenas[name] = resized
+            if not plan.host_numel:  # nothing stays on the host: freeing costs nothing, there is nothing to copy
+                self.arenas[name] = HostBuffer(0, dtype, pin=pinned, name=what)
+            elif name not in self.arenas or self.arenas[name].tensor.numel() < plan.host_numel:
+                self._regrow_host_arena(name, plan.host_numel, dtype, pinned, what)
         for b in self.host_buckets:
             self.bind_host(b)
 
+    def _regrow_host_arena(self, name: str, numel: int, dtype: torch.dtype, pinned: bool, what: str) -> None:
+        """One arena at ``numel`` elements with the old one's contents in front; the old one is freed on return
+        (this frame holds the only other reference)."""
+        grown = HostBuffer(numel, dtype, pin=pinned, name=what)
+        old = self.arenas.get(name)
+        if old is not None:
+            grown.tensor[: old.tensor.numel()].copy_(old.tensor)
+        self.arenas[name] = grown
+
+    @property
+    def host_arena_numel(self) -> int:
+        """Elements each host state arena holds: the plan's ``host_numel``, or more after a move to the device."""
+        return self.arenas["master0"].tensor.numel()
+
+    def _restage_device_arenas(self, numel: int, staying: Sequence[tuple[DeviceBucket, BucketSpec]]) -> None:
+        """Reallocate the device arenas at ``numel`` elements, the ``staying`` buckets' state moved from their old
+        spec (the pair's second) to their current one; the other device buckets' views are left for the caller to
+        fill. One arena at a time through host memory: the staying slices of an arena are copied to the host, the
+        arena is freed, its replacement allocated and filled, and the host copy dropped before the next arena, so
+        the device never holds an old and a new arena at once and the host holds 4 B per staying parameter."""
+        for name in ("dev_master", "dev_exp_avg", "dev_exp_avg_sq"):
+            self._restage_device_arena(name, numel, staying)
+        self._bind_device_views()
+
+    def _restage_device_arena(self, name: str, numel: int, staying: Sequence[tuple[DeviceBucket, BucketSpec]]) -> None:
+        held = stage_on_host(getattr(self, name), [old for _, old in staying])
+        setattr(self, name, torch.empty(0, dtype=torch.float32, device=self.device))
+        self._bind_device_views()  # the old arena's views go with it
+        grown = torch.empty(numel, dtype=torch.float32, device=self.device)
+        at = 0
+        for b, old in staying:
+            grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(held[at : at + old.shard])
+            at += old.shard
+        setattr(self, name, grown)
+
     def shrink_device_tail(self, staying: Sequence[DeviceBucket]) -> None:
-        """Keep only ``staying`` of the device buckets, at their offsets in ``self.plan``, with their state. It
-        moves through host memory: the old device arenas are freed before the new ones are allocated, so the device
-        never holds both."""
-        held = [tuple(t.to("cpu", copy=True) for t in (b.master, b.exp_avg, b.exp_avg_sq)) for b in staying]
-        none = torch.empty(0, dtype=torch.float32, device=self.device)
-        for b in self.device_buckets:
-            b.master = b.exp_avg = b.exp_avg_sq = none
-        self.dev_master = self.dev_exp_avg = self.dev_exp_avg_sq = none
+        """Keep only ``staying`` of the device buckets, at their offsets in ``self.plan``, with their state
+        (:meth:`_restage_device_arenas`)."""
+        moves = [(b, b.spec) for b in staying]
         for b in staying:
             b.spec = self.plan.buckets[b.index]
         self.device_buckets = list(staying)
-        self._allocate_device_arenas()
-        for b, saved in zip(staying, held, strict=True):
-            for dst, src in zip((b.master, b.exp_avg, b.exp_avg_sq), saved, strict=True):
-                dst.copy_(src)
+        self._restage_device_arenas(self.plan.device_numel, moves)
 
     def grow_device_tail(self, plan: OffloadPlan, arriving: Sequence[DeviceBucket]) -> None:
         """Put ``arriving`` (``plan``'s device buckets that are host buckets now) in front of the device buckets,
         every device bucket at its offset in ``plan``: the device arenas are reallocated at ``plan``'s
-        ``device_numel`` with the current buckets' state, the arriving buckets' views left for the caller to fill.
-        One arena at a time through host memory: each old arena waits on the host while its replacement is
-        allocated, so the device never holds more than the new arenas. The host arenas stay as they are."""
-        staying = self.device_buckets
-        before = [b.spec for b in staying]
-        for b in staying:
+        ``device_numel`` with the current buckets' state (:meth:`_restage_device_arenas`), the arriving buckets'
+        views left for the caller to fill. The host arenas stay as they are."""
+        moves = [(b, b.spec) for b in self.device_buckets]
+        for b, _ in moves:
             b.spec = plan.buckets[b.index]
-        self.device_buckets = sorted([*arriving, *staying], key=lambda b: b.index)
-        for name in ("dev_master", "dev_exp_avg", "dev_exp_avg_sq"):
-            held = getattr(self, name).to("cpu", copy=True)
-            setattr(self, name, torch.empty(0, dtype=torch.float32, device=self.device))
-            self._bind_device_views()  # the old arena's views go with it
-            grown = torch.empty(plan.device_numel, dtype=torch.float32, device=self.device)
-            for b, old in zip(staying, before, strict=True):
-                grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(held[old.offset : old.offset + old.shard])
-            setattr(self, name, grown)
-        self._bind_device_views()
+        self.device_buckets = sorted([*arriving, *(b for b, _ in moves)], key=lambda b: b.index)
+        self._restage_device_arenas(plan.device_numel, moves)
 
     def remove_host_buckets(self, leaving: Sequence[HostBucket]) -> None:
         """Forget ``leaving`` (host buckets the device buckets now stand for) and index every bucket again."""
@@ -374,7 +403,8 @@ class BucketLayout:
     def flat_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """The live flat arenas of the committed state (callers store pending deferred moments first)."""
         return {
-            "host": {k: self.arenas[f"{k}{self.cur}"].tensor for k in ("master", "exp_avg", "exp_avg_sq")},
+            "host": {k: self.arenas[f"{k}{self.cur}"].tensor[: self.plan.host_numel]
+                     for k in ("master", "exp_avg", "exp_avg_sq")},
             "device": {"master": self.dev_master, "exp_avg": self.dev_exp_avg, "exp_avg_sq": self.dev_exp_avg_sq},
         }
 

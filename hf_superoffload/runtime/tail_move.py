@@ -28,9 +28,10 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # bit (not one started with it from the first step: before the move the tail's buckets stepped with the device
 # AdamW, which rounds differently from the CPU Adam). The move runs in the forward pre-hook, between steps, after
 # every upload; not under data parallelism or weight flow (the batch is refused as before). It briefly holds more
-# host memory than either plan: each host arena is regrown one at a time, and the remaining tail's state waits on
-# the host while its device arenas are reallocated at their new size, so that the device never holds the old and
-# the new arenas at once.
+# host memory than either plan: a host arena too small for the new host share is regrown (one at a time; after a
+# move to the device the arenas may already hold it, see below), and the remaining tail's state waits on the host,
+# one arena at a time (4 B per staying parameter), while its device arenas are reallocated at their new size, so
+# that the device never holds the old and the new arenas at once.
 #
 # Under host accumulation ([Note: host accumulation] in docs/weight_flow.md) the move runs only at an optimizer
 # step's first micro-batch, where nothing is summed on the host yet: the accumulator's buffers hold no state then,
@@ -52,12 +53,24 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # training on equals a run started with it from the state at the move, bit for bit (before the move those buckets
 # stepped with the CPU Adam). At the same quiet point as the move to the host, after every upload and every
 # deferred store: the committed host state copy of the moved buckets is copied into the device arenas, which grow
-# one arena at a time through host memory (the device never holds the old and the new arenas at once); then the
-# host arenas are reallocated at the smaller host share, so the moved buckets' host memory is freed (each arena is
-# briefly held twice, one at a time). The deferred stores, the D2H lead and gate, the master share, the upload
+# one arena at a time through host memory (the device never holds the old and the new arenas at once; the host
+# holds one arena of the old tail at a time). The host arenas keep their size ([Note: the host arenas keep their
+# size] below). The deferred stores, the D2H lead and gate, the master share, the upload
 # thread and host accumulation's buffers follow the smaller host share, at a step's first micro-batch as above; a
 # gate thread or upload thread a plan without host buckets no longer asks for stays idle. Host accumulation keeps
 # at least one host bucket (a plan without host buckets accumulates on the device: a switch the move keeps).
+
+
+# [Note: the host arenas keep their size]
+# A move to the device leaves the host arenas as they are: the moved buckets' slices go unused, and the host holds
+# what the plan before the move held, which it had room for. Freeing them would mean a new arena per kind at the
+# smaller size, its pages touched and page-locked again, and the old contents copied over: on an 8B model with
+# 4.1B parameters' state on the host (about 70 GB of arenas), the step holding a move of 0.1B parameters to the
+# device took 67.7 s on an H100 box instead of 1.3 s, to give back 1.6 GB, while the move itself is 1.2 GB over
+# the link. A move that leaves no host bucket frees them (there is nothing to copy). A later move to the host reuses
+# the room (no arena is regrown while it holds the new host share). The checkpointed state is the plan's
+# ``host_numel`` elements of each arena (``BucketLayout.flat_state``); ``BucketLayout.host_arena_numel`` says what
+# the arenas hold, and the benchmarks predict host memory from it.
 
 
 def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:
@@ -109,7 +122,7 @@ def move_to_host(layout: BucketLayout, plan: OffloadPlan) -> list[HostBucket]:
     check_move(layout.plan, plan)
     moved = [s.index for s in plan.buckets if s.placement is not layout.plan.buckets[s.index].placement]
     leaving = {b.index: b for b in layout.device_buckets if b.index in moved}
-    layout.resize_host_arenas(plan)  # the layout's plan is ``plan`` from here on
+    layout.fit_host_arenas(plan)  # the layout's plan is ``plan`` from here on
     host_new = [HostBucket(plan.buckets[i], leaving[i].params) for i in moved]
     for b in host_new:
         layout.bind_host(b)
@@ -128,7 +141,8 @@ def move_to_host(layout: BucketLayout, plan: OffloadPlan) -> list[HostBucket]:
 def move_to_device(layout: BucketLayout, plan: OffloadPlan) -> list[DeviceBucket]:
     """[Note: moving the tail to the device]: make ``plan``, which moves the last host buckets of ``layout``'s plan to
     the device and changes nothing else the layout holds, concrete. Their committed fp32 master and moments are
-    copied bit for bit into the grown device arenas; the host arenas are reallocated at the smaller host share.
+    copied bit for bit into the grown device arenas; the host arenas keep their size ([Note: the host arenas keep
+    their size]).
     Quiet point only: no step in flight, every upload done, no moment store pending. Returns the new device
     buckets."""
     check_move_to_device(layout.plan, plan)
@@ -139,5 +153,5 @@ def move_to_device(layout: BucketLayout, plan: OffloadPlan) -> list[DeviceBucket
         for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), h.pmv[layout.cur], strict=True):
             dst.copy_(src)
     layout.remove_host_buckets(leaving)
-    layout.resize_host_arenas(plan)  # the layout's plan is ``plan`` from here on
+    layout.fit_host_arenas(plan)  # the layout's plan is ``plan`` from here on
     return arriving

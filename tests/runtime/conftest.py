@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from hf_superoffload import SuperOffloadOptimizer
 from hf_superoffload import optimizer as optimizer_module
 from hf_superoffload.planning import hardware
+from hf_superoffload.planning.plan import BucketSpec
+from hf_superoffload.runtime import layout
 from hf_superoffload.testing import pretend_profile
 
 
@@ -57,3 +60,34 @@ def sim_device(monkeypatch: pytest.MonkeyPatch) -> SimulatedDevice:
     """A simulated device for the calibration and tail-move tests ([Note: calibration from the measured peak]):
     ``budget(bytes)`` and ``measure(fn)``; ``reads`` counts the measurements."""
     return SimulatedDevice(monkeypatch)
+
+
+class StagingWatch:
+    """See :func:`staging_watch`."""
+
+    def __init__(self, stage: Callable[[torch.Tensor, Sequence[BucketSpec]], torch.Tensor]) -> None:
+        self._stage = stage
+        self._refs: list[weakref.ref[torch.Tensor]] = []
+        self.most_alive = 0
+        self.elements: list[int] = []
+
+    def __call__(self, arena: torch.Tensor, pieces: Sequence[BucketSpec]) -> torch.Tensor:
+        held = self._stage(arena, pieces)
+        self._refs.append(weakref.ref(held))
+        self.elements.append(held.numel())
+        self.most_alive = max(self.most_alive, self.alive)
+        return held
+
+    @property
+    def alive(self) -> int:
+        return sum(r() is not None for r in self._refs)
+
+
+@pytest.fixture
+def staging_watch(monkeypatch: pytest.MonkeyPatch) -> StagingWatch:
+    """The host copies a move of the device tail stages its arenas through (``layout.stage_on_host``), each tracked
+    by a weak reference: ``most_alive`` is the most alive at once (counted as each is made), ``alive`` now,
+    ``elements`` what each held."""
+    watch = StagingWatch(layout.stage_on_host)
+    monkeypatch.setattr(layout, "stage_on_host", watch)
+    return watch

@@ -84,12 +84,13 @@ def _room_for(config: SuperOffloadConfig, share: float) -> Any:
 
 
 def _room_grows_the_tail(sim_device, on: torch.device, config: SuperOffloadConfig, *, share: float,
-                         ckpt: bool = False, micro: int = 1) -> None:
+                         ckpt: bool = False, micro: int = 1) -> int:
     """Train ``CALIBRATION_STEPS`` steps on ``on`` with a first plan that keeps a partial tail, then a measured need
     that leaves room for ``share`` of the host buckets on the device too; the forward after the calibration moves
     them, and training on equals a run started with that plan (on the calibrated budget) from the state just
     before, bit for bit, with the arenas that run allocates. ``micro``: micro-batches per step (more than one:
-    the first plan sums them on the host, and the move runs at a step's first micro-batch)."""
+    the first plan sums them on the host, and the move runs at a step's first micro-batch). Returns the first plan's
+    device tail in parameters."""
     model = tiny_llama(**MODEL, checkpointing=ckpt).to(on)
     sim_device.budget(_partial_budget(model), device_type=on.type)
     sim_device.measure(_room_for(config, share))
@@ -98,16 +99,20 @@ def _room_grows_the_tail(sim_device, on: torch.device, config: SuperOffloadConfi
     data = [ids.to(on) for ids in _batches(micro * (CALIBRATION_STEPS + 3))]
     _norms(opt, model, data[: micro * CALIBRATION_STEPS], micro)
     tail, kept, accumulation = len(opt.plan.device_buckets), opt.plan.kept_layers, opt.plan.host_accumulation
+    old_tail = opt.plan.device_numel
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail"
     assert (accumulation is HostAccumulation.OFF) == (micro == 1)
     before = snapshot(model, opt)
+    arenas = {n: (a.tensor.data_ptr(), a.tensor.numel()) for n, a in opt.engine.layout.arenas.items()}
+    host_numel = opt.plan.host_numel
     norms = _norms(opt, model, data[micro * CALIBRATION_STEPS :], micro)
     k = len(opt.plan.device_buckets)
     assert tail < k and (k == len(opt.plan.buckets)) == (share == 1.0), "the measured room should grow the tail"
     assert opt.calibration is not None and opt.calibration["device_buckets"] == (tail, k)
     moved = sum(s.numel for s in opt.plan.buckets[-k:-tail])
     assert opt.calibration["moved_to_device_params"] == moved
-    assert f"{moved / 1e6:.1f}M parameters' optimizer state moved to the device" in calibration_summary(
+    assert opt.calibration["move_s"] > 0
+    assert f"{moved / 1e6:.1f}M parameters' optimizer state moved to the device in " in calibration_summary(
         opt.calibration, CALIBRATION_STEPS)
     assert opt.engine.layout.plan is opt.plan
     assert {b.index for b in opt.engine.host_buckets} == {s.index for s in opt.plan.host_buckets}
@@ -128,10 +133,21 @@ def _room_grows_the_tail(sim_device, on: torch.device, config: SuperOffloadConfi
     assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
     assert any(n > CLIP for n in norms) and any(n < CLIP for n in norms), "clipping should fire in some steps"
     ours, theirs = opt.engine.layout, ref.engine.layout
-    assert {n: a.nbytes for n, a in ours.arenas.items()} == {n: a.nbytes for n, a in theirs.arenas.items()}
+    # [Note: the host arenas keep their size]: the same arenas, pages and all (an arena the new plan adds, such as
+    # a second landing arena, at its host share), unless nothing stays on the host; the reference's at its share
+    assert ours.arenas.keys() == theirs.arenas.keys()
+    for name, a in ours.arenas.items():
+        if opt.plan.host_numel:
+            kept = arenas.get(name, (a.tensor.data_ptr(), opt.plan.host_numel))
+            assert (a.tensor.data_ptr(), a.tensor.numel()) == kept, f"the host arena {name} was reallocated"
+        else:
+            assert a.tensor.numel() == 0, f"the host arena {name} outlived the last host bucket"
+        assert theirs.arenas[name].tensor.numel() == opt.plan.host_numel < host_numel
+    assert ours.host_arena_numel == (host_numel if opt.plan.host_numel else 0)
     assert ours.device_state_bytes == theirs.device_state_bytes == 12 * opt.plan.device_numel
     opt.close()
     ref.close()
+    return old_tail
 
 
 @pytest.mark.parametrize("config", [
@@ -157,8 +173,17 @@ def test_growth_under_host_accumulation_equals_starting_with_the_larger_tail(sim
 
 
 def test_room_for_every_bucket_empties_the_host(sim_device) -> None:
-    """Every host bucket moves: the host arenas shrink to nothing and the deferred stores turn off with them."""
+    """Every host bucket moves: the host arenas are freed and the deferred stores turn off with them."""
     _room_grows_the_tail(sim_device, torch.device("cpu"), SuperOffloadConfig(), share=1.0)
+
+
+def test_the_old_tail_waits_on_the_host_one_arena_at_a_time(sim_device, staging_watch) -> None:
+    """The device arenas grow through host memory one at a time: 4 B per parameter of the old tail on the host at
+    once (``grow_tail`` prices that), never two arenas' copies (the three of them: 12 B/param)."""
+    watch = staging_watch
+    old_tail = _room_grows_the_tail(sim_device, torch.device("cpu"), SuperOffloadConfig(), share=0.5)
+    assert len(watch.elements) == 3 and watch.most_alive == 1 and watch.alive == 0
+    assert watch.elements == [old_tail] * 3
 
 
 def test_room_beyond_every_kept_layer_grows_the_tail(sim_device) -> None:
@@ -281,7 +306,7 @@ def test_nothing_grows_where_the_calibrated_budget_holds_no_more(sim_device) -> 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_measured_room_grows_the_tail_and_training_goes_on_as_if_started_so(sim_device) -> None:
-    """The growth's CUDA path (device arenas grown through host memory, page-locked host arenas reallocated, the
+    """The growth's CUDA path (device arenas grown through host memory, the page-locked host arenas kept, the
     upload thread and the forward hooks of the moved parameters dropped) on a simulated budget. The model's CUDA
     kernels run deterministically (``torch.use_deterministic_algorithms``) so the runs can be compared bit for
     bit."""

@@ -218,6 +218,20 @@ def test_the_shrunk_plan_is_make_plans_for_that_tail(device_budget) -> None:
     assert shrink_tail(plan, too_long, profile, numels=numels, element_size=2, config=config) is None
 
 
+def test_the_staying_tail_waits_on_the_host_one_arena_at_a_time(device_budget, staging_watch) -> None:
+    """The device arenas shrink through host memory one at a time: 4 B per staying parameter on the host at once
+    (``shrink_tail`` prices that), never two arenas' copies."""
+    model = tiny_llama(**MODEL)
+    device_budget(_budget(model))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    train_steps(model, opt, _batches([SHORT]))
+    watch = staging_watch
+    train_steps(model, opt, _batches([LONG]))
+    assert opt.plan.device_numel > 0, "the long batch should leave a smaller tail"
+    assert watch.elements == [opt.plan.device_numel] * 3 and watch.most_alive == 1 and watch.alive == 0
+    opt.close()
+
+
 def test_the_moved_device_memory_is_freed(device_budget) -> None:
     model = tiny_llama(**MODEL)
     device_budget(_budget(model))
