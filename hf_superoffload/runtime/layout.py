@@ -260,12 +260,13 @@ class BucketLayout:
             self.bind_host(b)
 
     def _regrow_host_arena(self, name: str, numel: int, dtype: torch.dtype, pinned: bool, what: str) -> None:
-        """One arena at ``numel`` elements with the old one's contents in front; the old one is freed on return
-        (this frame holds the only other reference)."""
+        """One arena at ``numel`` elements with the old one's contents in front (as many as it holds); the old one
+        is freed on return (this frame holds the only other reference)."""
         grown = HostBuffer(numel, dtype, pin=pinned, name=what)
         old = self.arenas.get(name)
         if old is not None:
-            grown.tensor[: old.tensor.numel()].copy_(old.tensor)
+            n = min(numel, old.tensor.numel())
+            grown.tensor[:n].copy_(old.tensor[:n])
         self.arenas[name] = grown
 
     @property

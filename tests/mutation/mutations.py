@@ -254,8 +254,21 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # the buckets already on the device keep their old offsets in the grown arenas
         "tail_growth_keeps_the_old_offsets", "hf_superoffload/runtime/layout.py",
-        "held[old.offset : old.offset + old.shard]", "held[b.spec.offset : b.spec.offset + b.spec.shard]",
+        "grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(", "grown[old.offset : old.offset + old.shard].copy_(",
         (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[plain]",),
+    ),
+    Mutation(  # every staged arena of a move waits on the host until the move ends (12 B per staying parameter)
+        "tail_move_stages_every_arena_at_once", "hf_superoffload/runtime/layout.py",
+        "        setattr(self, name, grown)\n",
+        "        setattr(self, name, grown)\n        self.__dict__.setdefault('_staged', []).append(held)\n",
+        (f"{GROW}::test_the_old_tail_waits_on_the_host_one_arena_at_a_time",
+         f"{MOVE}::test_the_staying_tail_waits_on_the_host_one_arena_at_a_time"),
+    ),
+    Mutation(  # [Note: the host arenas keep their size]: a move to the device reallocates them at the smaller share
+        "tail_growth_reallocates_the_host_arenas", "hf_superoffload/runtime/layout.py",
+        "            elif name not in self.arenas or self.arenas[name].tensor.numel() < plan.host_numel:\n",
+        "            elif name not in self.arenas or self.arenas[name].tensor.numel() != plan.host_numel:\n",
+        (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[inverse]",),
     ),
     Mutation(  # [Note: moving the tail to the host] under host accumulation: the accumulator keeps the old host share
         "tail_move_keeps_the_accumulation_buffers", "hf_superoffload/runtime/engine.py",
