@@ -93,7 +93,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     cuda = device.type == "cuda"
     dtype = torch.float32 if system == "gpu_fp32" else torch.bfloat16
     rec: dict[str, Any] = {"system": system, "preset": preset, "batch": batch, "accum": accum, "seq": seq,
-                           "clip": CLIP}
+                           "clip": CLIP, "warmup": warmup, "steps": steps}
     if gpu_cap_gib is not None and cuda:  # a smaller GPU, as the caching allocator sees it
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_cap_gib * 1024**3 / total),
