@@ -172,6 +172,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
             torch.cuda.synchronize(device)
 
     times = []
+    k = 0
     try:
         for k in range(warmup + steps):
             t = time.perf_counter()
@@ -181,7 +182,15 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                 times.append(time.perf_counter() - t)
     except torch.OutOfMemoryError as e:
         where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
-        rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-6:])
+        rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-6:], oom_step=k)
+        if cuda:  # what the allocator held: fragmentation shows as reserved but unallocated bytes
+            stats = torch.cuda.memory_stats(device)
+            rec["oom_memory_gb"] = {key: stats.get(f"{key}_bytes.all.{kind}", 0) / 1e9
+                                    for key in ("allocated", "reserved") for kind in ("current", "peak")}
+            rec["oom_memory_gb"]["alloc_retries"] = stats.get("num_alloc_retries", 0)
+        if system in OURS:  # the plan the run had reached, and what the calibration changed on the way
+            rec["plan_summary"] = opt.plan.summary()
+            rec["calibration"] = opt.calibration
         return rec
     _finish(rec, times, batch, accum, seq, n, cfg, device)
     if system in OURS:

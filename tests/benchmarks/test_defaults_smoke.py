@@ -40,3 +40,30 @@ def test_named_settings_and_profile(tmp_path: Path) -> None:
     assert r["clip"] == 1e9 and r["clipped_steps"] == 0  # ``--clip`` reaches the optimizer
     assert r["plan"]["device_params"] == 0 and r["plan"]["d2h_lead"] == 1
     assert r["profile"]["steps"] == 1 and list((tmp_path / "traces").glob("*.json.gz"))
+
+
+def test_an_out_of_memory_row_says_at_which_step_and_with_which_plan(monkeypatch) -> None:
+    """A row that runs out of memory records the step, where, and the plan it had reached (the next call then
+    knows what to look at): here the second step's forward raises it."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("defaults_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    defaults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(defaults)
+    calls = {"n": 0}
+    forward = torch.nn.Module.__call__
+
+    def call(self: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        if type(self).__name__ == "LlamaForCausalLM":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", call)
+    rec = defaults.run_one("snippet", "tiny", 2, 1, None, 32, 1, 2, "cpu", None, None, None)
+    assert rec["status"] == "oom" and rec["oom_step"] == 1 and rec["error"].startswith("CUDA out of memory")
+    assert "plan_summary" in rec and rec["plan_summary"] == rec["plan_summary"].strip() != ""
