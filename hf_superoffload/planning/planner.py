@@ -727,11 +727,14 @@ def _plans_by_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfi
 
 
 def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
-                element_size: int, config: SuperOffloadConfig) -> OffloadPlan | None:
+                element_size: int, config: SuperOffloadConfig,
+                host_arena_numel: int | None = None) -> OffloadPlan | None:
     """[Note: moving the tail to the host] in runtime/tail_move.py: the plan with the fewest of ``plan``'s device
     buckets moved to the host with which the device holds ``workload`` (with the most kept layers beside it) and the
     host holds the moved state; ``None`` if even no device tail fits, or the host cannot take what must move. One
-    process, stationary weights."""
+    process, stationary weights. ``host_arena_numel``: what the host arenas hold now, when a move to the device
+    left them larger than ``plan``'s share ([Note: the host arenas keep their size]): the host is priced with
+    arenas of at least that size."""
     plan_at = _plans_by_tail(plan, workload, profile, numels=numels, element_size=element_size, config=config)
     if plan_at is None:
         return None
@@ -742,7 +745,10 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
             return None  # the host cannot hold this tail's host share (a smaller tail needs more), or a switch flips
         if not device_holds(shrunk, workload, profile, 1)[0]:
             continue
-        est = estimate(workload.model, plan_like=PlanLike.from_plan(shrunk), **workload.estimate_kwargs())
+        held = PlanLike.from_plan(shrunk)
+        if host_arena_numel is not None and host_arena_numel > shrunk.host_numel:
+            held = dataclasses.replace(held, host_numel=host_arena_numel)
+        est = estimate(workload.model, plan_like=held, **workload.estimate_kwargs())
         during = max(4 * shrunk.host_numel, 4 * shrunk.device_numel)  # one regrown arena, or one staged arena
         if host is not None and est.host_peak_bytes + during > host:
             return None

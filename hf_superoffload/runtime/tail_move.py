@@ -70,7 +70,8 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # the link. A move that leaves no host bucket frees them (there is nothing to copy). A later move to the host reuses
 # the room (no arena is regrown while it holds the new host share). The checkpointed state is the plan's
 # ``host_numel`` elements of each arena (``BucketLayout.flat_state``); ``BucketLayout.host_arena_numel`` says what
-# the arenas hold, and the benchmarks predict host memory from it.
+# the arenas hold; ``planner.shrink_tail`` prices a later move to the host with it, and the benchmarks predict host
+# memory from it.
 
 
 def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:

@@ -218,6 +218,25 @@ def test_the_shrunk_plan_is_make_plans_for_that_tail(device_budget) -> None:
     assert shrink_tail(plan, too_long, profile, numels=numels, element_size=2, config=config) is None
 
 
+def test_the_host_is_priced_with_the_arenas_it_holds() -> None:
+    """After a move to the device the host arenas keep their size ([Note: the host arenas keep their size]): a move
+    back to the host is priced with what they hold, not with the new plan's share alone."""
+    model = tiny_llama(**MODEL)
+    profile = pretend_profile(_budget(model), host_available_bytes=8 * 1024**3)
+    numels = [p.numel() for p in reversed(list(model.parameters()))]
+    config = SuperOffloadConfig()
+    short = Workload(model.config, BATCH, SHORT, grad_ckpt=False, chunked_loss=True)
+    plan = make_plan(numels, element_size=2, config=config, profile=profile, workload=short)
+    long = dataclasses.replace(short, seq_len=LONG)
+    shrunk = shrink_tail(plan, long, profile, numels=numels, element_size=2, config=config)
+    assert shrunk is not None
+    same = shrink_tail(plan, long, profile, numels=numels, element_size=2, config=config,
+                       host_arena_numel=shrunk.host_numel)
+    assert same == shrunk
+    assert shrink_tail(plan, long, profile, numels=numels, element_size=2, config=config,
+                       host_arena_numel=10**9) is None, "a billion parameters' arenas do not fit 8 GiB of host"
+
+
 def test_the_staying_tail_waits_on_the_host_one_arena_at_a_time(device_budget, staging_watch) -> None:
     """The device arenas shrink through host memory one at a time: 4 B per staying parameter on the host at once
     (``shrink_tail`` prices that), never two arenas' copies."""
