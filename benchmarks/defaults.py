@@ -335,7 +335,7 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clippe
                                                                                grad_ckpt=True)
     est = estimate(shape, plan_like=plan_like, **run)
     # after a move to the device the host arenas keep their size ([Note: the host arenas keep their size])
-    arenas = max(plan_like.host_numel, opt.engine.layout.host_arena_numel)
+    arenas = max(plan_like.host_numel, opt.engine.host_arena_numel)
     host = estimate(shape, plan_like=dataclasses.replace(plan_like, host_numel=arenas), **run)
     step = predict_step_time(shape, plan_like, HardwareProfile.h200_pcie(), batch_size=batch, seq_len=seq,
                              grad_ckpt=True, clipping_every_step=clipped, micro_batches=accum)

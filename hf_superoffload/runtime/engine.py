@@ -283,6 +283,11 @@ class OffloadEngine:
         return list(self._accum.buffers) if self._accum is not None else []
 
     @property
+    def host_arena_numel(self) -> int:
+        """Elements each host state arena holds ([Note: the host arenas keep their size] in runtime/tail_move.py)."""
+        return self.layout.host_arena_numel
+
+    @property
     def pinned_bytes(self) -> int:
         """Page-locked host bytes: the layout's arenas and the host accumulation's buffers."""
         return self.layout.pinned_bytes + sum(b.nbytes for b in self.accumulation_buffers if b.pinned)
