@@ -29,7 +29,7 @@ __all__ = ["AUTO_D2H_LEAD", "CALIBRATED_MARGIN", "CALIBRATION_STEPS", "LANDING_R
            "refuse_unless_fits", "share_count", "shrink_tail", "split_cores"]
 
 AUTO_D2H_LEAD = 4
-"""``d2h_lead_buckets="auto"`` when the host holds most of the optimizer state ([Note: D2H lead] in docs/design.md)."""
+"""``d2h_lead_buckets="auto"`` wherever the host holds optimizer state ([Note: D2H lead] in docs/design.md)."""
 
 # Host RAM kept free for the OS, the runtime and the data pipeline when sizing host state.
 _HOST_HEADROOM_BYTES = 2 * 1024**3
@@ -181,13 +181,13 @@ def _cast_side(config: SuperOffloadConfig, profile: HardwareProfile) -> tuple[Ca
     return CastSide.CPU, f"casts fused into the CPU Adam; bf16 crosses {shown} link both ways (auto)"
 
 
-def d2h_lead(config: SuperOffloadConfig, host_numel: int, device_numel: int) -> int:
-    """[Note: D2H lead]: the configured lead, or for ``"auto"`` 4 when the host holds most of the optimizer state
-    (its CPU pass is then the critical path and the backward should not drain at every host bucket) and 0 when the
-    GPU holds most of it (the default plans measured with 0)."""
+def d2h_lead(config: SuperOffloadConfig, host_numel: int) -> int:
+    """[Note: D2H lead]: the configured lead, or for ``"auto"`` 4 wherever the host holds optimizer state (the
+    backward should not drain at every host bucket; it costs only the device memory of the buckets in flight, which
+    the tail sizing counts) and 0 where it holds none (no host bucket, nothing to lead)."""
     if config.overrides.d2h_lead_buckets != "auto":
         return int(config.overrides.d2h_lead_buckets)
-    return AUTO_D2H_LEAD if host_numel > device_numel else 0
+    return AUTO_D2H_LEAD if host_numel > 0 else 0
 
 
 def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_tail: int, workload: Workload,
@@ -207,7 +207,7 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
         tail = sum(shards[len(shards) - k :]) if k else 0
         plan_like = PlanLike(device_numel=tail, host_numel=total - tail, bucket_bytes=bucket_bytes,
                              weight_mode="flow" if weight_mode is WeightMode.FLOW else "stationary",
-                             d2h_lead_buckets=d2h_lead(config, total - tail, tail))
+                             d2h_lead_buckets=d2h_lead(config, total - tail))
         est = estimate(workload.model, plan_like=plan_like, **workload.estimate_kwargs())
         return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
 
@@ -383,10 +383,12 @@ def make_plan(
 #   between whole plans;
 # * decided per tail by dominance, inside each combination: the double buffer, the deferred moment stores and the
 #   fp32 accumulation arena cost only host RAM and are never slower (and the first and last are exact), so each
-#   is taken when the host holds it beside the rest; deferred speculation is priced ([Note: deferred
-#   speculation]); the master deferral adapts at run time;
-# * not searched, for want of a model that prices them: the D2H lead (a rule measured on the all-host row), the
-#   bucket size (the configured one; the roofline sees only its latency) and the CPU threads (the profile's).
+#   is taken when the host holds it beside the rest; the D2H lead costs only device memory (the tail sizing
+#   counts its buckets) and the roofline prices its absence as the whole D2H exposed, so any host state gets it
+#   ([Note: D2H lead] in docs/design.md); deferred speculation is priced ([Note: deferred speculation]); the
+#   master deferral adapts at run time;
+# * not searched, for want of a model that prices them: the bucket size (the configured one; the roofline sees
+#   only its latency) and the CPU threads (the profile's).
 # A field the user sets is a constraint: its one value is the only candidate. Without a workload nothing can be
 # priced and the rules decide. The verdict, ``plan``'s "largest that fits" and the engine all take this plan.
 _SEARCHED = {"weight_placement": "weight placement", "cast_side": "cast side", "accumulate_on_host": "accumulation"}
@@ -938,7 +940,7 @@ def _make_plan(
     if spec_note:
         notes.append(spec_note)
 
-    lead = d2h_lead(config, host_numel, device_numel)
+    lead = d2h_lead(config, host_numel)
     plan = OffloadPlan(
         buckets=tuple(buckets),
         weight_mode=weight_mode,

@@ -21,7 +21,9 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   is bandwidth bound); ``cpu_s = H / R_eff``. Buckets are stepped speculatively as they land, so by the
   verdict ``spec = min(cpu_s, W_b - one bucket)`` is done (that share of snapshot pages gets written);
   ``rem = cpu_s - spec`` is left.
-* exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``; the remainder and the uploads beyond the next
+* exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``, or all of it, ``d2h_s``, with no D2H lead (each host
+  bucket's hook waits for its own copy, so the copies run beside an idle GPU: [Note: D2H lead] in docs/design.md;
+  measured as the lead's gain, 74 ms of 3.6B all-host's 131 ms predicted, 0.50 s of 8B's 0.29 s); the remainder and the uploads beyond the next
   forward, ``max(0, max(rem, h2d_s) - W_f)`` plus one bucket's latency when ``rem > 0``; the device tail's
   AdamW, 28 B/param at ``device_memory_gbps``, runs after validation and is fully exposed.
 * weight flow: the streamed weights cross the link twice per step, 2 B/param before their forward and again
@@ -198,8 +200,14 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
         d2h_c, h2d_c = (p.d2h_concurrent_gbps or p.d2h_gbps) * 1e9, (p.h2d_concurrent_gbps or p.h2d_gbps) * 1e9
         down = max(2 * host / d2h_c, 2 * host / h2d_c)
 
+    # [Note: D2H lead] with no lead: each host bucket's hook waits for its own copy, the GPU's queue drains, and the
+    # copies run one after another beside an idle GPU instead of under the backward (host accumulation's summed
+    # flush has ring slots instead of the limiter)
+    summed = plan_like.host_accumulation in ACCUMULATE_ADD_BYTES and micro_batches > 1
+    drains = host > 0 and plan_like.d2h_lead_buckets == 0 and not summed
+
     def exposed_s(rs: float, ag: float, edge: float) -> float:
-        backward_link = max(0.0, max(down, rs) - w_b)
+        backward_link = max(down, rs) if drains else max(0.0, max(down, rs) - w_b)
         return backward_link + max(0.0, max(rem, h2d_s, ag) - w_f) + (latency if rem > 0 else 0.0) + edge
 
     spill = max(0.0, commit_s - max(0.0, w_f + w_b - cpu_s))  # commits the worker's idle time cannot hold

@@ -166,10 +166,12 @@ def test_defer_master_auto_is_adaptive_where_it_can_work_and_off_elsewhere():
 def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
     p0 = plan(SuperOffloadConfig(gpu_resident_buckets=0, overrides=PlannerOverrides(d2h_lead_buckets=0)))
     assert p0.d2h_lead_buckets == 0 and "D2H lead: 0 bucket(s) (each host bucket's hook waits" in p0.summary()
-    # "auto" (the default): 4 when the host holds most of the optimizer state, 0 when the GPU does
+    # "auto" (the default): 4 wherever the host holds optimizer state, 0 when it holds none
     assert plan().d2h_lead_buckets == 4 and plan().device_numel == 0
     mostly_gpu = plan(SuperOffloadConfig(gpu_resident_buckets=30))
-    assert mostly_gpu.device_numel > mostly_gpu.host_numel and mostly_gpu.d2h_lead_buckets == 0
+    assert mostly_gpu.device_numel > mostly_gpu.host_numel > 0 and mostly_gpu.d2h_lead_buckets == 4
+    all_gpu = plan(SuperOffloadConfig(gpu_resident_buckets=10_000))
+    assert all_gpu.host_numel == 0 and all_gpu.d2h_lead_buckets == 0
     p = plan(SuperOffloadConfig(gpu_resident_buckets=0, overrides=PlannerOverrides(d2h_lead_buckets=4)))
     assert p.d2h_lead_buckets == 4 and "D2H lead: 4 bucket(s) in flight" in p.summary()
 
