@@ -181,13 +181,14 @@ def _cast_side(config: SuperOffloadConfig, profile: HardwareProfile) -> tuple[Ca
     return CastSide.CPU, f"casts fused into the CPU Adam; bf16 crosses {shown} link both ways (auto)"
 
 
-def d2h_lead(config: SuperOffloadConfig, host_numel: int) -> int:
+def d2h_lead(config: SuperOffloadConfig, host_buckets: int) -> int:
     """[Note: D2H lead]: the configured lead, or for ``"auto"`` 4 wherever the host holds optimizer state (the
     backward should not drain at every host bucket; it costs only the device memory of the buckets in flight, which
-    the tail sizing counts) and 0 where it holds none (no host bucket, nothing to lead)."""
+    the tail sizing counts), never more than the ``host_buckets`` there are to lead (more would price buffers no
+    backward fills), and 0 where there is none."""
     if config.overrides.d2h_lead_buckets != "auto":
         return int(config.overrides.d2h_lead_buckets)
-    return AUTO_D2H_LEAD if host_numel > 0 else 0
+    return min(AUTO_D2H_LEAD, host_buckets)
 
 
 def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_tail: int, workload: Workload,
@@ -207,7 +208,7 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
         tail = sum(shards[len(shards) - k :]) if k else 0
         plan_like = PlanLike(device_numel=tail, host_numel=total - tail, bucket_bytes=bucket_bytes,
                              weight_mode="flow" if weight_mode is WeightMode.FLOW else "stationary",
-                             d2h_lead_buckets=d2h_lead(config, total - tail))
+                             d2h_lead_buckets=d2h_lead(config, len(shards) - k))
         est = estimate(workload.model, plan_like=plan_like, **workload.estimate_kwargs())
         return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
 
@@ -940,7 +941,7 @@ def _make_plan(
     if spec_note:
         notes.append(spec_note)
 
-    lead = d2h_lead(config, host_numel)
+    lead = d2h_lead(config, len(host_shards))
     plan = OffloadPlan(
         buckets=tuple(buckets),
         weight_mode=weight_mode,

@@ -172,6 +172,10 @@ def test_d2h_lead_is_a_plan_field_shown_in_the_summary():
     assert mostly_gpu.device_numel > mostly_gpu.host_numel > 0 and mostly_gpu.d2h_lead_buckets == 4
     all_gpu = plan(SuperOffloadConfig(gpu_resident_buckets=10_000))
     assert all_gpu.host_numel == 0 and all_gpu.d2h_lead_buckets == 0
+    # never more than there are host buckets to lead: a larger lead would price buffers no backward fills
+    for n_host in (1, 3):
+        few = plan(SuperOffloadConfig(gpu_resident_buckets=len(p0.buckets) - n_host))
+        assert len(few.host_buckets) == n_host and few.d2h_lead_buckets == n_host
     p = plan(SuperOffloadConfig(gpu_resident_buckets=0, overrides=PlannerOverrides(d2h_lead_buckets=4)))
     assert p.d2h_lead_buckets == 4 and "D2H lead: 4 bucket(s) in flight" in p.summary()
 
