@@ -288,3 +288,8 @@ class DeviceBucket(_BucketBase):
     def __init__(self, spec: BucketSpec, params: list[torch.nn.Parameter]) -> None:
         super().__init__(spec, params)
         self.grad = None
+
+    def drop_state(self) -> None:
+        """Forget the views of the device arenas: the bucket moved to the host, and a view would keep the old arena
+        alive while its replacement is allocated ([Note: restaging the device arenas] in runtime/tail_move.py)."""
+        del self.master, self.exp_avg, self.exp_avg_sq

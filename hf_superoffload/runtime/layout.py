@@ -27,7 +27,17 @@ from .bucket import DeviceBucket, HostBucket
 from .collectives import ShardGroup
 from .host_memory import HostBuffer
 
-__all__ = ["BucketLayout", "check_plan", "stage_on_host"]
+__all__ = ["BucketLayout", "allocate_beside", "check_plan", "stage_on_host"]
+
+
+def allocate_beside(numel: int, device: torch.device) -> torch.Tensor | None:
+    """A new fp32 device arena of ``numel`` elements while the old one is still alive, or ``None`` when the device
+    cannot hold both (the caching allocator has already given back its unused blocks and tried again): the old
+    arena then waits on the host instead ([Note: restaging the device arenas] in runtime/tail_move.py)."""
+    try:
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    except torch.OutOfMemoryError:
+        return None
 
 
 def stage_on_host(arena: torch.Tensor, pieces: Sequence[BucketSpec]) -> torch.Tensor:
@@ -277,15 +287,23 @@ class BucketLayout:
     def _restage_device_arenas(self, numel: int, staying: Sequence[tuple[DeviceBucket, BucketSpec]]) -> None:
         """Reallocate the device arenas at ``numel`` elements, the ``staying`` buckets' state moved from their old
         spec (the pair's second) to their current one; the other device buckets' views are left for the caller to
-        fill. One arena at a time through host memory: the staying slices of an arena are copied to the host, the
-        arena is freed, its replacement allocated and filled, and the host copy dropped before the next arena, so
-        the device never holds an old and a new arena at once and the host holds 4 B per staying parameter."""
+        fill. One arena at a time, each beside the old one on the device where it holds both, else through host
+        memory ([Note: restaging the device arenas] in runtime/tail_move.py)."""
         for name in ("dev_master", "dev_exp_avg", "dev_exp_avg_sq"):
             self._restage_device_arena(name, numel, staying)
         self._bind_device_views()
 
     def _restage_device_arena(self, name: str, numel: int, staying: Sequence[tuple[DeviceBucket, BucketSpec]]) -> None:
-        held = stage_on_host(getattr(self, name), [old for _, old in staying])
+        old_arena = getattr(self, name)
+        grown = allocate_beside(numel, self.device)
+        if grown is not None:  # a device-to-device copy; the old arena is freed when this frame returns
+            for b, old in staying:
+                grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(old_arena[old.offset : old.offset + old.shard])
+            setattr(self, name, grown)
+            self._bind_device_views()  # the old arena's views go with it, before the next arena is allocated
+            return
+        held = stage_on_host(old_arena, [old for _, old in staying])
+        del old_arena
         setattr(self, name, torch.empty(0, dtype=torch.float32, device=self.device))
         self._bind_device_views()  # the old arena's views go with it
         grown = torch.empty(numel, dtype=torch.float32, device=self.device)

@@ -29,9 +29,8 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # AdamW, which rounds differently from the CPU Adam). The move runs in the forward pre-hook, between steps, after
 # every upload; not under data parallelism or weight flow (the batch is refused as before). It briefly holds more
 # host memory than either plan: a host arena too small for the new host share is regrown (one at a time; after a
-# move to the device the arenas may already hold it, see below), and the remaining tail's state waits on the host,
-# one arena at a time (4 B per staying parameter), while its device arenas are reallocated at their new size, so
-# that the device never holds the old and the new arenas at once.
+# move to the device the arenas may already hold it, see below), and the device arenas are reallocated at their new
+# size ([Note: restaging the device arenas] below).
 #
 # Under host accumulation ([Note: host accumulation] in docs/weight_flow.md) the move runs only at an optimizer
 # step's first micro-batch, where nothing is summed on the host yet: the accumulator's buffers hold no state then,
@@ -52,13 +51,24 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # smaller one faster), with the same switches kept as above, so the plan is again ``make_plan``'s for that tail and
 # training on equals a run started with it from the state at the move, bit for bit (before the move those buckets
 # stepped with the CPU Adam). At the same quiet point as the move to the host, after every upload and every
-# deferred store: the committed host state copy of the moved buckets is copied into the device arenas, which grow
-# one arena at a time through host memory (the device never holds the old and the new arenas at once; the host
-# holds one arena of the old tail at a time). The host arenas keep their size ([Note: the host arenas keep their
+# deferred store: the committed host state copy of the moved buckets is copied into the device arenas, reallocated
+# at their new size ([Note: restaging the device arenas] below). The host arenas keep their size ([Note: the host arenas keep their
 # size] below). The deferred stores, the D2H lead and gate, the master share, the upload
 # thread and host accumulation's buffers follow the smaller host share, at a step's first micro-batch as above; a
 # gate thread or upload thread a plan without host buckets no longer asks for stays idle. Host accumulation keeps
 # at least one host bucket (a plan without host buckets accumulates on the device: a switch the move keeps).
+
+
+# [Note: restaging the device arenas]
+# Either move reallocates the three fp32 device arenas (master, exp_avg, exp_avg_sq) at the new tail's size, one at
+# a time (``BucketLayout._restage_device_arena``). Each new arena is first allocated beside the old one
+# (``layout.allocate_beside``) and the staying buckets' state copied device to device: the move runs at a quiet
+# point, where the activations' memory is free, so the device usually holds both of one kind. Only where it does
+# not (the allocator, having given back its unused blocks, still cannot) does the old arena's staying state wait on
+# the host (``layout.stage_on_host``: 4 B per staying parameter, one arena at a time, so the device never holds the
+# old and the new arena at once); ``planner.grow_tail`` and ``planner.shrink_tail`` price that host copy, the worst
+# case. The host path moved 1.78B parameters' arenas of the 8B bs16 tail through pageable memory in 16.4 s on the
+# H200 box (646577d, 2026-12-05), a copy the device makes at its own bandwidth.
 
 
 # [Note: the host arenas keep their size]
@@ -133,6 +143,7 @@ def move_to_host(layout: BucketLayout, plan: OffloadPlan) -> list[HostBucket]:
                 dst.copy_(src)
         if b.staging is not None:
             b.staging.copy_(b.pmv[0][0])
+        d.drop_state()
     layout.shrink_device_tail([b for b in layout.device_buckets if b.index not in leaving])
     layout.add_host_buckets(host_new)
     return host_new

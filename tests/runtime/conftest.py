@@ -85,9 +85,36 @@ class StagingWatch:
 
 @pytest.fixture
 def staging_watch(monkeypatch: pytest.MonkeyPatch) -> StagingWatch:
-    """The host copies a move of the device tail stages its arenas through (``layout.stage_on_host``), each tracked
-    by a weak reference: ``most_alive`` is the most alive at once (counted as each is made), ``alive`` now,
+    """On a device that cannot hold an old and a new device arena at once (``layout.allocate_beside`` finds no
+    room), the host copies a move of the device tail stages its arenas through (``layout.stage_on_host``), each
+    tracked by a weak reference: ``most_alive`` is the most alive at once (counted as each is made), ``alive`` now,
     ``elements`` what each held."""
     watch = StagingWatch(layout.stage_on_host)
+    monkeypatch.setattr(layout, "allocate_beside", lambda numel, device: None)
     monkeypatch.setattr(layout, "stage_on_host", watch)
+    return watch
+
+
+class BesideWatch:
+    """See :func:`beside_watch`."""
+
+    def __init__(self, allocate: Callable[[int, torch.device], torch.Tensor | None]) -> None:
+        self._allocate = allocate
+        self.old: list[weakref.ref[torch.Tensor]] = []
+        self.old_alive_at_call: list[int] = []
+
+    def watch_arenas(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.old = [weakref.ref(t) for t in tensors]
+
+    def __call__(self, numel: int, device: torch.device) -> torch.Tensor | None:
+        self.old_alive_at_call.append(sum(r() is not None for r in self.old))
+        return self._allocate(numel, device)
+
+
+@pytest.fixture
+def beside_watch(monkeypatch: pytest.MonkeyPatch) -> BesideWatch:
+    """Each device arena a move allocates beside the old ones (``layout.allocate_beside``): for each call, how many
+    of the arenas given to ``watch_arenas`` were still alive."""
+    watch = BesideWatch(layout.allocate_beside)
+    monkeypatch.setattr(layout, "allocate_beside", watch)
     return watch

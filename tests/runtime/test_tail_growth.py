@@ -28,6 +28,7 @@ from hf_superoffload.planning.planner import (
     make_plan,
     shrink_tail,
 )
+from hf_superoffload.runtime import layout
 from hf_superoffload.runtime.tail_move import check_move, check_move_to_device
 from hf_superoffload.testing import pretend_profile, snapshot, tiny_llama, train_steps, weights_and_state
 
@@ -306,7 +307,7 @@ def test_nothing_grows_where_the_calibrated_budget_holds_no_more(sim_device) -> 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_measured_room_grows_the_tail_and_training_goes_on_as_if_started_so(sim_device) -> None:
-    """The growth's CUDA path (device arenas grown through host memory, the page-locked host arenas kept, the
+    """The growth's CUDA path (device arenas grown beside the old ones, the page-locked host arenas kept, the
     upload thread and the forward hooks of the moved parameters dropped) on a simulated budget. The model's CUDA
     kernels run deterministically (``torch.use_deterministic_algorithms``) so the runs can be compared bit for
     bit."""
@@ -316,3 +317,14 @@ def test_on_a_gpu_measured_room_grows_the_tail_and_training_goes_on_as_if_starte
         _room_grows_the_tail(sim_device, torch.device("cuda"), SuperOffloadConfig(), share=0.5)
     finally:
         torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_device_that_cannot_hold_a_new_arena_beside_the_old_says_so() -> None:
+    """[Note: restaging the device arenas]: an arena larger than the device gets ``None`` (the old arena then waits
+    on the host), not an out-of-memory error, and the allocator can still allocate after it."""
+    device = torch.device("cuda")
+    total = torch.cuda.get_device_properties(device).total_memory
+    assert layout.allocate_beside(total // 4 + 1, device) is None
+    small = layout.allocate_beside(1024, device)
+    assert small is not None and small.numel() == 1024 and small.dtype == torch.float32

@@ -16,6 +16,7 @@ from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.plan import HostAccumulation, OffloadPlan, Placement
 from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
+from hf_superoffload.runtime import layout as layout_module
 from hf_superoffload.runtime import streams
 from hf_superoffload.runtime.tail_move import check_move
 from hf_superoffload.testing import (
@@ -249,6 +250,26 @@ def test_the_staying_tail_waits_on_the_host_one_arena_at_a_time(device_budget, s
     train_steps(model, opt, _batches([LONG]))
     assert opt.plan.device_numel > 0, "the long batch should leave a smaller tail"
     assert watch.elements == [opt.plan.device_numel] * 3 and watch.most_alive == 1 and watch.alive == 0
+    opt.close()
+
+
+def test_the_staying_tail_moves_device_to_device_one_arena_at_a_time(device_budget, beside_watch,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: restaging the device arenas]: where the device holds an old and a new arena of one kind, each new arena
+    is allocated beside its old one and filled on the device, nothing waits on the host, and each old arena is gone
+    before the next new one is allocated (the device holds one old-new pair at a time, never two arenas' copies)."""
+    staged: list[int] = []
+    monkeypatch.setattr(layout_module, "stage_on_host", lambda arena, pieces: staged.append(1))
+    model = tiny_llama(**MODEL)
+    device_budget(_budget(model))
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    train_steps(model, opt, _batches([SHORT]))
+    layout = opt.engine.layout
+    beside_watch.watch_arenas([layout.dev_master, layout.dev_exp_avg, layout.dev_exp_avg_sq])
+    tail = opt.plan.device_numel
+    train_steps(model, opt, _batches([LONG]))
+    assert 0 < opt.plan.device_numel < tail, "the long batch should leave a smaller tail"
+    assert beside_watch.old_alive_at_call == [3, 2, 1] and not staged
     opt.close()
 
 
