@@ -3,6 +3,10 @@
 # this host's SIMD (AVX-512 on the H200 box; the CI box has AVX2 only). Everything lands under $OUT.
 #
 #   ROWS="3.6b:8 8b:4" SYSTEMS="gpu_fp32 gpu_bf16 snippet host0" CPU_EXT_TESTS=1 bash benchmarks/run_defaults_on_box.sh
+#
+# WARMUP (default: defaults.py's, past the calibration and its move), STEPS, TIMEOUT, GPU_CAP_GIB, CLIP, and SET
+# ("KEY=VALUE ...": settings of our systems, e.g. SET="bucket_size_mb=64 cpu_threads=12"; such a row is not the
+# defaults and its record names them). PYTORCH_CUDA_ALLOC_CONF passes through to every row.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 source benchmarks/_stage.sh
@@ -18,8 +22,8 @@ if [ "${CPU_EXT_TESTS:-0}" = 1 ]; then
 fi
 # shellcheck disable=SC2086
 python3 benchmarks/defaults.py --rows ${ROWS:-3.6b:8 8b:4} --systems ${SYSTEMS:-gpu_fp32 gpu_bf16 snippet host0} \
-  --warmup "${WARMUP:-2}" --steps "${STEPS:-5}" --timeout "${TIMEOUT:-240}" --out "$OUT/defaults.jsonl" \
-  ${GPU_CAP_GIB:+--gpu-cap-gib "$GPU_CAP_GIB"} ${CLIP:+--clip "$CLIP"}
+  ${WARMUP:+--warmup "$WARMUP"} --steps "${STEPS:-5}" --timeout "${TIMEOUT:-240}" --out "$OUT/defaults.jsonl" \
+  ${GPU_CAP_GIB:+--gpu-cap-gib "$GPU_CAP_GIB"} ${CLIP:+--clip "$CLIP"} ${SET:+--set $SET}
 python3 - "$OUT/defaults.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):

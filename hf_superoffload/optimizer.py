@@ -424,13 +424,21 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                           config=self.config)
         if grown is None:
             return 0, 0.0
+        return self._move_tail(grown, "the measured peak leaves room")
+
+    def _move_tail(self, plan: OffloadPlan, why: str) -> tuple[int, float]:
+        """Make ``plan``, a move of the tail the planner chose (runtime/tail_move.py), with the kept layers it comes
+        with, and log it; returns how many parameters moved their optimizer state and the seconds that took."""
+        assert self._built is not None
+        before = len(self.plan.device_buckets)
+        to_device = len(plan.device_buckets) > before
         t = time.perf_counter()
-        moved = self._built.move_to_device(grown)
+        moved = self._built.move_to_device(plan) if to_device else self._built.move_to_host(plan)
         took = time.perf_counter() - t
-        self._set_kept_layers(grown.kept_layers)
-        logger.info("hf_superoffload: the measured peak leaves room: %d parameters (%d bucket(s)) moved their "
-                    "optimizer state to the device in %.1f s", moved,
-                    len(grown.device_buckets) - len(plan.device_buckets), took)
+        self._set_kept_layers(plan.kept_layers)
+        logger.info("hf_superoffload: %s: %d parameters (%d bucket(s)) moved their optimizer state to the %s in "
+                    "%.1f s", why, moved, abs(len(plan.device_buckets) - before), "device" if to_device else "host",
+                    took)
         return moved, took
 
     def _calibrate_rates(self) -> dict[str, Any] | None:
@@ -479,12 +487,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                                  numels=[p.numel() for p in self._ordered], element_size=2, config=self.config,
                                  host_arena_numel=self._built.host_arena_numel)
             if shrunk is not None:
-                t = time.perf_counter()
-                moved = self._built.move_to_host(shrunk)
-                self._set_kept_layers(shrunk.kept_layers)
-                logger.info("hf_superoffload: %s: %d parameters (%d bucket(s)) moved their optimizer state to the "
-                            "host in %.1f s so that it fits", what, moved,
-                            len(plan.device_buckets) - len(shrunk.device_buckets), time.perf_counter() - t)
+                self._move_tail(shrunk, f"{what}, so that it fits")
                 ok = True
         if not ok and self._built.mid_accumulation and plan.device_numel:
             why = (f"{why}; the device tail moves to the host only at an optimizer step's first micro-batch, and "
