@@ -23,9 +23,10 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   ``rem = cpu_s - spec`` is left.
 * exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``, or all of it, ``d2h_s``, with no D2H lead (each host
   bucket's hook waits for its own copy, so the copies run beside an idle GPU: [Note: D2H lead] in docs/design.md;
-  measured as the lead's gain, 74 ms of 3.6B all-host's 131 ms predicted, 0.50 s of 8B's 0.29 s); the remainder and the uploads beyond the next
-  forward, ``max(0, max(rem, h2d_s) - W_f)`` plus one bucket's latency when ``rem > 0``; the device tail's
-  AdamW, 28 B/param at ``device_memory_gbps``, runs after validation and is fully exposed.
+  the lead's measured gain against the predicted: 3.6B all-host 74 ms (131 ms predicted), 8B 0.50 s (0.29 s));
+  the remainder and the uploads beyond the next forward, ``max(0, max(rem, h2d_s) - W_f)`` plus one bucket's
+  latency when ``rem > 0``; the device tail's AdamW, 28 B/param at ``device_memory_gbps``, runs after validation
+  and is fully exposed.
 * weight flow: the streamed weights cross the link twice per step, 2 B/param before their forward and again
   before their backward. ``h2d_s`` is then the forward's fetch (the step's uploads are gone: staging is the
   weights' home), and the backward's fetch shares the backward window with the gradients' D2H, each at the

@@ -52,8 +52,8 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # training on equals a run started with it from the state at the move, bit for bit (before the move those buckets
 # stepped with the CPU Adam). At the same quiet point as the move to the host, after every upload and every
 # deferred store: the committed host state copy of the moved buckets is copied into the device arenas, reallocated
-# at their new size ([Note: restaging the device arenas] below). The host arenas keep their size ([Note: the host arenas keep their
-# size] below). The deferred stores, the D2H lead and gate, the master share, the upload
+# at their new size ([Note: restaging the device arenas] below). The host arenas keep their size ([Note: the host
+# arenas keep their size] below). The deferred stores, the D2H lead and gate, the master share, the upload
 # thread and host accumulation's buffers follow the smaller host share, at a step's first micro-batch as above; a
 # gate thread or upload thread a plan without host buckets no longer asks for stays idle. Host accumulation keeps
 # at least one host bucket (a plan without host buckets accumulates on the device: a switch the move keeps).
