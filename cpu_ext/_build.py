@@ -33,6 +33,13 @@ libstdc++ builds its own library. ``tests/cpu_ext/test_cpu_adam_linkage.py`` sta
 No ``-march`` flag: each SIMD path carries its own target attribute and the library dispatches on the CPU
 it runs on, so a cached build is safe on any machine of the same architecture.
 
+A library already in the cache is loaded directly (``torch.ops.load_library``), not through
+``cpp_extension.load``: that one writes a ``build.ninja`` naming the sources by absolute path and runs ninja,
+so a second copy of the package (another virtual environment, a mutation test's copy) with the very same
+sources, hence the same name, rebuilt the library (~20 s) and left the other copy to rebuild it in turn. The
+name already is the hash of everything that goes into the library; a cached file that does not load (a link
+killed half-way) is built again.
+
 Messages: a load from the cache says nothing (DEBUG only). A build says so once, when it starts, with the
 elapsed time ticking on a terminal (it takes about a minute and the first step waits for it); off a terminal
 the one line goes to the ``hf_superoffload`` logging when that shows INFO records, else to stderr. The stale
@@ -169,12 +176,26 @@ def _exclusive_build(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _library_built(name: str) -> bool:
-    """Whether ``name``'s library is in the cache (then ``cpp_extension.load`` only loads it)."""
+def _built_library(name: str) -> Path | None:
+    """``name``'s library in the cache, or None where it has not been built."""
     from torch.utils.cpp_extension import _get_build_directory
 
     build_dir = Path(_get_build_directory(name, verbose=False))
-    return any((build_dir / f"{name}{ext}").is_file() for ext in (".so", ".pyd", ".dylib"))
+    return next((lib for ext in (".so", ".pyd", ".dylib") if (lib := build_dir / f"{name}{ext}").is_file()), None)
+
+
+def _load_built(name: str) -> bool:
+    """Load ``name``'s cached library directly, without ``cpp_extension.load``; False where there is none or it
+    does not load (a link killed half-way), and the caller builds it again ([Note: CPU Adam build])."""
+    library = _built_library(name)
+    if library is None:
+        return False
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        logger.warning("rebuilding the CPU Adam extension: its cached library %s does not load (%s)", library, exc)
+        return False
+    return True
 
 
 def _say(message: str) -> None:
@@ -214,25 +235,33 @@ def _build_progress(name: str) -> Iterator[None]:
         logger.info("built the CPU Adam extension %s in %.0f s", name, time.perf_counter() - start)
 
 
+def _compile(name: str) -> None:
+    """Build ``name`` with ninja in the cache and load it."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=name,
+        sources=[str(CSRC / s) for s in _SOURCES],
+        extra_include_paths=[str(CSRC)],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_ldflags()),
+        is_python_module=False,
+        verbose=False,
+    )
+
+
 def _build() -> LoadState:
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         logger.info("%s is set: CPU Adam uses the torch fallback", DISABLE_ENV)
         return LoadState(False, f"disabled by {DISABLE_ENV}")
     try:
-        from torch.utils import cpp_extension
-
         name = _extension_name()
-        with _exclusive_build(name), (contextlib.nullcontext() if _library_built(name) else _build_progress(name)):
-            logger.debug("loading the CPU Adam extension %s", name)
-            cpp_extension.load(
-                name=name,
-                sources=[str(CSRC / s) for s in _SOURCES],
-                extra_include_paths=[str(CSRC)],
-                extra_cflags=list(_CFLAGS),
-                extra_ldflags=list(_ldflags()),
-                is_python_module=False,
-                verbose=False,
-            )
+        with _exclusive_build(name):
+            if _load_built(name):
+                logger.debug("loaded the CPU Adam extension %s from the cache", name)
+            else:
+                with _build_progress(name):
+                    _compile(name)
     except Exception as exc:
         detail = str(exc).strip()
         if len(detail) > 2000:

@@ -58,3 +58,41 @@ def test_a_build_says_so_once(terminal: bool, tmp_path: Path, monkeypatch: pytes
     else:
         assert text.count("compiling the CPU Adam extension") == 1 and "\r" not in text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_cached_library_is_loaded_whatever_path_its_sources_sit_at(no_fakes: None, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another copy of the same sources has the same name: it loads the cached library, it does not run ninja
+    (which rebuilt it, as ninja's build file names the sources by path)."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    if not _build.load_library():
+        pytest.skip("the CPU Adam extension cannot be built here")
+    name = _build._extension_name()
+    monkeypatch.setattr(_build, "CSRC", shutil.copytree(_build.CSRC, tmp_path / "csrc"))
+    assert _build._extension_name() == name
+
+    def build(**kw: Any) -> None:
+        raise AssertionError(f"built {kw['name']} again")
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    assert _build._build().loaded
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             no_fakes: None, caplog: pytest.LogCaptureFixture) -> None:
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(_build, "_extension_name", lambda: "hf_superoffload_cpu_adam_probe")
+    (tmp_path / "hf_superoffload_cpu_adam_probe").mkdir()
+    (tmp_path / "hf_superoffload_cpu_adam_probe" / "hf_superoffload_cpu_adam_probe.so").write_bytes(b"\x7fELF")
+    built: list[str] = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]))
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with caplog.at_level(logging.WARNING):
+        assert _build._build().loaded
+    assert built == ["hf_superoffload_cpu_adam_probe"]
+    assert "does not load" in caplog.text
