@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,8 +134,36 @@ def partition_buckets(numels: Sequence[int], bucket_numel: int) -> list[list[int
     return buckets
 
 
+# The search builds hundreds of plans of one model (every tail, every switch): the partition into buckets and the
+# bucket specs of each tail are the same for all of them, and building them again per plan was most of the time of
+# `hf-superoffload plan` (over a thousand buckets at 70B). Cached per model (its arrival numels), bucket size, tail
+# and rank; every field of what they return is immutable.
+@functools.lru_cache(maxsize=8)
+def _partition(numels: tuple[int, ...], bucket_numel: int) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """``partition_buckets`` as tuples, and each bucket's elements."""
+    groups = tuple(tuple(g) for g in partition_buckets(numels, bucket_numel))
+    return groups, tuple(sum(numels[i] for i in g) for g in groups)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_specs(numels: tuple[int, ...], bucket_numel: int, n_tail: int, world_size: int,
+                  rank: int) -> tuple[tuple[BucketSpec, ...], int, int]:
+    """The buckets with the last ``n_tail`` on the device, and this rank's host and device elements."""
+    groups, sizes = _partition(numels, bucket_numel)
+    buckets: list[BucketSpec] = []
+    offsets = [0, 0]  # host, device
+    first_device = len(groups) - n_tail
+    for k, (g, size) in enumerate(zip(groups, sizes, strict=True)):
+        on_device = k >= first_device
+        shard = -(-size // world_size)
+        buckets.append(BucketSpec(k, g, size, Placement.DEVICE if on_device else Placement.HOST, offsets[on_device],
+                                  shard, rank * shard))
+        offsets[on_device] += shard
+    return tuple(buckets), offsets[0], offsets[1]
+
+
 def _tail_count(
-    groups: list[list[int]], numels: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile,
+    sizes: Sequence[int], numels: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile,
     world_size: int = 1,
 ) -> tuple[int, str]:
     """How many of the last-arriving buckets keep their optimizer on the device.
@@ -144,7 +173,7 @@ def _tail_count(
     step and the next forward need not wait for. Without device information, ``gpu_resident_fraction``.
     """
     if config.gpu_resident_buckets != "auto":
-        n = min(int(config.gpu_resident_buckets), len(groups))
+        n = min(int(config.gpu_resident_buckets), len(sizes))
         return n, f"device tail: {n} bucket(s), as configured"
     total = sum(numels)
     if profile.device_free_bytes is not None:
@@ -154,8 +183,7 @@ def _tail_count(
         limit = config.overrides.gpu_resident_fraction * total / world_size
         why = f"target {config.overrides.gpu_resident_fraction:.0%} of parameters"
     count, covered, per_rank = 0, 0, 0
-    for g in reversed(groups):  # ``limit`` counts this rank's elements: it holds 1/world_size of each bucket
-        size = sum(numels[i] for i in g)
+    for size in reversed(sizes):  # ``limit`` counts this rank's elements: it holds 1/world_size of each bucket
         if per_rank + -(-size // world_size) > limit:
             break
         count += 1
@@ -191,7 +219,7 @@ def d2h_lead(config: SuperOffloadConfig, host_buckets: int) -> int:
     return min(AUTO_D2H_LEAD, host_buckets)
 
 
-def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_tail: int, workload: Workload,
+def _fit_tail_to_activations(sizes: Sequence[int], n_tail: int, workload: Workload,
                              profile: HardwareProfile, world_size: int, weight_mode: WeightMode,
                              bucket_bytes: int, config: SuperOffloadConfig) -> int:
     """The largest device tail (at most ``n_tail`` buckets) with which the memory model says the workload fits the
@@ -201,7 +229,7 @@ def _fit_tail_to_activations(groups: list[list[int]], numels: Sequence[int], n_t
     free = profile.device_free_bytes
     if free is None:
         return n_tail
-    shards = [-(-sum(numels[i] for i in g) // world_size) for g in groups]
+    shards = [-(-size // world_size) for size in sizes]
     total = sum(shards)
 
     def fits(k: int) -> bool:
@@ -476,7 +504,8 @@ def _search_tail(numels: Sequence[int], *, element_size: int, config: SuperOfflo
         auto, host_error = None, e
     if auto is not None and (workload is None or profile.device_free_bytes is None):
         return auto  # without a workload the activations are unknown
-    n_buckets = len(partition_buckets(numels, _bucket_numel(numels, config, element_size)))
+    numels = tuple(numels)
+    n_buckets = len(_partition(numels, _bucket_numel(numels, config, element_size))[0])
     # [Note: tail from both memories]: the host RAM sets the smallest tail, the device the largest
     lo = _smallest(0, n_buckets, lambda n: plan_at(n) is not None)
     if lo is None:
@@ -812,9 +841,10 @@ def _make_plan(
             and 0 <= local_rank < local_world_size):
         raise PlanError(f"inconsistent ranks: rank {rank} of {world_size}, local rank {local_rank} of "
                         f"{local_world_size}; check the launcher's RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE")
+    numels = tuple(numels)
     bucket_numel = _bucket_numel(numels, config, element_size)
-    groups = partition_buckets(numels, bucket_numel)
-    largest = max((sum(numels[i] for i in g) for g in groups), default=0) * element_size
+    _, sizes = _partition(numels, bucket_numel)
+    largest = max(sizes, default=0) * element_size
     weight_mode, weight_note = _weight_mode(numels, largest, config, profile, workload)
     if weight_mode is WeightMode.FLOW and world_size > 1:
         weight_note += "; every rank keeps the whole bf16 weights on its host (2 B/param) to stream them"
@@ -828,28 +858,20 @@ def _make_plan(
         if workload is not None and config.gpu_resident_buckets == "auto" and profile.device_free_bytes is not None:
             # the memory model knows the activations: the tail takes every byte they leave (a bucket on the device
             # is one the CPU need not step and the next forward need not wait for); everything, when it all fits
-            n_tail = _fit_tail_to_activations(groups, numels, len(groups), workload, profile, world_size,
+            n_tail = _fit_tail_to_activations(sizes, len(sizes), workload, profile, world_size,
                                               weight_mode, largest, config)
-            covered = sum(sum(numels[i] for i in g) for g in groups[len(groups) - n_tail :]) if n_tail else 0
+            covered = sum(sizes[len(sizes) - n_tail :]) if n_tail else 0
             sp_note = _workload_note(workload)
             tail_note = (f"device tail: {n_tail} bucket(s) = {covered / max(sum(numels), 1):.0%} of parameters (auto: "
                          f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
                          f"{sp_note}, {_DEVICE_MARGIN:.0%} of free device memory kept spare)")
         else:
-            n_tail, tail_note = _tail_count(groups, numels, config, profile, world_size)
+            n_tail, tail_note = _tail_count(sizes, numels, config, profile, world_size)
         if weight_mode is WeightMode.FLOW and n_tail:
             tail_note += "; their bf16 weights stay on the device"
     notes = [tail_note, weight_note]
 
-    buckets: list[BucketSpec] = []
-    offsets = {Placement.HOST: 0, Placement.DEVICE: 0}
-    for k, g in enumerate(groups):
-        placement = Placement.DEVICE if k >= len(groups) - n_tail else Placement.HOST
-        size = sum(numels[i] for i in g)
-        shard = -(-size // world_size)
-        buckets.append(BucketSpec(k, tuple(g), size, placement, offsets[placement], shard, rank * shard))
-        offsets[placement] += shard
-    host_numel, device_numel = offsets[Placement.HOST], offsets[Placement.DEVICE]
+    buckets, host_numel, device_numel = _bucket_specs(numels, bucket_numel, n_tail, world_size, rank)
     affinity: tuple[int, ...] | None = None
     threads = config.cpu_threads or profile.cpu_threads
     if local_world_size > 1:
@@ -875,7 +897,7 @@ def _make_plan(
     # the host bytes the arenas may take (every host-RAM decision below compares against it)
     reserve = _HOST_HEADROOM_BYTES + int(ENGINE_HOST_BYTES_PER_PARAM * host_numel)
     room = None if avail is None else avail - reserve
-    host_shards = [b.shard for b in buckets if b.placement is Placement.HOST]
+    host_shards = [b.shard for b in buckets[: len(buckets) - n_tail]]
     accumulates = workload is not None and workload.accumulation
 
     def host_need(side: CastSide) -> tuple[int, HostAccumulation, str]:
@@ -943,7 +965,7 @@ def _make_plan(
 
     lead = d2h_lead(config, len(host_shards))
     plan = OffloadPlan(
-        buckets=tuple(buckets),
+        buckets=buckets,
         weight_mode=weight_mode,
         cast_side=cast_side,
         rollback=rollback,
@@ -961,7 +983,7 @@ def _make_plan(
         defer_moments=defer,
         defer_master=master,
         deferred_speculation=deferred_spec,
-        master_buckets=(share_count([b.shard for b in buckets if b.placement is Placement.HOST], config.overrides.defer_master)
+        master_buckets=(share_count(host_shards, config.overrides.defer_master)
                         if master is MasterDeferral.SHARE else 0),
         d2h_lead_buckets=lead,
         d2h_gate=config.overrides.d2h_gate and lead > 0 and world_size == 1,
