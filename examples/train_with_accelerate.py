@@ -78,12 +78,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, list[str]]:
     texts = [format_example(r) for r in instruction_texts(args.examples, seed=args.seed)]
     if args.model in PRESETS:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         tokenizer = build_tokenizer(texts)
         cfg = llama_config(args.model, vocab_size=len(tokenizer), max_position_embeddings=max(args.seq_len, 128))
         torch.manual_seed(args.seed)
-        return LlamaForCausalLM(cfg).to(torch.bfloat16), tokenizer, texts
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16), tokenizer, texts
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)

@@ -50,11 +50,11 @@ _DEFAULTS: dict[str, Any] = dict(
 
 def load_model_and_tokenizer(name: str, seq_len: int) -> tuple[torch.nn.Module, Any]:
     if name in PRESETS:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         tokenizer = build_tokenizer()
         config = llama_config(name, vocab_size=len(tokenizer), max_position_embeddings=max(seq_len, 128))
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

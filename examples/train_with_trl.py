@@ -74,7 +74,7 @@ def conversations(n: int) -> Dataset:
 
 def load_model_and_tokenizer(name: str, data: Dataset) -> tuple[torch.nn.Module, Any]:
     if name == "tiny":
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import AutoModelForCausalLM, LlamaConfig
 
         texts = [f"{m['role']}: {m['content']}" for row in data for m in row["messages"]]
         tokenizer = build_tokenizer(texts, vocab_size=256)
@@ -83,7 +83,7 @@ def load_model_and_tokenizer(name: str, data: Dataset) -> tuple[torch.nn.Module,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                              bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                              pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-        return LlamaForCausalLM(config).to(torch.bfloat16), tokenizer
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16), AutoTokenizer.from_pretrained(name)

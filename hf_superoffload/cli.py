@@ -74,7 +74,7 @@ def _load(args: argparse.Namespace, device: torch.device) -> tuple[Any, Any, lis
 
 def _preset(args: argparse.Namespace, spec: str, device: torch.device) -> tuple[Any, Any, Any, list[str]]:
     """A random-init preset, a tokenizer trained on its data (local unless --dataset names one), the texts."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from .demo import train_job
     from .demo.local_data import build_tokenizer
@@ -87,7 +87,7 @@ def _preset(args: argparse.Namespace, spec: str, device: torch.device) -> tuple[
     tokenizer = build_tokenizer(texts)
     config = llama_config(spec, vocab_size=len(tokenizer), max_position_embeddings=max(int(args.seq_len), 128))
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # RoPE frequencies stay fp32
     return model, tokenizer, train_job.Sources(f"preset {spec!r} (random init)", data_src, pretrained=False), texts
 
 

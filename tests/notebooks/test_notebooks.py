@@ -26,6 +26,10 @@ NOTEBOOK_DIR = REPO / "notebooks"
 EXPECTED = ["01_finetune_trainer.ipynb", "02_accelerate_loop.ipynb", "03_will_it_fit.ipynb"]
 NOTEBOOKS = [NOTEBOOK_DIR / name for name in EXPECTED]
 TIMEOUT_S = 600  # per cell
+# Shorter runs than a user's default (papermill's way: a cell tagged "injected-parameters" after the parameters
+# cell): every cell still runs, and the tiny bf16 model's steps are slow on a CPU without bf16 matmul (~1.5 s each
+# for the Trainer's batch), so its default 120 steps were most of the test suite's notebook time.
+CI_PARAMETERS = {"01_finetune_trainer": {"MAX_STEPS": 30}, "02_accelerate_loop": {"TOTAL_STEPS": 12}}
 
 
 def test_the_notebooks_are_all_here() -> None:
@@ -60,6 +64,12 @@ def _ci_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _ci_environment(monkeypatch, tmp_path)
     nb = nbformat.read(path, as_version=4)
+    overrides = CI_PARAMETERS.get(path.stem, {})
+    if overrides:
+        at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])) + 1
+        injected = nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in overrides.items()),
+                                             metadata={"tags": ["injected-parameters"]})
+        nb.cells.insert(at, injected)
     client = NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK_DIR)}})
     t0 = time.perf_counter()
