@@ -297,21 +297,18 @@ class BucketLayout:
         old_arena = getattr(self, name)
         grown = allocate_beside(numel, self.device)
         if grown is not None:  # a device-to-device copy; the old arena is freed when this frame returns
-            for b, old in staying:
-                grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(old_arena[old.offset : old.offset + old.shard])
-            setattr(self, name, grown)
-            self._bind_device_views()  # the old arena's views go with it, before the next arena is allocated
-            return
-        held = stage_on_host(old_arena, [old for _, old in staying])
-        del old_arena
-        setattr(self, name, torch.empty(0, dtype=torch.float32, device=self.device))
-        self._bind_device_views()  # the old arena's views go with it
-        grown = torch.empty(numel, dtype=torch.float32, device=self.device)
-        at = 0
-        for b, old in staying:
-            grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(held[at : at + old.shard])
-            at += old.shard
+            sources = [old_arena[old.offset : old.offset + old.shard] for _, old in staying]
+        else:  # the staying state waits on the host while the device holds neither arena
+            held = stage_on_host(old_arena, [old for _, old in staying])
+            del old_arena
+            setattr(self, name, torch.empty(0, dtype=torch.float32, device=self.device))
+            self._bind_device_views()  # the old arena's views go with it
+            grown = torch.empty(numel, dtype=torch.float32, device=self.device)
+            sources = list(held.split([old.shard for _, old in staying]))
+        for (b, _), src in zip(staying, sources, strict=True):
+            grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(src)
         setattr(self, name, grown)
+        self._bind_device_views()  # the old arena's views go with it, before the next arena is allocated
 
     def shrink_device_tail(self, staying: Sequence[DeviceBucket]) -> None:
         """Keep only ``staying`` of the device buckets, at their offsets in ``self.plan``, with their state

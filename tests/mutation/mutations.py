@@ -254,15 +254,18 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # the buckets already on the device keep their old offsets in the grown arenas
         "tail_growth_keeps_the_old_offsets", "hf_superoffload/runtime/layout.py",
-        "grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(old_arena[",
-        "grown[old.offset : old.offset + old.shard].copy_(old_arena[",
-        (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[plain]",),
+        "        for (b, _), src in zip(staying, sources, strict=True):\n"
+        "            grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(src)",
+        "        for (b, old), src in zip(staying, sources, strict=True):\n"
+        "            grown[old.offset : old.offset + old.shard].copy_(src)",
+        (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[plain]",
+         f"{GROW}::test_the_old_tail_waits_on_the_host_one_arena_at_a_time"),
     ),
-    Mutation(  # the same through host memory, on a device that cannot hold an old and a new arena at once
-        "tail_growth_keeps_the_old_offsets_through_the_host", "hf_superoffload/runtime/layout.py",
-        "grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(held[",
-        "grown[old.offset : old.offset + old.shard].copy_(held[",
-        (f"{GROW}::test_the_old_tail_waits_on_the_host_one_arena_at_a_time",),
+    Mutation(  # the device-to-device copy reads the old arena at the buckets' new offsets
+        "tail_growth_reads_the_old_arena_at_the_new_offsets", "hf_superoffload/runtime/layout.py",
+        "sources = [old_arena[old.offset : old.offset + old.shard] for _, old in staying]",
+        "sources = [old_arena[b.spec.offset : b.spec.offset + b.spec.shard] for b, _ in staying]",
+        (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[plain]",),
     ),
     Mutation(  # [Note: restaging the device arenas]: the moved buckets' views keep every old arena alive
         "tail_move_keeps_the_old_arenas_alive", "hf_superoffload/runtime/tail_move.py",
@@ -271,9 +274,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # every staged arena of a move waits on the host until the move ends (12 B per staying parameter)
         "tail_move_stages_every_arena_at_once", "hf_superoffload/runtime/layout.py",
-        "            at += old.shard\n        setattr(self, name, grown)\n",
-        "            at += old.shard\n        setattr(self, name, grown)\n"
-        "        self.__dict__.setdefault('_staged', []).append(held)\n",
+        "            sources = list(held.split([old.shard for _, old in staying]))\n",
+        "            sources = list(held.split([old.shard for _, old in staying]))\n"
+        "            self.__dict__.setdefault('_staged', []).append(held)\n",
         (f"{GROW}::test_the_old_tail_waits_on_the_host_one_arena_at_a_time",
          f"{MOVE}::test_the_staying_tail_waits_on_the_host_one_arena_at_a_time"),
     ),
