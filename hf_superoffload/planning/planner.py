@@ -163,7 +163,7 @@ def _bucket_specs(numels: tuple[int, ...], bucket_numel: int, n_tail: int, world
 
 
 def _tail_count(
-    sizes: Sequence[int], numels: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile,
+    sizes: Sequence[int], config: SuperOffloadConfig, profile: HardwareProfile,
     world_size: int = 1,
 ) -> tuple[int, str]:
     """How many of the last-arriving buckets keep their optimizer on the device.
@@ -175,7 +175,7 @@ def _tail_count(
     if config.gpu_resident_buckets != "auto":
         n = min(int(config.gpu_resident_buckets), len(sizes))
         return n, f"device tail: {n} bucket(s), as configured"
-    total = sum(numels)
+    total = sum(sizes)
     if profile.device_free_bytes is not None:
         limit = config.overrides.device_memory_fraction * profile.device_free_bytes / _DEVICE_BYTES_PER_PARAM
         why = f"{config.overrides.device_memory_fraction:.0%} of {profile.device_free_bytes / 1024**3:.0f} GiB free device memory"
@@ -866,7 +866,7 @@ def _make_plan(
                          f"the most the workload leaves room for: {workload.batch_size} x {workload.seq_len} tokens"
                          f"{sp_note}, {_DEVICE_MARGIN:.0%} of free device memory kept spare)")
         else:
-            n_tail, tail_note = _tail_count(sizes, numels, config, profile, world_size)
+            n_tail, tail_note = _tail_count(sizes, config, profile, world_size)
         if weight_mode is WeightMode.FLOW and n_tail:
             tail_note += "; their bf16 weights stay on the device"
     notes = [tail_note, weight_note]

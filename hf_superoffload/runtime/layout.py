@@ -290,8 +290,7 @@ class BucketLayout:
         fill. One arena at a time, each beside the old one on the device where it holds both, else through host
         memory ([Note: restaging the device arenas] in runtime/tail_move.py)."""
         for name in ("dev_master", "dev_exp_avg", "dev_exp_avg_sq"):
-            self._restage_device_arena(name, numel, staying)
-        self._bind_device_views()
+            self._restage_device_arena(name, numel, staying)  # each binds the views to its new arena
 
     def _restage_device_arena(self, name: str, numel: int, staying: Sequence[tuple[DeviceBucket, BucketSpec]]) -> None:
         old_arena = getattr(self, name)
