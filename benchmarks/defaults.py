@@ -185,7 +185,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                 times.append(wall)
             if system in OURS and (st := opt.last_step_stats) is not None:
                 per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
-                    "cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict")}})
+                    "cpu_s", "wait_s", "pass_s", "pass_adam_s", "commit_s", "iteration_s", "wasted_buckets", "verdict")}})
     except torch.OutOfMemoryError as e:
         where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
         rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-6:], oom_step=k)

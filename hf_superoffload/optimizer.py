@@ -176,6 +176,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._fitted: Workload | None = None  # ... and that batch's workload
         self._budget: HardwareProfile | None = None  # the device budget later batches are checked against
         self._steps_taken = 0
+        self._previous_stats: StepStats | None = None
+        """The step before the last one (its pass is the last one complete: [Note: calibrating the rates])."""
         self._forwards = self._step_forwards = 0  # training forwards since the last step, and in it
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
         self.calibration: dict[str, Any] | None = None
@@ -448,9 +450,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if (stats is None or w is None or budget is None or self._comm is not None or stats.iteration_s <= 0
                 or stats.verdict == StepVerdict.SKIP.value):
             return None
-        measured = MeasuredStep(stats.iteration_s, stats.wait_s, stats.cpu_s,
-                                clipped=stats.verdict == StepVerdict.REDO.value, undid=stats.wasted_buckets > 0,
-                                micro_batches=max(1, self._step_forwards))
+        passed = self._previous_stats  # the step whose whole pass ended in the last iteration (pass_adam_s)
+        measured = MeasuredStep(stats.iteration_s, stats.wait_s, stats.pass_adam_s if passed is not None else 0.0,
+                                clipped=stats.verdict == StepVerdict.REDO.value,
+                                undid=passed is not None and passed.wasted_buckets > 0,
+                                micro_batches=max(1, self._step_forwards),
+                                pass_clipped=passed is not None and passed.verdict == StepVerdict.REDO.value)
         w = self._planning_workload(w)
         cal = calibrate_rates(budget, plan=self.plan, workload=w, measured=measured)
         if cal is None:
@@ -577,11 +582,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        previous = self._built.stats if self._built is not None and self._steps_taken else None
         try:
             stats = self._engine.step(self.max_grad_norm)
         except BaseException:
             self._engine.abort_step()
             raise
+        self._previous_stats = previous
         self.last_grad_norm = stats.grad_norm
         self._steps_taken += 1
         self._step_forwards, self._forwards = self._forwards, 0

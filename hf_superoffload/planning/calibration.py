@@ -4,17 +4,22 @@
 The plan made at the first batch prices its choices with the profile's rates: the GEMM rate of the GPU and the CPU
 Adam rate of the host. On a GPU the optimizer reads them from this host's cached measurement or, failing that, from
 the shipped profile of the same GPU model ([Note: known rates] in hardware.py), whose host may be another machine.
-Once the first ``CALIBRATION_STEPS`` steps have run, the optimizer hands one measured step to
-:func:`calibrate_rates`, which compares it with what the roofline (``step_time.py``) predicted for that step (the
-same plan and workload, clipping as the step's verdict says) and restates the two rates by the ratio of predicted
-to measured seconds:
+Once the first ``CALIBRATION_STEPS`` steps have run, the optimizer hands the last of them to :func:`calibrate_rates`,
+which compares it with what the roofline (``step_time.py``) predicted (the same plan and workload, clipping as the
+step's verdict says) and restates the two rates by the ratio of predicted to measured seconds:
 
 * the GPU: the step's busy time, its wall time less the time the training thread waited for host buckets and the
   device tail's AdamW, against the predicted compute of its micro-batches. Only where the roofline says the
   micro-batches are compute-bound (with the link or host memory binding them, the ratio would say nothing of the
   GEMMs);
-* the CPU: the worker's Adam seconds against the roofline's, only on a step that undid nothing (an undo or redo
-  adds passes the roofline's step does not have) and that has host buckets.
+* the CPU: the worker's Adam seconds of one step's whole host pass (``StepStats.pass_adam_s``: the pass of the
+  step before the last, the last one complete when the calibration runs) against the roofline's pass of that
+  step: with clipping, the whole pass after the verdict; else the speculative and remaining passes. Only for a
+  pass that undid nothing (an undo or redo adds passes the roofline's step does not have). Not the iteration's
+  ``cpu_s``: that counts the passes that end between two ``step()`` calls, and a pass overlapping the next
+  forward lands in either (measured on an H100 box at 8B: 0.05 s in the second iteration against 0.47 s of a
+  steady pass, which clamped the rate to twice the truth), and not the first step's pass either (first-touch
+  work made it 1.4-2.8x a steady one there): hence three steps before the calibration.
 
 A ratio is clamped to ``[1 / RATE_CLAMP, RATE_CLAMP]``: one step is a noisy measurement, and a larger correction
 means the profile describes another machine, which the log says. The restated profile is what the optimizer's
@@ -48,12 +53,15 @@ class MeasuredStep:
     wait_s: float
     """Seconds the training thread blocked on host buckets."""
     cpu_s: float
-    """Seconds the CPU worker spent in Adam."""
+    """The worker's Adam seconds of one step's whole host pass (``StepStats.pass_adam_s``); 0: none was measured."""
     clipped: bool
     """Clipping fired (the verdict was a redo): the roofline's clipping case."""
     undid: bool
-    """The worker undid or redid speculative work in this step."""
+    """The pass ``cpu_s`` measures undid or redid speculative work."""
     micro_batches: int = 1
+    pass_clipped: bool | None = None
+    """Clipping fired in the step whose pass ``cpu_s`` measures (its whole pass ran after its verdict); ``None``:
+    as ``clipped``."""
 
     def __post_init__(self) -> None:
         if min(self.iteration_s, self.wait_s, self.cpu_s) < 0 or self.micro_batches < 1:
@@ -111,13 +119,19 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
     elif measured.undid:
         notes.append("CPU Adam rate kept: the step undid or redid speculative work")
     elif measured.cpu_s <= 0:
-        notes.append("CPU Adam rate kept: the worker's seconds were not measured")
+        notes.append("CPU Adam rate kept: no host pass had completed to measure")
     else:
-        # the roofline's CPU seconds of this step: with clipping, the whole host pass after the verdict (20 of 28
-        # B/param with deferred moment stores), else the speculative and remaining passes of one step's buckets
+        # the roofline's CPU seconds of the measured pass: with clipping, the whole host pass after the verdict (20
+        # of 28 B/param with deferred moment stores), else the speculative and remaining passes of one step's buckets
         assert profile.cpu_adam_gparams is not None
-        predicted_cpu = (plan.host_numel / (profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1.0)
-                         if measured.clipped else t.cpu_s)
+        pass_clipped = measured.clipped if measured.pass_clipped is None else measured.pass_clipped
+        if pass_clipped:
+            predicted_cpu = plan.host_numel / (profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1.0)
+        else:
+            unclipped = t if not measured.clipped else workload.step_time(
+                PlanLike.from_plan(plan), profile, micro_batches=measured.micro_batches)
+            assert unclipped is not None  # the same profile priced t
+            predicted_cpu = unclipped.cpu_s
         cpu = _clamp(predicted_cpu / measured.cpu_s)
     for name, f in (("GEMM", gemm), ("CPU Adam", cpu)):
         if f is not None and f in (RATE_CLAMP, 1.0 / RATE_CLAMP):

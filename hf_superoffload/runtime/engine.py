@@ -367,10 +367,11 @@ class OffloadEngine:
             self.layout.cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             layout.advance_steps(self.param_steps)
         self.governor.record(speculated=ctx.speculative, verdict=verdict.kind)
+        pass_s, pass_adam_s = self.host_pass.end_step(verdict)
         self.stats = self.telemetry.end_iteration(
             verdict=verdict, speculative=ctx.speculative, grad_divisor=self._div,
             master_deferred_buckets=self.commits.master_count if self.commits.enabled else 0,
-            pass_s=self.host_pass.end_step(verdict))
+            pass_s=pass_s, pass_adam_s=pass_adam_s)
         self.flush.reset()
         self.hooks.learn_unhooked_reads()
         return self.stats

@@ -102,6 +102,9 @@ class StepContext:
     pass_done_at: float | None = None
     """Telemetry (``StepStats.pass_s``): when the verdict was published, how many host buckets have finished for it
     since, and when the last one did."""
+    adam_s: float = 0.0
+    """Telemetry (``StepStats.pass_adam_s``): the worker's seconds in Adam and undo for this step's host buckets, its
+    speculative share included (the worker alone writes it; read once ``pass_done_at`` is set)."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -233,15 +236,16 @@ class HostPass:
             self._worker.submit(self.layout.need_order(b), f"finishing {b.describe()}",
                                 lambda b=b, s=speculated: self.finish_task(b, ctx, verdict, s))
 
-    def end_step(self, verdict: Verdict) -> float:
-        """Close the step in progress; returns the wall seconds of the previous validated step's pass (0 if it
-        had not finished)."""
+    def end_step(self, verdict: Verdict) -> tuple[float, float]:
+        """Close the step in progress; returns the previous validated step's pass as the wall seconds from its
+        verdict to its last bucket and the worker's Adam seconds of its whole pass, its speculative share included
+        (``(0, 0)`` if it had not finished)."""
         ctx, self.ctx = self.ctx, None
         with self.lock:
             prev, self._pass_ctx = self._pass_ctx, (ctx if verdict.kind is not StepVerdict.SKIP else None)
             if prev is not None and prev.pass_done_at is not None:
-                return prev.pass_done_at - prev.verdict_at
-        return 0.0
+                return prev.pass_done_at - prev.verdict_at, prev.adam_s
+        return 0.0, 0.0
 
     # -- CPU worker: a bucket's tasks ------------------------------------------------------------------
     def run(self, b: HostBucket, ctx: StepContext) -> None:
@@ -412,7 +416,9 @@ class HostPass:
                     num_threads=self._plan.cpu_threads, store_moments=store_moments, store_master=store_master,
                 )
         b.applied = (hypers, scale)
-        self._telemetry.add(cpu_s=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        ctx.adam_s += seconds
+        self._telemetry.add(cpu_s=seconds)
 
     def _undo(self, b: HostBucket, ctx: StepContext) -> None:
         """Take back a speculative step. Double buffer and deferred speculation: the source copy is intact, only
@@ -432,4 +438,6 @@ class HostPass:
                 if b.staging is not None:
                     b.staging[sl].copy_(p[sl])
         b.applied = None
-        self._telemetry.add(cpu_s=time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        ctx.adam_s += seconds
+        self._telemetry.add(cpu_s=seconds)

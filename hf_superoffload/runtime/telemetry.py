@@ -52,6 +52,10 @@ class StepStats:
     handing over the uploads). The next forward overlaps it; ``wait_s`` is what it could not hide. The share of that
     pass is the previous step's ``master_deferred_buckets``. 0 after a skipped step, on the first step, and when the
     pass had not finished by this ``step()``."""
+    pass_adam_s: float = 0.0
+    """The worker's seconds in Adam and undo for every host bucket of the pass ``pass_s`` times, its speculative share
+    (run before that step's verdict) included: one step's whole CPU pass, whichever iterations it ran in, unlike
+    ``cpu_s`` (the rate calibration measures it: [Note: calibrating the rates]). 0 when ``pass_s`` is."""
 
     @property
     def overlap(self) -> float:
@@ -107,12 +111,12 @@ class Telemetry:
         return taken
 
     def end_iteration(self, *, verdict: Verdict, speculative: bool, grad_divisor: float,
-                      master_deferred_buckets: int, pass_s: float) -> StepStats:
+                      master_deferred_buckets: int, pass_s: float, pass_adam_s: float) -> StepStats:
         """The iteration's :class:`StepStats` at its ``step()``: the counters (``take``) and the verdict's numbers."""
         now = time.perf_counter()
         st = self.take()
         st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, speculative
-        st.master_deferred_buckets, st.pass_s = master_deferred_buckets, pass_s
+        st.master_deferred_buckets, st.pass_s, st.pass_adam_s = master_deferred_buckets, pass_s, pass_adam_s
         st.clip_coef, st.iteration_s = verdict.grad_scale * grad_divisor, now - self._last_step_t
         self._last_step_t = now
         return st

@@ -70,6 +70,21 @@ def test_the_restated_rates_predict_the_measured_step(gpu_slower: float, cpu_slo
         == pytest.approx(cpu, rel=1e-9)
 
 
+@pytest.mark.parametrize("step_clipped", [False, True], ids=["step_committed", "step_clipped"])
+@pytest.mark.parametrize("pass_clipped", [False, True], ids=["pass_committed", "pass_clipped"])
+def test_the_pass_is_priced_by_its_own_steps_verdict(step_clipped: bool, pass_clipped: bool) -> None:
+    """The measured pass is the step before's: a pass after a clipped verdict is the whole pass, one after a committed
+    verdict the speculative and remaining passes, whatever the measured step's own verdict."""
+    shape, plan, profile = _plan()
+    whole = plan.host_numel / (profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1)
+    pass_s = whole if pass_clipped else _predicted(shape, plan, profile, False).cpu_s
+    assert pass_s != pytest.approx(whole if not pass_clipped else _predicted(shape, plan, profile, False).cpu_s)
+    t = _predicted(shape, plan, profile, step_clipped)
+    m = MeasuredStep(iteration_s=t.step_s, wait_s=t.exposed_s, cpu_s=pass_s, clipped=step_clipped, undid=False,
+                     pass_clipped=pass_clipped)
+    assert _calibrate(shape, plan, profile, m).cpu_factor == pytest.approx(1.0, rel=1e-9)
+
+
 def test_what_one_step_cannot_tell_is_left_alone() -> None:
     shape, plan, profile = _plan()
     t = _predicted(shape, plan, profile, False)
