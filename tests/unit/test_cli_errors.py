@@ -105,3 +105,20 @@ def test_an_uncached_hub_model_and_a_corpus_shorter_than_one_sequence_end_in_one
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("hf-superoffload train: error: argument --seq-len: the corpus has ") and "--examples" in last
+
+
+def test_the_random_init_preset_keeps_fp32_rope_frequencies_as_from_pretrained_does() -> None:
+    """The main job's random-init model is bf16 as from_pretrained loads one, its RoPE frequencies fp32: a model
+    cast after building (``.to(bfloat16)``) rounds them too, and then a trained model and its reload (fp32
+    frequencies again) generate differently from the same weights."""
+    import argparse
+
+    import torch
+
+    from hf_superoffload.cli import _preset
+
+    args = argparse.Namespace(dataset="auto", examples=None, seed=0, seq_len=None)
+    model = _preset(args, "tiny", torch.device("cpu"))[0]
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    freqs = [b for name, b in model.named_buffers() if name.endswith("inv_freq")]
+    assert freqs and all(b.dtype == torch.float32 for b in freqs), [b.dtype for b in freqs]
