@@ -79,7 +79,11 @@ def available_host_bytes() -> int | None:
 def cuda_free_bytes(device: torch.device) -> tuple[int, int]:
     """(free, total) bytes of a CUDA device as this process may use them: the driver's free memory, capped by
     ``torch.cuda.set_per_process_memory_fraction`` (the caching allocator refuses to reserve past fraction x
-    total, so a plan sized by the driver's figure alone would run out of memory under the cap)."""
+    total, so a plan sized by the driver's figure alone would run out of memory under the cap). ``cuda`` without an
+    index is the current device (``get_per_process_memory_fraction`` refuses a device without one)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     if fraction < 1.0:
