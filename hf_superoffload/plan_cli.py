@@ -43,7 +43,7 @@ __all__ = ["add_plan_parser", "arrival_numels", "check_ranks", "load_model_confi
 EXIT_FITS, EXIT_DOES_NOT_FIT, EXIT_BAD_INPUT = 0, 1, 2
 MAX_LAYERS = 2048  # the search limit of largest_model_that_fits
 MAX_SEQ = 1 << 24  # the search limit of the longest sequence (16M tokens)
-_PROFILE_ALIASES = {"gh200": "gh200", "h200": "h200_pcie", "rtx4090": "rtx4090_24gb"}
+_PROFILE_ALIASES = {"gh200": "gh200", "h200": "h200_pcie", "h100": "h100_sxm", "rtx4090": "rtx4090_24gb"}
 
 
 class InputError(ValueError):
@@ -197,7 +197,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="micro-batches per optimizer step (gradient accumulation; the step time covers all M)")
     p.add_argument("--gpu-mem", type=memory, default=None, help="free GPU memory in GiB (overrides the profile)")
     p.add_argument("--host-mem", type=memory, default=None, help="available host RAM in GiB (overrides the profile)")
-    p.add_argument("--profile", default="measure", help="measure (this machine), gh200, h200, rtx4090 or a JSON "
+    p.add_argument("--profile", default="measure", help="measure (this machine), gh200, h200, h100, rtx4090 or a JSON "
                    "file written by HardwareProfile.save")
     p.add_argument("--offload-config", default=None, type=offload_config, help="SuperOffloadConfig fields as JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")

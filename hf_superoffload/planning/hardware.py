@@ -9,8 +9,8 @@ between runs, so they are cached as JSON under ``~/.cache/hf_superoffload`` (``H
 overrides the folder); the free-memory fields are re-read on every call.
 
 Shipped profiles (``profiles/*.json``, package data) describe machines we plan for but may not have:
-``gh200()`` from published figures, ``h200_pcie()`` from the team's measured box, ``rtx4090_24gb()`` from
-assumed datasheet figures. Each says where its numbers come from in ``source`` and ``notes``. Any field can
+``gh200()`` from published figures, ``h200_pcie()`` from the team's measured box, ``shipped("h100_sxm")`` from
+the team's measured H100 box, ``rtx4090_24gb()`` from assumed datasheet figures. Each says where its numbers come from in ``source`` and ``notes``. Any field can
 be overridden with ``dataclasses.replace``.
 """
 
@@ -288,7 +288,8 @@ class HardwareProfile:
 # read profile borrows rates, in this order: this host's cached measurement (``hf-superoffload plan`` or
 # ``HardwareProfile.measure`` wrote it), else the shipped profile of the same GPU model, its CPU Adam rate and host
 # memory bandwidth scaled by this host's cores against the profiled host's (at most 1.5x). The notes say which.
-_SHIPPED_BY_GPU = (("GH200", "gh200"), ("H200", "h200_pcie"), ("4090", "rtx4090_24gb"))
+# the SXM H100's name: an H100 PCIe or NVL has another GEMM rate and link
+_SHIPPED_BY_GPU = (("GH200", "gh200"), ("H200", "h200_pcie"), ("H100 80GB HBM3", "h100_sxm"), ("4090", "rtx4090_24gb"))
 RATE_FIELDS = ("h2d_gbps", "d2h_gbps", "h2d_concurrent_gbps", "d2h_concurrent_gbps", "cpu_adam_gparams",
                "host_memory_gbps", "matmul_tflops", "device_memory_gbps", "peer_gbps")
 

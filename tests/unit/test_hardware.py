@@ -99,7 +99,7 @@ def test_load_rejects_non_json(tmp_path):
 
 
 def test_shipped_profiles_load_with_their_published_figures():
-    assert {"gh200", "h200_pcie", "rtx4090_24gb"} <= set(shipped_profile_names())
+    assert {"gh200", "h200_pcie", "h100_sxm", "rtx4090_24gb"} <= set(shipped_profile_names())
     gh, h200, rtx = HardwareProfile.gh200(), HardwareProfile.h200_pcie(), HardwareProfile.rtx4090_24gb()
     assert (gh.h2d_gbps, gh.d2h_gbps, gh.cpu_cores) == (375.0, 297.0, 72)
     assert gh.host_total_bytes == 480 * 10**9 and gh.device_total_bytes == 96 * GiB

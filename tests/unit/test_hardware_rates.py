@@ -21,6 +21,7 @@ def _no_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("gpu", "shipped"), [("NVIDIA H200", "h200_pcie"), ("NVIDIA GH200 480GB", "gh200"),
+                                              ("NVIDIA H100 80GB HBM3", "h100_sxm"),
                                               ("NVIDIA GeForce RTX 4090", "rtx4090_24gb")])
 def test_a_known_gpu_borrows_its_shipped_rates(gpu: str, shipped: str) -> None:
     ref = HardwareProfile.shipped(shipped)
@@ -52,6 +53,8 @@ def test_the_cached_measurement_wins(tmp_path, monkeypatch) -> None:
 
 
 def test_unknown_gpu_cpu_or_rates_present_are_left_alone() -> None:
-    for prof in (_read("Some Future GPU"), dataclasses.replace(_read("NVIDIA H200"), device_type="cpu"),
+    # an H100 PCIe or NVL is not the SXM card the h100_sxm profile measured (another GEMM rate and link)
+    for prof in (_read("Some Future GPU"), _read("NVIDIA H100 PCIe"), _read("NVIDIA H100 NVL"),
+                 dataclasses.replace(_read("NVIDIA H200"), device_type="cpu"),
                  dataclasses.replace(_read("NVIDIA H200"), cpu_adam_gparams=2.0)):
         assert with_known_rates(prof, "cuda") == prof
