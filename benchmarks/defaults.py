@@ -330,8 +330,10 @@ def _finish(rec: dict[str, Any], times: list[float], batch: int, accum: int, seq
 
 
 def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clipped: bool = True) -> dict[str, Any]:
-    """The planner's predictions for the plan it made, on the shipped profile of this box when it is an H200."""
-    from hf_superoffload.planning.hardware import HardwareProfile
+    """The planner's predictions for the plan it made, priced with the rates the optimizer planned with on this GPU
+    (this host's cached measurement, else the shipped profile of the same GPU model: [Note: known rates]), before
+    its calibration restated them; without either (the CPU, an unknown GPU) the H200 box's."""
+    from hf_superoffload.planning.hardware import HardwareProfile, with_known_rates
     from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
     from hf_superoffload.planning.step_time import predict_step_time
 
@@ -343,9 +345,13 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clippe
     # after a move to the device the host arenas keep their size ([Note: the host arenas keep their size])
     arenas = max(plan_like.host_numel, opt.engine.host_arena_numel)
     host = estimate(shape, plan_like=dataclasses.replace(plan_like, host_numel=arenas), **run)
-    step = predict_step_time(shape, plan_like, HardwareProfile.h200_pcie(), batch_size=batch, seq_len=seq,
+    device = next(model.parameters()).device
+    rates = with_known_rates(HardwareProfile.read(device), device)
+    if rates.cpu_adam_gparams is None:
+        rates = HardwareProfile.h200_pcie()
+    step = predict_step_time(shape, plan_like, rates, batch_size=batch, seq_len=seq,
                              grad_ckpt=True, clipping_every_step=clipped, micro_batches=accum)
-    return {"gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": host.host_expected_bytes / 1e9,
+    return {"rates": rates.name, "gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": host.host_expected_bytes / 1e9,
             "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s,
             "micro_batch_s": None if step is None else step.micro_batch_s,
             "optimizer_step_s": None if step is None else step.step_s}
