@@ -117,7 +117,7 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
     if not plan.host_numel:
         notes.append("CPU Adam rate kept: no host buckets")
     elif measured.undid:
-        notes.append("CPU Adam rate kept: the step undid or redid speculative work")
+        notes.append("CPU Adam rate kept: the measured pass undid or redid speculative work")
     elif measured.cpu_s <= 0:
         notes.append("CPU Adam rate kept: no host pass had completed to measure")
     else:

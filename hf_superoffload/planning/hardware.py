@@ -10,8 +10,8 @@ overrides the folder); the free-memory fields are re-read on every call.
 
 Shipped profiles (``profiles/*.json``, package data) describe machines we plan for but may not have:
 ``gh200()`` from published figures, ``h200_pcie()`` from the team's measured box, ``shipped("h100_sxm")`` from
-the team's measured H100 box, ``rtx4090_24gb()`` from assumed datasheet figures. Each says where its numbers come from in ``source`` and ``notes``. Any field can
-be overridden with ``dataclasses.replace``.
+the team's measured H100 box, ``rtx4090_24gb()`` from assumed datasheet figures. Each says where its numbers come
+from in ``source`` and ``notes``. Any field can be overridden with ``dataclasses.replace``.
 """
 
 from __future__ import annotations
