@@ -122,5 +122,6 @@ def test_a_pass_is_timed_whole_its_speculative_share_included(monkeypatch: pytes
     for s in steps[1:]:
         st = s.stats
         assert st.verdict == "commit" and st.wasted_buckets == 0
-        # every call of the pass at least `pause`; the kernel itself on this tiny model takes well under 5 ms a call
-        assert per_step * pause <= st.pass_adam_s < per_step * (pause + 0.005), (st.pass_adam_s, per_step)
+        # every call of the pass at least `pause`; the kernel on this tiny model and the sleep's overshoot stay well
+        # under 0.6 x `pause` a call (a call counted twice would give 2x)
+        assert per_step * pause <= st.pass_adam_s < 1.6 * per_step * pause, (st.pass_adam_s, per_step)
