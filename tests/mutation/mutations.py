@@ -249,7 +249,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # the double buffer's other (uncommitted) state copy goes to the device
         "tail_growth_reads_the_other_state_copy", "hf_superoffload/runtime/tail_move.py", _GROW_COPY,
-        _GROW_COPY.replace("h.pmv[layout.cur]", "h.pmv[-1]"),
+        _GROW_COPY.replace("h.pmv[layout.cur]", "h.pmv[1 - layout.cur]"),  # the other copy whichever is current
         (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[double_buffer]",),
     ),
     Mutation(  # the buckets already on the device keep their old offsets in the grown arenas
