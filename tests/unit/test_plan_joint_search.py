@@ -26,7 +26,7 @@ from hf_superoffload.planning.planner import (
     make_plan,
 )
 
-PROFILES = ("h200", "gh200", "rtx4090")
+PROFILES = ("h200", "gh200", "h100", "rtx4090")
 MODELS = (("1b", None), ("3.6b", None), ("8b", None), ("13b", None), ("14b", 49), ("14b", 80))
 
 

@@ -23,7 +23,7 @@ from hf_superoffload.planning.planner import Workload, _HostRoomError, _make_pla
 from hf_superoffload.planning.step_time import predict_step_time
 
 GiB = 1024**3
-PROFILES = ("h200", "gh200", "rtx4090")
+PROFILES = ("h200", "gh200", "h100", "rtx4090")
 # (preset, layers): 1.2B .. 70B-class shapes of the presets' families
 MODELS = (("1b", None), ("3.6b", None), ("8b", None), ("13b", None), ("14b", 49), ("14b", 80))
 
