@@ -1,6 +1,6 @@
 """What the defaults do: the README snippet against the fastest GPU-only baseline, side by side in one call.
 
-    python benchmarks/defaults.py --rows 3.6b:8 8b:4 --out $OUT/defaults.jsonl [--warmup 3] [--steps 5]
+    python benchmarks/defaults.py --rows 3.6b:8 8b:4 --out $OUT/defaults.jsonl [--warmup 8] [--steps 5]
 
 Every row runs in its own process (a fresh CUDA context and host RSS) on a random-init Llama-style model of the
 preset's shape, batch x 2048 tokens, activation checkpointing, clipping at 1.0 (it fires on random data: the
@@ -185,7 +185,9 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                 times.append(wall)
             if system in OURS and (st := opt.last_step_stats) is not None:
                 per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
-                    "cpu_s", "wait_s", "pass_s", "pass_adam_s", "commit_s", "iteration_s", "wasted_buckets", "verdict")}})
+                    "cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict")},
+                    "pass_adam_s": st.host_pass.adam_s if st.host_pass is not None else 0.0,
+                    "pass_threads": st.host_pass.threads if st.host_pass is not None else None})
     except torch.OutOfMemoryError as e:
         where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
         rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-6:], oom_step=k)
@@ -333,7 +335,7 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clippe
     """The planner's predictions for the plan it made, priced with the rates the optimizer planned with on this GPU
     (this host's cached measurement, else the shipped profile of the same GPU model: [Note: known rates]), before
     its calibration restated them; without either (the CPU, an unknown GPU) the H200 box's."""
-    from hf_superoffload.planning.hardware import HardwareProfile, with_known_rates
+    from hf_superoffload.planning.hardware import HardwareProfile
     from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
     from hf_superoffload.planning.step_time import predict_step_time
 
@@ -345,8 +347,7 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clippe
     # after a move to the device the host arenas keep their size ([Note: the host arenas keep their size])
     arenas = max(plan_like.host_numel, opt.engine.host_arena_numel)
     host = estimate(shape, plan_like=dataclasses.replace(plan_like, host_numel=arenas), **run)
-    device = next(model.parameters()).device
-    rates = with_known_rates(HardwareProfile.read(device), device)
+    rates = opt.profile
     if rates.cpu_adam_gparams is None:
         rates = HardwareProfile.h200_pcie()
     step = predict_step_time(shape, plan_like, rates, batch_size=batch, seq_len=seq,
@@ -376,14 +377,15 @@ def parse_row(spec: str) -> tuple[str, int, int, int | None]:
 
 def main(argv: list[str] | None = None) -> int:
     from hf_superoffload.planning.planner import CALIBRATION_STEPS
+    from hf_superoffload.planning.thread_trial import TRIAL_STEPS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", nargs="+", default=["3.6b:8", "8b:4"])
     ap.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--warmup", type=int, default=CALIBRATION_STEPS + 1,
-                    help="untimed steps (default: past the calibration and the move it may make, which the record "
-                         "reports as calibration.move_s)")
+    ap.add_argument("--warmup", type=int, default=CALIBRATION_STEPS + TRIAL_STEPS,
+                    help="untimed steps (default: past the calibration, the move it may make, which the record "
+                         "reports as calibration.move_s, and the thread trial, calibration.threads)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per system")

@@ -18,6 +18,7 @@ from .cpu_ext._hyper import AdamWHyper, require_hyper
 
 __all__ = [
     "AdamWHyper",
+    "affinity_cores",
     "backend",
     "cpu_adamw_moments_",
     "cpu_adamw_step_",
@@ -27,16 +28,20 @@ __all__ = [
 ]
 
 
+def affinity_cores() -> int:
+    """Cores in this process's affinity mask."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def default_num_threads() -> int:
     """Library default thread count: cores in this process's affinity mask minus one, at least one.
 
     Deliberately not ``OMP_NUM_THREADS``: ``accelerate launch`` sets it to 1 for every worker.
     """
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        n = os.cpu_count() or 1
-    return max(1, n - 1)
+    return max(1, affinity_cores() - 1)
 
 
 def _threads(num_threads: int | None) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from . import ops
 from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
@@ -33,6 +34,7 @@ from .planning.planner import (
     refuse_unless_fits,
     shrink_tail,
 )
+from .planning.thread_trial import IterationSample, ThreadTrial
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
@@ -176,10 +178,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._fitted: Workload | None = None  # ... and that batch's workload
         self._budget: HardwareProfile | None = None  # the device budget later batches are checked against
         self._steps_taken = 0
-        self._previous_stats: StepStats | None = None
-        """The step before the last one (its pass is the last one complete: [Note: calibrating the rates])."""
         self._forwards = self._step_forwards = 0  # training forwards since the last step, and in it
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
+        self._trial: ThreadTrial | None = None  # [Note: the thread trial] in planning/thread_trial.py
         self.calibration: dict[str, Any] | None = None
         """What the calibration measured and changed (kept layers and device buckets, before and after, and how
         many parameters moved their optimizer state to the device), once it ran on a GPU."""
@@ -350,6 +351,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             return
         if not self._calibrated and self._steps_taken >= CALIBRATION_STEPS:
             self._calibrate()
+            self._start_thread_trial()
             if self.calibration is not None:
                 text = calibration_summary(self.calibration, CALIBRATION_STEPS)
                 for listener in self.calibration_listeners:
@@ -450,12 +452,12 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if (stats is None or w is None or budget is None or self._comm is not None or stats.iteration_s <= 0
                 or stats.verdict == StepVerdict.SKIP.value):
             return None
-        passed = self._previous_stats  # the step whose whole pass ended in the last iteration (pass_adam_s)
-        measured = MeasuredStep(stats.iteration_s, stats.wait_s, stats.pass_adam_s if passed is not None else 0.0,
+        passed = stats.host_pass  # the step before the last one: its pass is the last one complete
+        measured = MeasuredStep(stats.iteration_s, stats.wait_s, passed.adam_s if passed is not None else 0.0,
                                 clipped=stats.verdict == StepVerdict.REDO.value,
-                                undid=passed is not None and passed.wasted_buckets > 0,
+                                undid=passed is not None and passed.undid,
                                 micro_batches=max(1, self._step_forwards),
-                                pass_clipped=passed is not None and passed.verdict == StepVerdict.REDO.value)
+                                pass_clipped=passed is not None and passed.clipped)
         w = self._planning_workload(w)
         cal = calibrate_rates(budget, plan=self.plan, workload=w, measured=measured)
         if cal is None:
@@ -582,16 +584,16 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        previous = self._built.stats if self._built is not None and self._steps_taken else None
         try:
             stats = self._engine.step(self.max_grad_norm)
         except BaseException:
             self._engine.abort_step()
             raise
-        self._previous_stats = previous
         self.last_grad_norm = stats.grad_norm
         self._steps_taken += 1
         self._step_forwards, self._forwards = self._forwards, 0
+        if self._trial is not None:
+            self._trial_step(stats)
         if stats.verdict == StepVerdict.SKIP.value:
             self.skipped_steps += 1
             logger.warning("hf_superoffload: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
@@ -602,6 +604,35 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             if stats.clip_coef < 1.0:
                 self.clipped_steps += 1
         return loss
+
+    def _start_thread_trial(self) -> None:
+        """[Note: the thread trial] in planning/thread_trial.py, once the calibration has settled the plan: one
+        process with host buckets, the automatic thread count and a core it leaves to the training thread."""
+        plan, cores = self.plan, ops.affinity_cores()
+        if (self._comm is not None or not plan.host_numel or self.config.cpu_threads is not None
+                or plan.cpu_threads >= cores):
+            return
+        self._trial = ThreadTrial.after_calibration(self._steps_taken, plan.cpu_threads)
+
+    def _trial_step(self, stats: StepStats) -> None:
+        trial = self._trial
+        assert trial is not None and self._built is not None
+        passed = stats.host_pass
+        sample = IterationSample(stats.iteration_s, stats.verdict, max(1, self._step_forwards),
+                                 pass_adam_s=None if passed is None else passed.adam_s,
+                                 pass_kind=None if passed is None else (passed.clipped, passed.undid),
+                                 pass_threads=None if passed is None else passed.threads)
+        threads = trial.after_step(self._steps_taken, sample)
+        if threads is not None and threads != self._built.plan.cpu_threads:
+            self._built.set_cpu_threads(threads)
+        if trial.chosen is None:
+            return
+        self._trial = None
+        self.calibration = {**(self.calibration or {}), "threads": trial.as_record()}
+        text = f"hf_superoffload thread trial: the CPU Adam runs {trial.chosen} threads ({trial.why})"
+        logger.info("%s", text)
+        for listener in self.calibration_listeners:
+            listener(text)
 
     def _check_consecutive_skips(self, norm: float) -> None:
         """Raise after ``config.max_consecutive_skips`` skipped steps in a row. The skip has already restored the
@@ -632,6 +663,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
     @property
     def last_step_stats(self) -> StepStats:
         return self._engine.stats
+
+    @property
+    def profile(self) -> HardwareProfile:
+        """The hardware profile the first plan was made with: the one given, else this host's cached measurement or
+        the shipped profile of this GPU model ([Note: known rates]). The calibration's restated rates are in
+        ``calibration["timing"]``, not here."""
+        return self._profile
 
     @property
     def engine(self) -> OffloadEngine:

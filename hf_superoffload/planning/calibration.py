@@ -12,7 +12,7 @@ step's verdict says) and restates the two rates by the ratio of predicted to mea
   device tail's AdamW, against the predicted compute of its micro-batches. Only where the roofline says the
   micro-batches are compute-bound (with the link or host memory binding them, the ratio would say nothing of the
   GEMMs);
-* the CPU: the worker's Adam seconds of one step's whole host pass (``StepStats.pass_adam_s``: the pass of the
+* the CPU: the worker's Adam seconds of one step's whole host pass (``StepStats.host_pass``: the pass of the
   step before the last, the last one complete when the calibration runs) against the roofline's pass of that
   step: with clipping, the whole pass after the verdict; else the speculative and remaining passes. Only for a
   pass that undid nothing (an undo or redo adds passes the roofline's step does not have). Not the iteration's
@@ -53,7 +53,7 @@ class MeasuredStep:
     wait_s: float
     """Seconds the training thread blocked on host buckets."""
     cpu_s: float
-    """The worker's Adam seconds of one step's whole host pass (``StepStats.pass_adam_s``); 0: none was measured."""
+    """The worker's Adam seconds of one step's whole host pass (``PassRecord.adam_s``); 0: none was measured."""
     clipped: bool
     """Clipping fired (the verdict was a redo): the roofline's clipping case."""
     undid: bool

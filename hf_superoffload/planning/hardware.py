@@ -42,13 +42,6 @@ _SCHEMA = 1
 GB = 1e9
 
 
-def _affinity_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def default_cpu_threads() -> int:
     """Cores in this process's affinity mask, minus one for the Python thread that feeds the GPU.
 
@@ -153,6 +146,8 @@ class HardwareProfile:
     @classmethod
     def read(cls, device: torch.device) -> HardwareProfile:
         """Free memory and cores only: costs nothing, measures nothing."""
+        from .. import ops
+
         device = torch.device(device)
         free = total = None
         name = None
@@ -168,7 +163,7 @@ class HardwareProfile:
             source="read",
             device_total_bytes=total,
             host_total_bytes=_meminfo("MemTotal"),
-            cpu_cores=_affinity_cores(),
+            cpu_cores=ops.affinity_cores(),
         )
 
     @classmethod

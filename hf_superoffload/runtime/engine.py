@@ -172,7 +172,16 @@ class OffloadEngine:
         optimizer applies to the model)."""
         if dataclasses.replace(plan, kept_layers=self.plan.kept_layers, notes=self.plan.notes) != self.plan:
             raise ValueError("amend_plan changes the kept layers only; the engine is built for the rest of its plan")
-        self.plan = plan
+        self.plan = self.layout.plan = plan
+
+    def set_cpu_threads(self, threads: int) -> None:
+        """Run the CPU Adam at ``threads`` from the next step on ([Note: the thread trial] in
+        planning/thread_trial.py); the step in progress and the pass still running from the last one keep the count
+        they opened with (``StepContext.threads``). The values do not depend on it."""
+        if threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {threads}")
+        assert self.layout.plan is self.plan, "the layout runs the engine's plan"
+        self.plan = self.layout.plan = dataclasses.replace(self.plan, cpu_threads=threads)
 
     @property
     def _movable(self) -> bool:
@@ -367,11 +376,11 @@ class OffloadEngine:
             self.layout.cur = ctx.dst  # the buckets still finishing write this copy; readers drain them first
             layout.advance_steps(self.param_steps)
         self.governor.record(speculated=ctx.speculative, verdict=verdict.kind)
-        pass_s, pass_adam_s = self.host_pass.end_step(verdict)
+        passed = self.host_pass.end_step(verdict)
         self.stats = self.telemetry.end_iteration(
             verdict=verdict, speculative=ctx.speculative, grad_divisor=self._div,
             master_deferred_buckets=self.commits.master_count if self.commits.enabled else 0,
-            pass_s=pass_s, pass_adam_s=pass_adam_s)
+            host_pass=passed)
         self.flush.reset()
         self.hooks.learn_unhooked_reads()
         return self.stats

@@ -61,7 +61,7 @@ from .bucket import BucketState, HostBucket, MomentCommit
 from .commit import MomentCommits
 from .cpu_worker import CpuWorker
 from .layout import BucketLayout
-from .telemetry import Telemetry
+from .telemetry import PassRecord, Telemetry
 from .upload import Uploads
 from .validation import GroupHypers, SpeculationGovernor, StepVerdict, Verdict
 
@@ -102,9 +102,14 @@ class StepContext:
     pass_done_at: float | None = None
     """Telemetry (``StepStats.pass_s``): when the verdict was published, how many host buckets have finished for it
     since, and when the last one did."""
+    threads: int = 1
+    """CPU Adam threads of this step's passes, fixed when it opens: a pass never mixes two counts (the thread
+    trial compares whole passes)."""
     adam_s: float = 0.0
-    """Telemetry (``StepStats.pass_adam_s``): the worker's seconds in Adam and undo for this step's host buckets, its
-    speculative share included (the worker alone writes it; read once ``pass_done_at`` is set)."""
+    redone: int = 0
+    """Telemetry (``PassRecord``): the worker's seconds in Adam and undo for this step's host buckets, its
+    speculative share included, and how many of them it stepped again after a speculative step that did not stand
+    (the worker alone writes them; read once ``pass_done_at`` is set)."""
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -181,7 +186,8 @@ class HostPass:
             deferred = in_place and self._plan.deferred_speculation
             self.ctx = StepContext(speculative=speculative, spec_hypers=self._hypers_fn(),
                                    max_grad_norm=self._max_grad_norm_fn(), src=cur, dst=dst,
-                                   one_path=in_place and not deferred, bf16_only=deferred)
+                                   one_path=in_place and not deferred, bf16_only=deferred,
+                                   threads=self._plan.cpu_threads)
         return self.ctx
 
     def publish(self, ctx: StepContext, verdict: Verdict) -> list[tuple[HostBucket, bool]]:
@@ -236,16 +242,18 @@ class HostPass:
             self._worker.submit(self.layout.need_order(b), f"finishing {b.describe()}",
                                 lambda b=b, s=speculated: self.finish_task(b, ctx, verdict, s))
 
-    def end_step(self, verdict: Verdict) -> tuple[float, float]:
-        """Close the step in progress; returns the previous validated step's pass as the wall seconds from its
-        verdict to its last bucket and the worker's Adam seconds of its whole pass, its speculative share included
-        (``(0, 0)`` if it had not finished)."""
+    def end_step(self, verdict: Verdict) -> PassRecord | None:
+        """Close the step in progress; returns the previous validated step's whole pass (``None`` if it had not
+        finished)."""
         ctx, self.ctx = self.ctx, None
         with self.lock:
             prev, self._pass_ctx = self._pass_ctx, (ctx if verdict.kind is not StepVerdict.SKIP else None)
-            if prev is not None and prev.pass_done_at is not None:
-                return prev.pass_done_at - prev.verdict_at, prev.adam_s
-        return 0.0, 0.0
+            if prev is None or prev.pass_done_at is None:
+                return None
+            assert prev.verdict is not None
+            return PassRecord(wall_s=prev.pass_done_at - prev.verdict_at, adam_s=prev.adam_s,
+                              clipped=prev.verdict.kind is StepVerdict.REDO, undid=prev.redone > 0,
+                              threads=prev.threads)
 
     # -- CPU worker: a bucket's tasks ------------------------------------------------------------------
     def run(self, b: HostBucket, ctx: StepContext) -> None:
@@ -363,6 +371,7 @@ class HostPass:
             self._uploads.forget(b)
             return
         if not (speculated and b.applied == (verdict.hypers, verdict.grad_scale)):
+            ctx.redone += speculated
             if speculated and not ctx.bf16_only:  # deferred speculation left p, m, v as they were: nothing to undo
                 self._undo(b, ctx)
             # the verdict is known: with deferred moments this pass stores p and the bf16 weights only (with
@@ -413,12 +422,10 @@ class HostPass:
                     p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], grad_scale=scale,
                     param_bf16_out=b.staging[sl] if b.staging is not None else None,
                     source=(p_src[sl], m_src[sl], v_src[sl]) if ctx.dst != ctx.src else None,
-                    num_threads=self._plan.cpu_threads, store_moments=store_moments, store_master=store_master,
+                    num_threads=ctx.threads, store_moments=store_moments, store_master=store_master,
                 )
         b.applied = (hypers, scale)
-        seconds = time.perf_counter() - t0
-        ctx.adam_s += seconds
-        self._telemetry.add(cpu_s=seconds)
+        self._count_adam(ctx, t0)
 
     def _undo(self, b: HostBucket, ctx: StepContext) -> None:
         """Take back a speculative step. Double buffer and deferred speculation: the source copy is intact, only
@@ -433,11 +440,15 @@ class HostPass:
                 if ctx.dst == ctx.src and not ctx.bf16_only:
                     ops.cpu_adamw_undo_(
                         p[sl], b.grad[sl], m[sl], v[sl], step=r.step, hyper=hypers[r.group], grad_scale=scale,
-                        param_bf16_out=None, num_threads=self._plan.cpu_threads,
+                        param_bf16_out=None, num_threads=ctx.threads,
                     )
                 if b.staging is not None:
                     b.staging[sl].copy_(p[sl])
         b.applied = None
+        self._count_adam(ctx, t0)
+
+    def _count_adam(self, ctx: StepContext, t0: float) -> None:
+        """The seconds since ``t0`` go to this step's pass (``PassRecord.adam_s``) and the iteration's ``cpu_s``."""
         seconds = time.perf_counter() - t0
         ctx.adam_s += seconds
         self._telemetry.add(cpu_s=seconds)

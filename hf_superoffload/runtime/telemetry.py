@@ -12,7 +12,24 @@ from dataclasses import dataclass, fields
 
 from .validation import Verdict
 
-__all__ = ["StepStats", "Telemetry"]
+__all__ = ["PassRecord", "StepStats", "Telemetry"]
+
+
+@dataclass(frozen=True, slots=True)
+class PassRecord:
+    """One validated step's whole host pass, as the CPU worker ran it, whichever iterations it ran in (the rate
+    calibration and the thread trial read it: [Note: calibrating the rates])."""
+
+    wall_s: float
+    """Wall seconds from the step's verdict until the worker had finished its last host bucket (``StepStats.pass_s``)."""
+    adam_s: float
+    """The worker's seconds in Adam and undo for the step's host buckets, its speculative share included."""
+    clipped: bool
+    """The step's verdict was a redo (clipping fired): its whole pass ran after the verdict."""
+    undid: bool
+    """The pass undid speculative work (an undo or redo adds passes a plain step does not have)."""
+    threads: int
+    """The CPU Adam threads the pass ran with."""
 
 
 @dataclass(slots=True)
@@ -52,10 +69,9 @@ class StepStats:
     handing over the uploads). The next forward overlaps it; ``wait_s`` is what it could not hide. The share of that
     pass is the previous step's ``master_deferred_buckets``. 0 after a skipped step, on the first step, and when the
     pass had not finished by this ``step()``."""
-    pass_adam_s: float = 0.0
-    """The worker's seconds in Adam and undo for every host bucket of the pass ``pass_s`` times, its speculative share
-    (run before that step's verdict) included: one step's whole CPU pass, whichever iterations it ran in, unlike
-    ``cpu_s`` (the rate calibration measures it: [Note: calibrating the rates]). 0 when ``pass_s`` is."""
+    host_pass: PassRecord | None = None
+    """The pass ``pass_s`` times, whole: its Adam seconds, its speculative share (run before that step's verdict)
+    included, unlike ``cpu_s``, its verdict and threads. ``None`` when ``pass_s`` is 0."""
 
     @property
     def overlap(self) -> float:
@@ -111,12 +127,13 @@ class Telemetry:
         return taken
 
     def end_iteration(self, *, verdict: Verdict, speculative: bool, grad_divisor: float,
-                      master_deferred_buckets: int, pass_s: float, pass_adam_s: float) -> StepStats:
+                      master_deferred_buckets: int, host_pass: PassRecord | None) -> StepStats:
         """The iteration's :class:`StepStats` at its ``step()``: the counters (``take``) and the verdict's numbers."""
         now = time.perf_counter()
         st = self.take()
         st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, speculative
-        st.master_deferred_buckets, st.pass_s, st.pass_adam_s = master_deferred_buckets, pass_s, pass_adam_s
+        st.master_deferred_buckets, st.host_pass = master_deferred_buckets, host_pass
+        st.pass_s = host_pass.wall_s if host_pass is not None else 0.0
         st.clip_coef, st.iteration_s = verdict.grad_scale * grad_divisor, now - self._last_step_t
         self._last_step_t = now
         return st

@@ -30,6 +30,7 @@ SKIP = "tests/runtime/test_skip_after_speculation.py"
 DET = "tests/runtime/test_determinism.py"
 MOVE = "tests/runtime/test_tail_move.py"
 GROW = "tests/runtime/test_tail_growth.py"
+TRIAL = "tests/runtime/test_thread_trial_run.py"
 _MOVE_COPY = "for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):"
 _GROW_COPY = "for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), h.pmv[layout.cur], strict=True):"
 
@@ -299,5 +300,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "                and (self._accum is None or self._accum.empty))\n",
         "        return self.comm is None and self._flow is None\n",
         (f"{MOVE}::test_a_longer_micro_batch_mid_step_is_refused_and_the_next_step_moves",),
+    ),
+    Mutation(  # [Note: the thread trial]: a faster step alone keeps the trial count, the pass not asked
+        "thread_trial_trusts_the_step_alone", "hf_superoffload/planning/thread_trial.py",
+        "faster = step_gain >= MARGIN and tried.pass_adam_s < base.pass_adam_s",
+        "faster = step_gain >= MARGIN",
+        ("tests/unit/test_thread_trial.py::test_otherwise_the_planned_count_comes_back",),
+    ),
+    Mutation(  # [Note: the thread trial]: the verdict is recorded but the trial count keeps running
+        "thread_trial_never_restores_the_planned_count", "hf_superoffload/optimizer.py",
+        "        if threads is not None and threads != self._built.plan.cpu_threads:\n",
+        "        if threads is not None and trial.chosen is None:\n",
+        (f"{TRIAL}::test_the_faster_thread_count_stays[slower]",),
     ),
 )

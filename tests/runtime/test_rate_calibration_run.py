@@ -42,20 +42,24 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     assert opt.calibration is not None
     timing = opt.calibration["timing"]
     last = steps[CALIBRATION_STEPS - 1].stats  # the step the calibration measured ...
-    passed = steps[CALIBRATION_STEPS - 2].stats  # ... and the step whose whole CPU pass ended in its iteration
+    passed = last.host_pass  # ... and the whole CPU pass of the step before it, which ended in its iteration
     assert timing["micro_batches"] == accum
     assert timing["measured_step_s"] == last.iteration_s
     # the next forward needs every upload of a step: its whole pass has ended, and was measured, by the next step()
-    assert last.pass_adam_s > 0 and last.pass_s > 0
+    assert passed is not None and passed.adam_s > 0 and last.pass_s == passed.wall_s > 0
+    before = steps[CALIBRATION_STEPS - 2].stats
+    assert passed.clipped == (before.verdict == "redo") and passed.undid == (before.wasted_buckets > 0)
     # the same comparison, made here from the recorded steps, gives the recorded factors
     w = opt.workload
     assert w is not None
     expect = calibrate_rates(profile, plan=opt.plan, workload=w,
-                             measured=MeasuredStep(last.iteration_s, last.wait_s, last.pass_adam_s,
-                                                   clipped=last.verdict == "redo", undid=passed.wasted_buckets > 0,
-                                                   micro_batches=accum, pass_clipped=passed.verdict == "redo"))
+                             measured=MeasuredStep(last.iteration_s, last.wait_s, passed.adam_s,
+                                                   clipped=last.verdict == "redo", undid=passed.undid,
+                                                   micro_batches=accum, pass_clipped=passed.clipped))
     assert expect is not None
     assert (timing["gemm_factor"], timing["cpu_factor"]) == (expect.gemm_factor, expect.cpu_factor)
+    # the optimizer's profile stays the one it planned with; the restated rates are the record's
+    assert opt.profile.cpu_adam_gparams == profile.cpu_adam_gparams != timing["cpu_adam_gparams"]
     # a CPU is far slower than an H200: clamped, and the log says the profile is another machine's
     said = [r.getMessage() for r in caplog.records if "predicted;" in r.getMessage()]
     assert len(said) == 1 and "another machine" in said[0], said
@@ -93,7 +97,7 @@ def test_the_summary_says_what_was_measured_and_what_changed() -> None:
 
 
 def test_a_pass_is_timed_whole_its_speculative_share_included(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``StepStats.pass_adam_s`` counts every Adam call of one step's host buckets, those made speculatively during
+    """``PassRecord.adam_s`` counts every Adam call of one step's host buckets, those made speculatively during
     the backward as well as those after the verdict: each call is made to last a known time, so a committed step's
     pass measures (calls per step) x that time, whichever iteration each call ran in. The deferred moment commits
     call the same kernel from the commit store: they are not the pass, and are not slowed."""
@@ -124,4 +128,6 @@ def test_a_pass_is_timed_whole_its_speculative_share_included(monkeypatch: pytes
         assert st.verdict == "commit" and st.wasted_buckets == 0
         # every call of the pass at least `pause`; the kernel on this tiny model and the sleep's overshoot stay well
         # under 0.6 x `pause` a call (a call counted twice would give 2x)
-        assert per_step * pause <= st.pass_adam_s < 1.6 * per_step * pause, (st.pass_adam_s, per_step)
+        assert st.host_pass is not None and not st.host_pass.undid and not st.host_pass.clipped
+        adam_s = st.host_pass.adam_s
+        assert per_step * pause <= adam_s < 1.6 * per_step * pause, (adam_s, per_step)
