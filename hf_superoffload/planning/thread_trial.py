@@ -7,15 +7,16 @@ on the H100 box all 16 cores ran the 3.6B all-host row 3% faster than 15, on the
 (docs/benchmarks.md). So the optimizer measures it once the calibration has settled the plan (one process, host
 buckets, the thread count not set by the user, a core left to try):
 
-* the baseline: the first iteration after the calibration's move, all of it at the planned count (the pass of the
-  step before and the speculation of its own step);
-* the trial count for the next two steps: the first of their iterations mixes both counts (the pass still
-  running from the step before keeps the count it opened with: ``StepContext.threads``), the second is all at
-  the trial count;
-* the verdict: the trial count stays when the step *and* the host pass it times got faster, the step by at least
-  ``MARGIN`` (one iteration each is a noisy measurement: a count that merely ties is not worth the core the GPU's
-  thread could have), and the two iterations are alike (the same verdict, micro-batches and pass kind: a redo
-  adds a whole pass); else the planned count comes back.
+* the baseline: the first ``SAMPLES`` iterations after the calibration's move, all of each at the planned count
+  (the pass of the step before and the speculation of its own step);
+* the trial count from the next step on: the first of its iterations mixes both counts (the pass still running
+  from the step before keeps the count it opened with: ``StepContext.threads``), the ``SAMPLES`` after it are all
+  at the trial count;
+* the verdict: the trial count stays when the step *and* the host pass got faster, each arm's fastest iteration
+  against the other's (a step's noise is one-sided: on the H100 box one iteration of an 8B row took 1.35 s between
+  two of 1.0 s, and one iteration per count let it decide), the step by at least ``MARGIN`` (a count that merely
+  ties is not worth the core the GPU's thread could have), and every iteration compared is alike (the same
+  verdict, micro-batches and pass kind: a redo adds a whole pass); else the planned count comes back.
 
 The CPU Adam is elementwise and its sums of squares are cut at fixed offsets whatever the thread count
 ([Note: fixed-order sums] in cpu_ext): the trial changes the speed, never the values.
@@ -23,15 +24,18 @@ The CPU Adam is elementwise and its sums of squares are cut at fixed offsets wha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["MARGIN", "TRIAL_STEPS", "IterationSample", "ThreadTrial"]
+__all__ = ["MARGIN", "SAMPLES", "TRIAL_STEPS", "IterationSample", "ThreadTrial"]
 
 MARGIN = 0.01
 """The share by which the trial count's step must be faster to stay."""
-TRIAL_STEPS = 5
-"""Steps after the calibration's until every iteration runs at the chosen count: the move's, the baseline, two at
-the trial count, and the one whose iteration still holds the last trial pass (benchmarks warm up past them)."""
+SAMPLES = 2
+"""Steady iterations at each count."""
+TRIAL_STEPS = 2 * SAMPLES + 3
+"""Steps after the calibration's until every iteration runs at the chosen count: the move's, the baseline's, the
+mixed one, the trial's, and the one whose iteration still holds the last trial pass (benchmarks warm up past
+them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +65,10 @@ class ThreadTrial:
     planned: int
     trial: int
     baseline_step: int
-    """The step whose iteration is the baseline (the steps are counted from 1): the second after the calibration's
-    (:meth:`after_calibration`)."""
-    baseline: IterationSample | None = None
-    tried: IterationSample | None = None
+    """The step whose iteration is the first of the baseline (the steps are counted from 1): the second after the
+    calibration's (:meth:`after_calibration`)."""
+    baseline: list[IterationSample] = field(default_factory=list)
+    tried: list[IterationSample] = field(default_factory=list)
     chosen: int | None = None
     """The count the trial settled on (``None`` while it runs)."""
     why: str = ""
@@ -72,37 +76,40 @@ class ThreadTrial:
     @classmethod
     def after_calibration(cls, calibration_step: int, planned: int) -> ThreadTrial:
         """The trial of ``planned + 1`` threads once the calibration ran after step ``calibration_step``: the next
-        step's iteration holds its move, the one after that is the baseline."""
+        step's iteration holds its move, the baseline begins with the one after that."""
         return cls(planned=planned, trial=planned + 1, baseline_step=calibration_step + 2)
 
     def after_step(self, step: int, sample: IterationSample) -> int | None:
         """Take step ``step``'s iteration; returns the thread count to run from the next step on, or ``None`` to
-        leave it. The trial ends two steps after the baseline's (``chosen`` is set then)."""
-        if self.chosen is not None or step < self.baseline_step:
+        leave it (``chosen`` is set with the last trial iteration)."""
+        last_base = self.baseline_step + SAMPLES - 1
+        first_trial = last_base + 2  # the iteration between holds a pass at each count
+        if self.chosen is not None or step < self.baseline_step or last_base < step < first_trial:
             return None
-        if step == self.baseline_step:
-            self.baseline = sample
-            return self.trial
-        if step < self.baseline_step + 2:
+        if step <= last_base:
+            self.baseline.append(sample)
+            return self.trial if step == last_base else None
+        self.tried.append(sample)
+        if len(self.tried) < SAMPLES:
             return None
-        self.tried = sample
         self.chosen, self.why = self._verdict()
         return self.chosen
 
     def _verdict(self) -> tuple[int, str]:
-        base, tried = self.baseline, self.tried
-        assert base is not None and tried is not None
-        if base.pass_adam_s is None or tried.pass_adam_s is None or tried.pass_threads != self.trial:
+        both = self.baseline + self.tried
+        if any(s.pass_adam_s is None for s in both) or any(s.pass_threads != self.trial for s in self.tried):
             return self.planned, "no whole host pass at each count to compare"
-        if not base.alike(tried):
-            return self.planned, "the two iterations differ (verdict, micro-batches or pass kind)"
-        step_gain = 1.0 - tried.iteration_s / base.iteration_s if base.iteration_s > 0 else 0.0
-        faster = step_gain >= MARGIN and tried.pass_adam_s < base.pass_adam_s
+        if not all(both[0].alike(s) for s in both[1:]):
+            return self.planned, "the iterations differ (verdict, micro-batches or pass kind)"
+        base_s, tried_s = min(s.iteration_s for s in self.baseline), min(s.iteration_s for s in self.tried)
+        base_pass = min(s.pass_adam_s for s in self.baseline)  # type: ignore[type-var]
+        tried_pass = min(s.pass_adam_s for s in self.tried)  # type: ignore[type-var]
+        step_gain = 1.0 - tried_s / base_s if base_s > 0 else 0.0
+        faster = step_gain >= MARGIN and tried_pass < base_pass
         return (self.trial if faster else self.planned), (
-            f"step {base.iteration_s:.3f} s at {self.planned} threads, {tried.iteration_s:.3f} s at {self.trial}; "
-            f"host pass {base.pass_adam_s:.3f} s and {tried.pass_adam_s:.3f} s")
+            f"fastest step {base_s:.3f} s at {self.planned} threads, {tried_s:.3f} s at {self.trial}; host pass "
+            f"{base_pass:.3f} s and {tried_pass:.3f} s")
 
     def as_record(self) -> dict[str, object]:
         return {"planned": self.planned, "trial": self.trial, "chosen": self.chosen, "why": self.why,
-                "baseline_s": None if self.baseline is None else self.baseline.iteration_s,
-                "trial_s": None if self.tried is None else self.tried.iteration_s}
+                "baseline_s": [s.iteration_s for s in self.baseline], "trial_s": [s.iteration_s for s in self.tried]}

@@ -13,10 +13,11 @@ import torch
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer, ops
 from hf_superoffload.planning import hardware
 from hf_superoffload.planning.planner import CALIBRATION_STEPS
+from hf_superoffload.planning.thread_trial import SAMPLES, TRIAL_STEPS
 from hf_superoffload.testing import pretend_profile, state_tensors, tiny_llama, train_steps
 
 GiB = 1024**3
-STEPS = 9
+STEPS = CALIBRATION_STEPS + TRIAL_STEPS + 1  # and one more at the chosen count
 PAUSE_S = 0.02  # per Adam call at the planned two threads: the pass outweighs the tiny model's forward and backward
 
 
@@ -57,12 +58,13 @@ def test_the_faster_thread_count_stays(more_is: str, monkeypatch: pytest.MonkeyP
     assert (record["planned"], record["trial"], record["chosen"]) == (2, 3, chosen), record
     assert opt.plan.cpu_threads == chosen
     assert any(f"runs {chosen} threads" in t for t in told), told
-    # the steps are counted from 1; step k's stats hold the pass of step k - 1. The baseline is the second step
-    # after the calibration's: its pass and those before run at the planned count, the next two steps' at the trial
-    # count, those after the verdict at the chosen one
-    base = CALIBRATION_STEPS + 2
+    # the steps are counted from 1; step k's stats hold the pass of step k - 1. The baseline's iterations are the
+    # second and third after the calibration's: their passes and those before run at the planned count, the
+    # passes of the steps until the verdict at the trial count, those after it at the chosen one
+    last_base = CALIBRATION_STEPS + 1 + SAMPLES
     threads = [s.stats.host_pass.threads for s in steps[1:]]
-    assert threads == [2] * base + [3, 3] + [chosen] * (STEPS - 1 - base - 2), threads
+    assert threads == [2] * last_base + [3] * (SAMPLES + 1) + [chosen], threads
+    assert len(threads) == STEPS - 1
 
 
 @pytest.mark.parametrize(("cores", "cpu_threads"), [(2, None), (3, 2)], ids=["no core to spare", "set by the user"])
