@@ -174,15 +174,25 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     times = []
     per_step: list[dict[str, Any]] = []  # every step's own stats, warm-up included: what the calibration saw
     rec["per_step"] = per_step
-    k = 0
+    from hf_superoffload.planning.thread_trial import ATTEMPTS, TRIAL_STEPS
+
+    k, settled_at = 0, None
+    # ours: timed once the optimizer has settled ([Note: the thread trial]: a trial that compared nothing runs
+    # again) and the iteration after it, which may hold a pass at the trial count, is past; never later than this
+    last_warmup = warmup + (ATTEMPTS - 1) * TRIAL_STEPS
     try:
-        for k in range(warmup + steps):
+        for k in range(last_warmup + steps):
             t = time.perf_counter()
             step()
             sync()
             wall = time.perf_counter() - t
-            if k >= warmup:
+            if settled_at is None and (system not in OURS or opt.settled):
+                settled_at = k
+            if k >= warmup and ((settled_at is not None and k >= settled_at + 2) or k >= last_warmup):
                 times.append(wall)
+            if len(times) == steps:
+                rec["warmup_steps"] = k + 1 - steps
+                break
             if system in OURS and (st := opt.last_step_stats) is not None:
                 per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
                     "cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict")},

@@ -665,6 +665,13 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return self._engine.stats
 
     @property
+    def settled(self) -> bool:
+        """Whether the first steps' measurements are over: the calibration ran and the thread trial, if there was
+        one, has decided ([Note: the thread trial]). The iteration after the step that settles it may still hold
+        a host pass at the trial count."""
+        return self._calibrated and self._trial is None
+
+    @property
     def profile(self) -> HardwareProfile:
         """The hardware profile the first plan was made with: the one given, else this host's cached measurement or
         the shipped profile of this GPU model ([Note: known rates]). The calibration's restated rates are in

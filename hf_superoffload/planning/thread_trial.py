@@ -16,7 +16,10 @@ buckets, the thread count not set by the user, a core left to try):
   against the other's (a step's noise is one-sided: on the H100 box one iteration of an 8B row took 1.35 s between
   two of 1.0 s, and one iteration per count let it decide), the step by at least ``MARGIN`` (a count that merely
   ties is not worth the core the GPU's thread could have), and every iteration compared is alike (the same
-  verdict, micro-batches and pass kind: a redo adds a whole pass); else the planned count comes back.
+  verdict, micro-batches and pass kind: a redo adds a whole pass); else the planned count comes back. Iterations
+  that differ (clipping that stops firing turns redos into commits, a skipped step) compare nothing: the planned
+  count comes back and the trial begins again, up to ``ATTEMPTS`` times (on the H100 box two of five rows changed
+  verdict inside their first trial).
 
 The CPU Adam is elementwise and its sums of squares are cut at fixed offsets whatever the thread count
 ([Note: fixed-order sums] in cpu_ext): the trial changes the speed, never the values.
@@ -26,16 +29,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MARGIN", "SAMPLES", "TRIAL_STEPS", "IterationSample", "ThreadTrial"]
+__all__ = ["ATTEMPTS", "MARGIN", "SAMPLES", "TRIAL_STEPS", "IterationSample", "ThreadTrial"]
 
 MARGIN = 0.01
 """The share by which the trial count's step must be faster to stay."""
 SAMPLES = 2
 """Steady iterations at each count."""
+ATTEMPTS = 3
+"""Trials before the planned count stays for want of iterations to compare."""
 TRIAL_STEPS = 2 * SAMPLES + 3
-"""Steps after the calibration's until every iteration runs at the chosen count: the move's, the baseline's, the
-mixed one, the trial's, and the one whose iteration still holds the last trial pass (benchmarks warm up past
-them)."""
+"""Steps after the calibration's until every iteration runs at the chosen count when the first trial decides: the
+move's, the baseline's, the mixed one, the trial's, and the one whose iteration still holds the last trial pass."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,8 @@ class ThreadTrial:
     chosen: int | None = None
     """The count the trial settled on (``None`` while it runs)."""
     why: str = ""
+    trials: int = 0
+    """Trials run to their verdict (all but the last had nothing to compare)."""
 
     @classmethod
     def after_calibration(cls, calibration_step: int, planned: int) -> ThreadTrial:
@@ -81,7 +87,7 @@ class ThreadTrial:
 
     def after_step(self, step: int, sample: IterationSample) -> int | None:
         """Take step ``step``'s iteration; returns the thread count to run from the next step on, or ``None`` to
-        leave it (``chosen`` is set with the last trial iteration)."""
+        leave it (``chosen`` is set with the verdict of a trial that compared, or of the last one)."""
         last_base = self.baseline_step + SAMPLES - 1
         first_trial = last_base + 2  # the iteration between holds a pass at each count
         if self.chosen is not None or step < self.baseline_step or last_base < step < first_trial:
@@ -92,15 +98,20 @@ class ThreadTrial:
         self.tried.append(sample)
         if len(self.tried) < SAMPLES:
             return None
-        self.chosen, self.why = self._verdict()
+        chosen, self.why = self._verdict()
+        self.trials += 1
+        if chosen is None and self.trials < ATTEMPTS:  # again from the iteration after the next (it mixes both)
+            self.baseline_step, self.baseline, self.tried = step + 2, [], []
+            return self.planned
+        self.chosen = self.planned if chosen is None else chosen
         return self.chosen
 
-    def _verdict(self) -> tuple[int, str]:
+    def _verdict(self) -> tuple[int | None, str]:
         both = self.baseline + self.tried
         if any(s.pass_adam_s is None for s in both) or any(s.pass_threads != self.trial for s in self.tried):
-            return self.planned, "no whole host pass at each count to compare"
+            return None, "no whole host pass at each count to compare"
         if not all(both[0].alike(s) for s in both[1:]):
-            return self.planned, "the iterations differ (verdict, micro-batches or pass kind)"
+            return None, "the iterations differ (verdict, micro-batches or pass kind)"
         base_s, tried_s = min(s.iteration_s for s in self.baseline), min(s.iteration_s for s in self.tried)
         base_pass = min(s.pass_adam_s for s in self.baseline)  # type: ignore[type-var]
         tried_pass = min(s.pass_adam_s for s in self.tried)  # type: ignore[type-var]
@@ -112,4 +123,5 @@ class ThreadTrial:
 
     def as_record(self) -> dict[str, object]:
         return {"planned": self.planned, "trial": self.trial, "chosen": self.chosen, "why": self.why,
+                "trials": self.trials,
                 "baseline_s": [s.iteration_s for s in self.baseline], "trial_s": [s.iteration_s for s in self.tried]}

@@ -56,7 +56,7 @@ def test_the_faster_thread_count_stays(more_is: str, monkeypatch: pytest.MonkeyP
     record = opt.calibration["threads"]
     chosen = 3 if more_is == "faster" else 2
     assert (record["planned"], record["trial"], record["chosen"]) == (2, 3, chosen), record
-    assert opt.plan.cpu_threads == chosen
+    assert opt.plan.cpu_threads == chosen and opt.settled
     assert any(f"runs {chosen} threads" in t for t in told), told
     # the steps are counted from 1; step k's stats hold the pass of step k - 1. The baseline's iterations are the
     # second and third after the calibration's: their passes and those before run at the planned count, the
@@ -71,7 +71,7 @@ def test_the_faster_thread_count_stays(more_is: str, monkeypatch: pytest.MonkeyP
 def test_no_trial(cores: int, cpu_threads: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     opt, steps, _, _ = run(monkeypatch, cores=cores, more_is="faster", cpu_threads=cpu_threads)
     opt.close()
-    assert "threads" not in (opt.calibration or {})
+    assert "threads" not in (opt.calibration or {}) and opt.settled
     assert {s.stats.host_pass.threads for s in steps[1:]} == {2}
 
 
