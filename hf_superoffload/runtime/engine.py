@@ -180,7 +180,6 @@ class OffloadEngine:
         they opened with (``StepContext.threads``). The values do not depend on it."""
         if threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {threads}")
-        assert self.layout.plan is self.plan, "the layout runs the engine's plan"
         self.plan = self.layout.plan = dataclasses.replace(self.plan, cpu_threads=threads)
 
     @property
