@@ -382,7 +382,9 @@ def test_planner_auto_weighs_activations_with_the_memory_model():
     numels = [shape.layer_numel] * 32 + [2 * shape.embedding_numel]
     cfg = SuperOffloadConfig()
     short = Workload(shape, batch_size=1, seq_len=1024, grad_ckpt=True)
-    long = Workload(shape, batch_size=1, seq_len=32768, grad_ckpt=True)
+    # the chunked loss, as the optimizer installs it (HF's fp32 upcast adds a 15.7 GiB block to the slack at 32k:
+    # [Note: the allocator's slack])
+    long = Workload(shape, batch_size=1, seq_len=32768, grad_ckpt=True, chunked_loss=True)
     assert make_plan(numels, element_size=2, config=cfg, profile=_profile(80),
                      workload=short).weight_mode is WeightMode.STATIONARY
     # ~20 GiB predicted with stationary weights at 1k tokens: fits 24 GiB, not 16
@@ -391,7 +393,7 @@ def test_planner_auto_weighs_activations_with_the_memory_model():
     plan = make_plan(numels, element_size=2, config=cfg, profile=_profile(16), workload=short)
     assert plan.weight_mode is WeightMode.FLOW and "stationary weights need" in " ".join(plan.notes)
     # very long sequences on a bigger device: activations and logits crowd the weights out
-    plan = make_plan(numels, element_size=2, config=cfg, profile=_profile(64), workload=long)
+    plan = make_plan(numels, element_size=2, config=cfg, profile=_profile(48), workload=long)
     assert plan.weight_mode is WeightMode.FLOW and "does not fit" not in " ".join(plan.notes)
 
 
