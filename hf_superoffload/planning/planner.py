@@ -692,8 +692,9 @@ def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size
 # [Note: calibration from the measured peak]
 # The plan made at the first batch rests on the memory model, which holds within ~1.5% on the GPU for the
 # decoders it knows, and on margins for what it does not model: the allocator's slack (1 GiB and the larger of 5%
-# and the largest block: [Note: the allocator's slack]) and ``_DEVICE_MARGIN`` (4% of the free memory). Once the first ``CALIBRATION_STEPS`` optimizer steps have run (their
-# forward, backward, device AdamW and the uploads that overlap the next forward), the optimizer reads what this
+# and the largest block: [Note: the allocator's slack]) and ``_DEVICE_MARGIN`` (4% of the free memory). Once the
+# first ``CALIBRATION_STEPS`` optimizer steps have run (their forward, backward, device AdamW and the uploads that
+# overlap the next forward), the optimizer reads what this
 # process really reserved at its peak, the allocator's own high-water mark, which includes its fragmentation, and
 # replaces those margins by the measurement: a plan fits the calibrated budget when the measured need plus what
 # the memory model says the change adds stays under the free memory less ``CALIBRATED_MARGIN``. Where the model
