@@ -1,6 +1,6 @@
 """What the defaults do: the README snippet against the fastest GPU-only baseline, side by side in one call.
 
-    python benchmarks/defaults.py --rows 3.6b:8 8b:4 --out $OUT/defaults.jsonl [--warmup 8] [--steps 5]
+    python benchmarks/defaults.py --rows 3.6b:8 8b:4 --out $OUT/defaults.jsonl [--warmup 10] [--steps 5]
 
 Every row runs in its own process (a fresh CUDA context and host RSS) on a random-init Llama-style model of the
 preset's shape, batch x 2048 tokens, activation checkpointing, clipping at 1.0 (it fires on random data: the
@@ -190,14 +190,14 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                 settled_at = k
             if k >= warmup and ((settled_at is not None and k >= settled_at + 2) or k >= last_warmup):
                 times.append(wall)
-            if len(times) == steps:
-                rec["warmup_steps"] = k + 1 - steps
-                break
             if system in OURS and (st := opt.last_step_stats) is not None:
                 per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
                     "cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict")},
                     "pass_adam_s": st.host_pass.adam_s if st.host_pass is not None else 0.0,
                     "pass_threads": st.host_pass.threads if st.host_pass is not None else None})
+            if len(times) == steps:
+                rec["warmup_steps"] = k + 1 - steps
+                break
     except torch.OutOfMemoryError as e:
         where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
         rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-6:], oom_step=k)
@@ -272,8 +272,8 @@ def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int, a
                    "host_state_gb": plan.host_bytes() / 1e9, "weight_mode": plan.weight_mode.value,
                    "cast_side": plan.cast_side.value, "rollback": plan.rollback.value,
                    "host_accumulation": plan.host_accumulation.value, "defer_moments": plan.defer_moments,
-                   "d2h_lead": plan.d2h_lead_buckets, "cpu_threads": plan.cpu_threads, "workload_inferred": opt.workload is not None,
-                   "summary": plan.summary()}
+                   "d2h_lead": plan.d2h_lead_buckets, "cpu_threads": plan.cpu_threads,
+                   "workload_inferred": opt.workload is not None, "summary": plan.summary()}
     st = opt.last_step_stats
     rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
                                                     "speculated_buckets", "wasted_buckets", "verdict")}

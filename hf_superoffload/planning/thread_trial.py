@@ -13,8 +13,8 @@ buckets, the thread count not set by the user, a core left to try):
   from the step before keeps the count it opened with: ``StepContext.threads``), the ``SAMPLES`` after it are all
   at the trial count;
 * the verdict: the trial count stays when the step *and* the host pass got faster, each arm's fastest iteration
-  against the other's (a step's noise is one-sided: on the H100 box one iteration of an 8B row took 1.35 s between
-  two of 1.0 s, and one iteration per count let it decide), the step by at least ``MARGIN`` (a count that merely
+  against the other's (a step's noise is one-sided: on the H100 box one iteration of the 3.6B snippet row took
+  1.35 s beside steps of 1.0 s, and with one iteration per count it decided that row's trial), the step by at least ``MARGIN`` (a count that merely
   ties is not worth the core the GPU's thread could have), and every iteration compared is alike (the same
   verdict, micro-batches and pass kind: a redo adds a whole pass); else the planned count comes back. Iterations
   that differ (clipping that stops firing turns redos into commits, a skipped step) compare nothing: the planned

@@ -25,6 +25,8 @@ def test_snippet_and_trainer_rows_record_their_plans(tmp_path: Path) -> None:
         assert r["step_s"]["n"] == 2 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
         assert r["plan"]["host_params"] + r["plan"]["device_params"] > 0
         assert r["last_step"]["verdict"] in ("commit", "redo", "skip")
+    # every step of the snippet's loop, the timed ones too, is in its per-step record
+    assert len(recs["snippet"]["per_step"]) == recs["snippet"]["warmup_steps"] + 2
 
 
 def test_named_settings_and_profile(tmp_path: Path) -> None:
