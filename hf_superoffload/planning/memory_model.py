@@ -302,14 +302,17 @@ class MemoryEstimate:
     @property
     def largest_block_bytes(self) -> int:
         """The largest single allocation of a step: the loss's logits or their gradient (bf16 with the chunked loss,
-        fp32 with HF's upcast, one fp32 chunk with the sequence-parallel loss), or the LM head's weight."""
+        or its fp32 chunk at short batches; fp32 with HF's upcast; one fp32 chunk with the sequence-parallel loss), or
+        the LM head's weight."""
         s = self.shape
         tokens = -(-self.batch_size * self.seq_len // self.sequence_parallel)
         if self.loss_chunk_tokens is not None:
-            logits = 4 * min(tokens, self.loss_chunk_tokens) * s.vocab_size
+            logits = 4 * min(tokens, self.loss_chunk_tokens)
+        elif self.chunked_loss:  # the bf16 logits (or their gradient), or one fp32 chunk where that is larger
+            logits = max(2 * tokens, 4 * min(tokens, CHUNK_TOKENS))
         else:
-            logits = (2 if self.chunked_loss else 4) * tokens * s.vocab_size
-        return max(logits, 2 * s.embedding_numel)
+            logits = 4 * tokens
+        return max(logits * s.vocab_size, 2 * s.embedding_numel)
 
     @property
     def gpu_required_bytes(self) -> int:

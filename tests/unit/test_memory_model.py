@@ -313,6 +313,9 @@ def test_the_slack_holds_the_largest_block_where_5_percent_does_not() -> None:
     chunked = estimate(L8, batch_size=1, seq_len=65536, grad_ckpt=True, plan_like=flow, sequence_parallel=2,
                        loss_chunk_tokens=2048)
     assert chunked.largest_block_bytes == 4 * 2048 * 128256
+    # a short batch under the chunked loss: its fp32 chunk outgrows the bf16 logits
+    short = estimate(L36, batch_size=1, seq_len=3072, grad_ckpt=True, chunked_loss=True)
+    assert short.largest_block_bytes == 4 * 2048 * 128256 > 2 * 3072 * 128256  # bf16 logits; the LM head alike
     # where 5% of the peak is larger (every state on a large GPU), it is the slack, as before
     n = ModelShape.from_config(L8).numel
     big = estimate(L8, batch_size=4, seq_len=2048, grad_ckpt=True, chunked_loss=True,
