@@ -61,7 +61,6 @@ class OffloadEngine:
     params: list[torch.nn.Parameter]
     param_group: list[int]
     param_steps: list[int]
-    plan: OffloadPlan
     governor: SpeculationGovernor
     comm: ShardGroup | None
     device: torch.device
@@ -109,7 +108,7 @@ class OffloadEngine:
         """
         self.params, self.param_group = list(params), list(param_group)
         self.param_steps = [0] * len(self.params)
-        self.plan, self.hypers_fn, self.check_finite, self.timeout_s = plan, hypers_fn, check_finite, timeout_s
+        self.hypers_fn, self.check_finite, self.timeout_s = hypers_fn, check_finite, timeout_s
         self.governor, self.comm = governor, comm
         check_plan(plan, comm=comm)
         self._div = comm.grad_divisor if comm else 1.0
@@ -167,12 +166,17 @@ class OffloadEngine:
         layout.allocate_device_state()  # under weight flow: now that the streamed weights left the device
         registry.claim(self)
 
+    @property
+    def plan(self) -> OffloadPlan:
+        """The plan the engine runs: its layout's (a move of the tail replaces it there)."""
+        return self.layout.plan
+
     def amend_plan(self, plan: OffloadPlan) -> None:
         """Replace the plan by one that differs only in what the runtime does not read (the kept layers, which the
         optimizer applies to the model)."""
         if dataclasses.replace(plan, kept_layers=self.plan.kept_layers, notes=self.plan.notes) != self.plan:
             raise ValueError("amend_plan changes the kept layers only; the engine is built for the rest of its plan")
-        self.plan = self.layout.plan = plan
+        self.layout.plan = plan
 
     def set_cpu_threads(self, threads: int) -> None:
         """Run the CPU Adam at ``threads`` from the next step on ([Note: the thread trial] in
@@ -180,7 +184,7 @@ class OffloadEngine:
         they opened with (``StepContext.threads``). The values do not depend on it."""
         if threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {threads}")
-        self.plan = self.layout.plan = dataclasses.replace(self.plan, cpu_threads=threads)
+        self.layout.plan = dataclasses.replace(self.plan, cpu_threads=threads)
 
     @property
     def _movable(self) -> bool:
@@ -243,7 +247,6 @@ class OffloadEngine:
             logger.info("hf_superoffload: CPU Adam backend %s, %d threads", ops.backend(), plan.cpu_threads)
         self._release_accumulation()
         moved = move_to_host(self.layout, plan)
-        self.plan = plan
         self._relayout_accumulation(plan)
         if plan.d2h_gate:  # a larger host share may turn the gate on; the next backward's first tasks use it
             self._worker.enable_gate()
@@ -263,7 +266,6 @@ class OffloadEngine:
         self._quiesce()
         self._release_accumulation()
         moved = move_to_device(self.layout, plan)
-        self.plan = plan
         self._relayout_accumulation(plan)
         for b in moved:
             self.uploads.unwaited.discard(b.index)  # synchronize() waited for them: a device bucket has no upload

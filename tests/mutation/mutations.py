@@ -289,9 +289,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # [Note: moving the tail to the host] under host accumulation: the accumulator keeps the old host share
         "tail_move_keeps_the_accumulation_buffers", "hf_superoffload/runtime/engine.py",
-        "        self._release_accumulation()\n        moved = move_to_host(self.layout, plan)\n        self.plan = plan\n"
+        "        self._release_accumulation()\n        moved = move_to_host(self.layout, plan)\n"
         "        self._relayout_accumulation(plan)\n",
-        "        moved = move_to_host(self.layout, plan)\n        self.plan = plan\n",
+        "        moved = move_to_host(self.layout, plan)\n",
         (f"{MOVE}::test_a_move_under_host_accumulation_equals_starting_with_the_smaller_tail[fp32-inverse]",),
     ),
     Mutation(  # a longer micro-batch after others summed on the host moves the tail under the partial sums
