@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -724,7 +725,8 @@ def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, meas
         raise ValueError(f"measured_need={measured_need}, predicted_required={predicted_required}: use byte counts "
                          ">= 0")
     usable = free * (1.0 - CALIBRATED_MARGIN) + predicted_required - measured_need
-    return dataclasses.replace(profile, device_free_bytes=max(0, int(usable / (1.0 - _DEVICE_MARGIN))))
+    # rounded up: a plan that needs exactly ``usable`` must fit, and truncating lost it by a fraction of a byte
+    return dataclasses.replace(profile, device_free_bytes=max(0, math.ceil(usable / (1.0 - _DEVICE_MARGIN))))
 
 
 # The switches a move of the tail keeps: the engine's arenas and threads are built for them

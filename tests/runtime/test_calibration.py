@@ -61,6 +61,11 @@ def test_the_calibrated_budget_replaces_the_margins_by_the_measurement() -> None
     assert usable == pytest.approx(90 * GiB + (free * (1 - CALIBRATED_MARGIN) - 80 * GiB), rel=1e-9)
     short = calibrated_budget(profile, predicted_required=90 * GiB, measured_need=97 * GiB)
     assert short.device_free_bytes * 0.96 == pytest.approx(90 * GiB - (97 * GiB - 98 * GiB), rel=1e-9)
+    # a plan needing exactly what the measurement leaves fits: the restated free bytes round up, never down (the
+    # tail-growth test's room for every bucket fell a fraction of a byte short when they were truncated)
+    for measured in range(80 * GiB, 80 * GiB + 50):
+        odd = calibrated_budget(profile, predicted_required=90 * GiB + 7, measured_need=measured)
+        assert odd.device_free_bytes * (1 - 0.04) >= free * (1 - CALIBRATED_MARGIN) + 90 * GiB + 7 - measured
     with pytest.raises(ValueError, match="free memory"):
         calibrated_budget(HardwareProfile(device_type="cpu", device_free_bytes=None, host_available_bytes=None,
                                           cpu_threads=1), predicted_required=1, measured_need=1)
