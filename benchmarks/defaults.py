@@ -192,7 +192,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                 times.append(wall)
             if system in OURS and (st := opt.last_step_stats) is not None:
                 per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
-                    "cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict")},
+                    "cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict",
+                    "master_deferred_buckets")},
                     "pass_adam_s": st.host_pass.adam_s if st.host_pass is not None else 0.0,
                     "pass_threads": st.host_pass.threads if st.host_pass is not None else None})
             if len(times) == steps:

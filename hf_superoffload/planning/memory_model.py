@@ -90,7 +90,7 @@ from typing import Any, Literal
 
 from ..causal_lm_loss import CHUNK_TOKENS  # two fp32 chunks of logits alive at a time
 from .hardware import HardwareProfile
-from .plan import CastSide, OffloadPlan, PlanError, Rollback, WeightMode
+from .plan import CastSide, MasterDeferral, OffloadPlan, PlanError, Rollback, WeightMode
 
 __all__ = ["MemoryEstimate", "ModelShape", "PlanLike", "bisect_largest", "check_fits", "estimate", "fits",
            "largest_model_that_fits"]
@@ -219,6 +219,10 @@ class PlanLike:
         deferred_speculation: ``OffloadPlan.deferred_speculation``: a speculative pass writes the bf16 weights only
             and each committed speculative step owes a whole-step commit in the worker's idle time (the step-time
             roofline counts it).
+        master_share: with deferred moment stores, the share of host parameters whose verdict-known pass also
+            leaves the fp32 master to the commit (16 instead of 20 B/param in the pass, 26 instead of 18 in the
+            commit): 1 for ``MasterDeferral.ALL``, the fixed share's parameters for ``SHARE``, 0 otherwise
+            (``ADAPTIVE`` starts at 0 and adds buckets only while their commits fit the worker's idle time).
     """
 
     device_numel: int = 0
@@ -235,8 +239,11 @@ class PlanLike:
     kept_layers: int = 0
     host_accumulation: Literal["off", "fp32", "landing"] = "off"
     deferred_speculation: bool = False
+    master_share: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.master_share <= 1.0:
+            raise ValueError(f"master_share={self.master_share}: use a fraction in [0, 1]")
         if self.kept_layers < 0:
             raise ValueError(f"kept_layers={self.kept_layers}: use a number of decoder layers >= 0")
         if self.host_bytes_per_param not in (16, 28):
@@ -252,6 +259,12 @@ class PlanLike:
         inflight = INFLIGHT_BUCKETS + max(0, plan.d2h_lead_buckets - 1)
         top = sorted((b.numel for b in plan.host_buckets), reverse=True)[:inflight]
         largest = (sum(top) // len(top) if top else 0) * (4 if gpu_cast else 2)
+        if plan.defer_master is MasterDeferral.ALL:
+            master = 1.0
+        elif plan.defer_master is MasterDeferral.SHARE and plan.host_numel:
+            master = min(1.0, sum(b.shard for b in plan.host_buckets[: plan.master_buckets]) / plan.host_numel)
+        else:
+            master = 0.0
         return cls(device_numel=plan.device_numel, host_numel=plan.host_numel,
                    host_bytes_per_param=28 if plan.rollback is Rollback.DOUBLE_BUFFER else 16,
                    accumulation_bytes=plan.accumulation_bytes(),
@@ -259,7 +272,8 @@ class PlanLike:
                    weight_mode="flow" if plan.weight_mode is WeightMode.FLOW else "stationary",
                    bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu",
                    d2h_lead_buckets=plan.d2h_lead_buckets, kept_layers=plan.kept_layers,
-                   host_accumulation=plan.host_accumulation.value, deferred_speculation=plan.deferred_speculation)
+                   host_accumulation=plan.host_accumulation.value, deferred_speculation=plan.deferred_speculation,
+                   master_share=master if plan.defer_moments else 0.0)
 
     @classmethod
     def all_host(cls, numel: int, **kw: Any) -> PlanLike:  # every optimizer state on the host, no device tail

@@ -66,9 +66,20 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   does not fit, ``max(0, commit_s - idle)``, delays the next pass and joins ``exposed``. Not measured on the GPU
   box yet: the rates are the deferred stores' (the same kernels).
 * ``step_s = gpu_s + tail_s + exposed`` for one micro-batch. While clipping fires on every step, speculation pauses: nothing is
-  stepped in the backward, and the whole pass (``H / R``, no DMA contention; 20/28 of it with deferred moment
-  stores) is ``rem``, overlapping only the next forward (3.6B all-host, batch 8: 1.30 s predicted, 1.274
-  measured).
+  stepped in the backward, and the whole pass is ``rem``, overlapping only the next forward: ``H / R`` for the
+  fused step's 28 B/param (20 with deferred moment stores, 16 where the master is deferred too), plus the memory
+  time of the uploads it issues beside it, ``e H / host_memory_gbps`` (``verdict_pass_seconds``; the rate
+  calibration inverts the same split).
+* deferred moment stores under clipping: each verdict-known pass leaves a commit (18 B/param, 26 where the master
+  is deferred) that the worker stores in its idle time beside the backward's landing DMA, ``commit_s = H (18 / 28
+  / R + 2 / host_memory_gbps)``; the idle time is the step less the worker's passes, and what does not fit,
+  ``max(0, commit_s - idle)``, delays the next pass (a bucket's next CPU task stores its pending commit first)
+  and joins ``exposed``. So the deferral pays where the backward is long beside the pass and costs where it is
+  short (a small batch, a slow host), and the planner prices it ([Note: deferred moments] in docs/design.md).
+  Measured on the H100 box, 3.6B all-host batch 8: 1.088 s with it, 1.240 s storing m and v in the pass (commits
+  0.52-0.58 s per step in a 1.09 s step). The adaptive master share is priced from where it starts, none (its
+  gain measured there: 1.088 against 1.099 s with it off). Without clipping the remainder is priced as a fused
+  pass (measured 0.978 s against 0.990 predicted on the H200 box, its commits inside the forward).
 """
 
 from __future__ import annotations
@@ -79,12 +90,16 @@ from .hardware import HardwareProfile
 from .memory_model import ModelShape, PlanLike
 
 __all__ = ["ACCUMULATE_ADD_BYTES", "ACCUMULATE_DRAM_EFFICIENCY", "ATTENTION_EFFICIENCY", "COMMIT_FULL_BYTES",
-           "FULL_STEP_BYTES", "GEMM_EFFICIENCY", "PEER_GBPS_ASSUMED", "SPECULATIVE_BF16_BYTES", "StepTime",
-           "collective_seconds", "predict_step_time"]
+           "FULL_STEP_BYTES", "GEMM_EFFICIENCY", "MASTER_DEFERRED_BYTES", "MOMENT_COMMIT_BYTES", "PEER_GBPS_ASSUMED",
+           "SPECULATIVE_BF16_BYTES", "VERDICT_PASS_BYTES", "StepTime", "collective_seconds", "predict_step_time",
+           "verdict_pass_bytes", "verdict_pass_seconds"]
 
 SPECULATIVE_BF16_BYTES, FULL_STEP_BYTES, COMMIT_FULL_BYTES = 16, 28, 26
 """Host bytes per parameter: a pass writing the bf16 weights only, the fused step, a commit of the whole step
 ([Note: deferred moments] in docs/design.md)."""
+VERDICT_PASS_BYTES, MOMENT_COMMIT_BYTES, MASTER_DEFERRED_BYTES = 20, 18, 4
+"""Deferred moment stores: the verdict-known pass (m and v not stored), its moment commit; a deferred master takes
+4 B/param more off the pass and puts 8 on the commit (16 and 26)."""
 GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate ...
 GEMM_EFFICIENCY_WIDTH = 4096  # ... at this hidden size and above; narrower models' GEMMs reach less
 
@@ -126,6 +141,29 @@ class StepTime:
     commit_s: float = 0.0
     """Deferred speculation: the worker's seconds per step for the commits of committed speculative passes (off
     the critical path while they fit its idle time; the rest is in ``exposed_s``)."""
+
+
+def verdict_pass_bytes(plan_like: PlanLike) -> tuple[float, float]:
+    """Host bytes per parameter of a verdict-known pass and of the commit it leaves (0 without deferred stores):
+    28 and 0 for the fused step; with deferred moment stores 20 and 18, the master's share moving 4 more from the
+    pass to the commit twice over ([Note: deferred moments])."""
+    if not plan_like.deferred_landing_bytes:
+        return float(FULL_STEP_BYTES), 0.0
+    master = plan_like.master_share
+    return VERDICT_PASS_BYTES - MASTER_DEFERRED_BYTES * master, MOMENT_COMMIT_BYTES + 2 * MASTER_DEFERRED_BYTES * master
+
+
+def verdict_pass_seconds(plan_like: PlanLike, profile: HardwareProfile, ranks: int = 1) -> tuple[float, float]:
+    """The whole host pass after a verdict (clipping every step), as ``(adam_s, dma_s)``: the CPU Adam over the host
+    parameters at the profile's rate for this pass's bytes, and the memory time of the uploads it issues beside
+    it (``e`` B/param read from host memory, the kernel being bandwidth bound). ``ranks`` on this host split its
+    rate and bandwidth. The rate calibration inverts it ([Note: calibrating the rates])."""
+    assert profile.cpu_adam_gparams is not None
+    host = plan_like.host_numel
+    e = 4 if plan_like.cast_side == "gpu" else 2
+    host_bw = (profile.host_memory_gbps or 28 * profile.cpu_adam_gparams) * 1e9 / ranks
+    adam = host / (profile.cpu_adam_gparams * 1e9 / ranks) * verdict_pass_bytes(plan_like)[0] / FULL_STEP_BYTES
+    return adam, e * host / host_bw
 
 
 def collective_seconds(numel: int, world_size: int, peer_gbps: float) -> float:
@@ -183,15 +221,18 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     commit_s = COMMIT_FULL_BYTES / FULL_STEP_BYTES * host / rate if deferred else 0.0
     if deferred:
         cpu_s *= SPECULATIVE_BF16_BYTES / FULL_STEP_BYTES
+    commit_bytes = verdict_pass_bytes(plan_like)[1]
     d2h_s, h2d_s = 2 * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
     bucket = plan_like.bucket_bytes / e  # a whole bucket's elements (what the collectives move) ...
     shard = bucket / ranks  # ... of which a rank steps and uploads its 1/W
     latency = shard / rate_eff + e * shard / (p.h2d_gbps * 1e9) if host else 0.0
     spec = min(cpu_s, max(0.0, w_b - latency))
     rem = cpu_s - spec
-    if clipping_every_step:
+    if clipping_every_step:  # the whole pass after the verdict, and the commits its deferred stores leave
         spec = 0.0
-        rem = host / rate * (20 / 28 if plan_like.deferred_landing_bytes else 1.0)
+        rem = sum(verdict_pass_seconds(plan_like, p, ranks))
+        if plan_like.deferred_landing_bytes:  # stored in the worker's idle time, beside the backward's landing DMA
+            commit_s = host * (commit_bytes / (FULL_STEP_BYTES * rate) + 2 / host_bw)
     peer = p.peer_gbps or PEER_GBPS_ASSUMED
     rs_s = ag_s = collective_seconds(ranks * (host + plan_like.device_numel), ranks, peer)
     one_bucket = collective_seconds(int(bucket), ranks, peer)  # the last reduce-scatter, the first all-gather
@@ -211,11 +252,14 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
         backward_link = max(down, rs) if drains else max(0.0, max(down, rs) - w_b)
         return backward_link + max(0.0, max(rem, h2d_s, ag) - w_f) + (latency if rem > 0 else 0.0) + edge
 
-    spill = max(0.0, commit_s - max(0.0, w_f + w_b - cpu_s))  # commits the worker's idle time cannot hold
     with_collectives = exposed_s(rs_s, ag_s, 2 * one_bucket)
-    exposed = with_collectives + spill
     tail_s = 28 * plan_like.device_numel / (p.device_memory_gbps * 1e9)
     micro = _micro_batch_s(plan_like, p, w_f, w_b, host_bw)
+    # the worker's idle time in the step (and its earlier micro-batches); the commits it cannot hold delay the next
+    # pass: a bucket's next CPU task stores its pending commit first
+    idle = (micro_batches - 1) * micro + gpu_s + tail_s + with_collectives - (spec + rem)
+    spill = max(0.0, commit_s - max(0.0, idle))
+    exposed = with_collectives + spill
     return StepTime(gpu_s, w_b, w_f, cpu_s, d2h_s, h2d_s, tail_s, exposed,
                     (micro_batches - 1) * micro + gpu_s + tail_s + exposed,
                     spec / cpu_s if cpu_s > 0 else 1.0, rs_s + ag_s, with_collectives - exposed_s(0.0, 0.0, 0.0),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hf_superoffload import SuperOffloadConfig
@@ -262,3 +264,71 @@ def _params(cfg):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def _all_host_3_6b(batch: int, config: SuperOffloadConfig | None = None):
+    """3.6B with every optimizer state on the host, the workload known, priced on the H200 box's profile."""
+    from hf_superoffload.demo.presets import llama_config
+    from hf_superoffload.planning.planner import Workload
+
+    cfg = llama_config("3.6b")
+    w = Workload(cfg, batch, 2048, grad_ckpt=True, layer_checkpointing=True)
+    config = config or SuperOffloadConfig(gpu_resident_buckets=0, rollback="inverse")
+    return make_plan([p.numel() for p in _params(cfg)], element_size=2, config=config,
+                     profile=HardwareProfile.h200_pcie(), workload=w), w
+
+
+def test_auto_prices_the_commits_against_the_fused_pass():
+    """'auto' keeps deferred moment stores where their commits fit the CPU worker's idle time (3.6B batch 8: a
+    0.5 s backward beside a 0.6 s pass) and stores m and v in the pass where they would not (batch 2: a 0.13 s
+    backward; the commits would delay every next pass); settings that ask for deferred stores keep them."""
+    from hf_superoffload.planning.memory_model import ModelShape
+    from hf_superoffload.planning.step_time import predict_step_time
+
+    long, _ = _all_host_3_6b(8)
+    assert long.defer_moments and long.defer_master is MasterDeferral.ADAPTIVE
+    assert "faster per step than storing m and v in the pass" in long.summary()
+    short, w = _all_host_3_6b(2)
+    assert not short.defer_moments and short.defer_master is MasterDeferral.OFF and not short.deferred_speculation
+    assert short.deferred_landing_bytes() == 0
+    assert "deferred moment stores: off (auto: their commits would not fit" in short.summary()
+    assert not any(n.startswith(("deferred master stores:", "deferred speculation:")) for n in short.notes)
+    shape, h200 = ModelShape.from_config(w.model), HardwareProfile.h200_pcie()
+
+    def clipped(p):
+        t = predict_step_time(shape, PlanLike.from_plan(p), h200, batch_size=2, seq_len=2048, grad_ckpt=True,
+                              clipping_every_step=True)
+        return t
+
+    forced, _ = _all_host_3_6b(2, SuperOffloadConfig(gpu_resident_buckets=0, rollback="inverse")
+                               .with_overrides(defer_moments=True))
+    assert forced.defer_moments  # a setting is a constraint: the roofline prices it, it does not overrule it
+    spilled, fused = clipped(forced), clipped(short)
+    assert spilled.commit_s > 0 and fused.commit_s == 0
+    assert spilled.step_s > fused.step_s
+    for kw in ({"defer_master": True}, {"defer_master": 0.5}):
+        kept, _ = _all_host_3_6b(2, SuperOffloadConfig(gpu_resident_buckets=0, rollback="inverse")
+                                 .with_overrides(**kw))
+        assert kept.defer_moments
+
+
+def test_the_roofline_prices_the_master_share_of_the_pass_and_its_commit():
+    """Clipping on every step: the verdict-known pass moves 20 B/param with deferred moment stores, 16 with every
+    master deferred (a fixed share in between), and the commit the rest (18, 26); the adaptive share is priced from
+    where it starts (none)."""
+    from hf_superoffload.planning.step_time import verdict_pass_bytes
+
+    p, _ = _all_host_3_6b(8)
+    adaptive = PlanLike.from_plan(p)
+    assert adaptive.master_share == 0.0 and verdict_pass_bytes(adaptive) == (20, 18)
+    every = PlanLike.from_plan(dataclasses.replace(p, defer_master=MasterDeferral.ALL))
+    assert every.master_share == 1.0 and verdict_pass_bytes(every) == (16, 26)
+    k = share_count([b.shard for b in p.host_buckets], 0.5)
+    half = PlanLike.from_plan(dataclasses.replace(p, defer_master=MasterDeferral.SHARE, master_buckets=k))
+    share = sum(b.shard for b in p.host_buckets[:k]) / p.host_numel
+    assert half.master_share == pytest.approx(share) and 0.4 < share < 0.6
+    assert verdict_pass_bytes(half) == pytest.approx((20 - 4 * share, 18 + 8 * share))
+    fused = PlanLike.from_plan(dataclasses.replace(p, defer_moments=False, defer_master=MasterDeferral.OFF))
+    assert fused.master_share == 0.0 and verdict_pass_bytes(fused) == (28, 0)
+    with pytest.raises(ValueError, match="master_share"):
+        PlanLike(master_share=1.5)

@@ -13,7 +13,7 @@ from hf_superoffload.plan_cli import arrival_numels, load_model_config, resolve_
 from hf_superoffload.planning.calibration import RATE_CLAMP, MeasuredStep, calibrate_rates
 from hf_superoffload.planning.memory_model import ModelShape, PlanLike
 from hf_superoffload.planning.planner import Workload, make_plan
-from hf_superoffload.planning.step_time import predict_step_time
+from hf_superoffload.planning.step_time import predict_step_time, verdict_pass_seconds
 
 BATCH, SEQ = 4, 2048
 
@@ -34,6 +34,11 @@ def _predicted(shape: Any, plan: Any, profile: Any, clipped: bool) -> Any:
     return t
 
 
+def _whole_pass(plan: Any, profile: Any) -> float:
+    """The roofline's whole host pass after a verdict: the CPU Adam and the uploads' memory time beside it."""
+    return sum(verdict_pass_seconds(PlanLike.from_plan(plan), profile))
+
+
 def _calibrate(shape: Any, plan: Any, profile: Any, m: MeasuredStep) -> Any:
     cal = calibrate_rates(profile, plan=plan, workload=Workload(shape, BATCH, SEQ, True), measured=m)
     assert cal is not None
@@ -44,30 +49,31 @@ def _calibrate(shape: Any, plan: Any, profile: Any, m: MeasuredStep) -> Any:
 def test_a_step_as_predicted_keeps_the_rates(clipped: bool) -> None:
     shape, plan, profile = _plan()
     t = _predicted(shape, plan, profile, clipped)
-    cpu = plan.host_numel / (profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1) if clipped \
-        else t.cpu_s
+    cpu = _whole_pass(plan, profile) if clipped else t.cpu_s
     m = MeasuredStep(iteration_s=t.step_s, wait_s=t.exposed_s, cpu_s=cpu, clipped=clipped, undid=False)
     cal = _calibrate(shape, plan, profile, m)
     assert cal.gemm_factor == pytest.approx(1.0, rel=1e-9) and cal.cpu_factor == pytest.approx(1.0, rel=1e-9)
     assert cal.profile.matmul_tflops == pytest.approx(profile.matmul_tflops)
 
 
+@pytest.mark.parametrize("bandwidth", [None, 123.2], ids=["bandwidth_from_rate", "bandwidth_measured"])
 @pytest.mark.parametrize("deferred", [False, True], ids=["full_pass", "deferred_moments"])
 @pytest.mark.parametrize("gpu_slower,cpu_slower", [(1.25, 1.0), (1.0, 1.6), (0.9, 1.3)])
-def test_the_restated_rates_predict_the_measured_step(gpu_slower: float, cpu_slower: float, deferred: bool) -> None:
+def test_the_restated_rates_predict_the_measured_step(gpu_slower: float, cpu_slower: float, deferred: bool,
+                                                      bandwidth: float | None) -> None:
     """Clipping on every step: the roofline with the restated profile gives the measured GPU busy time and CPU pass
-    (with deferred moment stores the verdict-known pass moves 20 of 28 B/param)."""
+    (with deferred moment stores the verdict-known pass moves 20 of 28 B/param; the uploads' memory time beside it
+    scales with the rate where the profile has no measured bandwidth, and stays where it has one)."""
     shape, plan, profile = _plan()
+    profile = dataclasses.replace(profile, host_memory_gbps=bandwidth)
     plan = dataclasses.replace(plan, defer_moments=deferred)
     t = _predicted(shape, plan, profile, True)
-    full_pass = plan.host_numel / (profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1)
-    busy, cpu, wait = t.gpu_s * gpu_slower, full_pass * cpu_slower, 0.3
+    busy, cpu, wait = t.gpu_s * gpu_slower, _whole_pass(plan, profile) * cpu_slower, 0.3
     m = MeasuredStep(iteration_s=busy + wait + t.tail_s, wait_s=wait, cpu_s=cpu, clipped=True, undid=False)
     cal = _calibrate(shape, plan, profile, m)
     again = _predicted(shape, plan, cal.profile, True)
     assert again.gpu_s == pytest.approx(busy, rel=1e-9)
-    assert plan.host_numel / (cal.profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1) \
-        == pytest.approx(cpu, rel=1e-9)
+    assert _whole_pass(plan, cal.profile) == pytest.approx(cpu, rel=1e-9)
 
 
 @pytest.mark.parametrize("step_clipped", [False, True], ids=["step_committed", "step_clipped"])
@@ -76,7 +82,7 @@ def test_the_pass_is_priced_by_its_own_steps_verdict(step_clipped: bool, pass_cl
     """The measured pass is the step before's: a pass after a clipped verdict is the whole pass, one after a committed
     verdict the speculative and remaining passes, whatever the measured step's own verdict."""
     shape, plan, profile = _plan()
-    whole = plan.host_numel / (profile.cpu_adam_gparams * 1e9) * (20 / 28 if plan.defer_moments else 1)
+    whole = _whole_pass(plan, profile)
     pass_s = whole if pass_clipped else _predicted(shape, plan, profile, False).cpu_s
     assert pass_s != pytest.approx(whole if not pass_clipped else _predicted(shape, plan, profile, False).cpu_s)
     t = _predicted(shape, plan, profile, step_clipped)
