@@ -388,7 +388,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         workload = self._planning_workload(self._fitted)
         plan = self.plan
         est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
-        self._budget = calibrated_budget(self._budget, predicted_required=est.gpu_required_bytes, measured_need=need)
+        self._budget = calibrated_budget(self._budget, predicted_required=est.gpu_required_bytes, measured_need=need,
+                                         largest_block=est.largest_block_bytes)
         gib = 1024**3
         logger.info("hf_superoffload: calibrated on the first %d steps: %.1f GiB reserved at the peak, %.1f GiB "
                     "predicted with the allocator's slack", CALIBRATION_STEPS, need / gib,
@@ -410,6 +411,10 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 self._set_kept_layers(kept)
                 self._built.amend_plan(dataclasses.replace(plan, kept_layers=kept))
         grown, move_s = self._grow(workload) if ok else (0, 0.0)
+        if self.device.type == "cuda" and before != (self.plan.kept_layers, len(self.plan.device_buckets)):
+            # the old arenas and the recomputed layers' blocks go back to the driver: the changed layout is laid
+            # out fresh, not in their pieces ([Note: calibration from the measured peak])
+            torch.cuda.empty_cache()
         self.calibration = {**(self.calibration or {}),
                             "measured_need_bytes": need, "predicted_required_bytes": est.gpu_required_bytes,
                             "kept_layers": (before[0], self.plan.kept_layers),

@@ -704,6 +704,12 @@ def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size
 # the kept layers go first, then device buckets move to the host ([Note: moving the tail to the host] in
 # runtime/tail_move.py), before the next forward allocates anything; if neither is possible it only warns (the run
 # has not run out of memory so far). Once per run: later batches are checked against the calibrated budget.
+# What the measured peak cannot show is the layout after a change: the old arenas of a move and the activations of
+# newly kept layers leave the reserved memory cut into pieces, and the step's largest single allocation (a 3.9 GiB
+# fp32 chunk of the loss at 3.6B batch 8) may find no piece that holds it. The 3.6B batch-8 snippet on an H100 ran
+# out of memory that way in the first step after its calibration had grown the tail by 4 buckets and kept 2 more
+# layers (6.5 GiB reserved but unallocated, 2% = 1.6 GiB spare). So the spare is at least that allocation, which
+# the allocator can then always take fresh from the driver, and the changed layout starts from an emptied cache.
 CALIBRATED_MARGIN = 0.02
 """Share of the free device memory kept spare above a measured peak (what the next steps may fragment more)."""
 CALIBRATION_STEPS = 3
@@ -712,19 +718,21 @@ the first one complete and steady (the first step's pass pays first-touch work; 
 calibration.py), and its uploads overlap a forward, as every later step's do."""
 
 
-def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, measured_need: int) -> HardwareProfile:
+def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, measured_need: int,
+                      largest_block: int = 0) -> HardwareProfile:
     """``profile`` with the device's free memory restated so that :func:`device_holds` (which keeps
     ``_DEVICE_MARGIN`` spare and adds the allocator's slack to every prediction) accepts a plan exactly when
-    ``measured_need + (its prediction - predicted_required) <= free * (1 - CALIBRATED_MARGIN)``:
+    ``measured_need + (its prediction - predicted_required) <= free - spare``, ``spare`` the larger of
+    ``CALIBRATED_MARGIN`` of the free memory and ``largest_block``, the step's largest single allocation:
     ``predicted_required`` is what the memory model said the measured plan and batch need ([Note: calibration from
     the measured peak])."""
     free = profile.device_free_bytes
     if free is None:
         raise ValueError("calibrated_budget needs a profile that knows the device's free memory")
-    if measured_need < 0 or predicted_required < 0:
-        raise ValueError(f"measured_need={measured_need}, predicted_required={predicted_required}: use byte counts "
-                         ">= 0")
-    usable = free * (1.0 - CALIBRATED_MARGIN) + predicted_required - measured_need
+    if measured_need < 0 or predicted_required < 0 or largest_block < 0:
+        raise ValueError(f"measured_need={measured_need}, predicted_required={predicted_required}, "
+                         f"largest_block={largest_block}: use byte counts >= 0")
+    usable = free - max(free * CALIBRATED_MARGIN, largest_block) + predicted_required - measured_need
     # rounded up: a plan that needs exactly ``usable`` must fit, and truncating lost it by a fraction of a byte
     return dataclasses.replace(profile, device_free_bytes=max(0, math.ceil(usable / (1.0 - _DEVICE_MARGIN))))
 
