@@ -279,8 +279,14 @@ def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int, a
     rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
                                                     "speculated_buckets", "wasted_buckets", "verdict")}
     rec["clipped_steps"] = opt.clipped_steps
-    # clipping that fired in the timed steps pauses speculation: predict the schedule the run had
-    rec["predicted"] = _predicted(opt, model, batch, seq, accum, clipped=opt.clipped_steps > 0)
+    # clipping that fired in the timed steps pauses speculation: predict the schedule the timed steps had (on some
+    # rows clipping stops firing in the warm-up and the timed steps commit)
+    n_timed = rec.get("step_s", {}).get("n", 0)  # the timed steps are the last ones of the per-step record
+    timed = [p.get("verdict") for p in rec.get("per_step", [])[-n_timed:]] if n_timed else []
+    redos = sum(v == "redo" for v in timed)
+    rec["timed_redo_steps"] = redos
+    rec["predicted"] = _predicted(opt, model, batch, seq, accum, clipped=2 * redos >= len(timed) if timed
+                                  else opt.clipped_steps > 0)
     rec["calibration"] = opt.calibration
     rec["pinned_gb"] = opt.engine.pinned_bytes / 1e9
 

@@ -27,6 +27,9 @@ def test_snippet_and_trainer_rows_record_their_plans(tmp_path: Path) -> None:
         assert r["last_step"]["verdict"] in ("commit", "redo", "skip")
     # every step of the snippet's loop, the timed ones too, is in its per-step record
     assert len(recs["snippet"]["per_step"]) == recs["snippet"]["warmup_steps"] + 2
+    # the prediction is for the schedule of the timed steps: clipped when most of them redid the step
+    timed = [p["verdict"] for p in recs["snippet"]["per_step"][-2:]]
+    assert recs["snippet"]["timed_redo_steps"] == timed.count("redo")
 
 
 def test_named_settings_and_profile(tmp_path: Path) -> None:
@@ -40,6 +43,7 @@ def test_named_settings_and_profile(tmp_path: Path) -> None:
     assert r["status"] == "ok", r
     assert r["settings"] == {"gpu_resident_buckets": 0, "d2h_lead_buckets": 1}
     assert r["clip"] == 1e9 and r["clipped_steps"] == 0  # ``--clip`` reaches the optimizer
+    assert r["timed_redo_steps"] == 0
     assert r["plan"]["device_params"] == 0 and r["plan"]["d2h_lead"] == 1
     assert r["profile"]["steps"] == 1 and list((tmp_path / "traces").glob("*.json.gz"))
 
