@@ -364,6 +364,7 @@ def main_plan(args: argparse.Namespace) -> int:
             "host_peak": round(est.host_peak_bytes / GiB, 2), "host_expected": round(est.host_expected_bytes / GiB, 2)},
         "step_time_s": None if step is None else {k: round(v, 4) for k, v in dataclasses.asdict(step).items()},
         "step_time_clipping_every_step_s": None if clipped is None else round(clipped.step_s, 4),
+        "deferred_commits_clipping_every_step_s": None if clipped is None else round(clipped.commit_s, 4),
         "ranks": {
             "data_parallel": dp, "sequence_parallel": sp, "world_size": world, "ranks_per_host": world,
             "gradient_divisor": dp, "tokens_per_step": dp * args.batch_size * args.seq_len,
@@ -412,6 +413,9 @@ def _text(out: dict[str, Any], plan: OffloadPlan | None, profile: HardwareProfil
                      f"against a {st['backward_window_s']:.3f} s backward, exposed {st['exposed_s']:.3f}, device tail "
                      f"{st['tail_s']:.3f}; {st['speculated_fraction']:.0%} of host buckets speculated); "
                      f"{out['step_time_clipping_every_step_s']:.3f} s while clipping fires every step")
+        if out["deferred_commits_clipping_every_step_s"]:  # the worker's time beside the pass ([Note: deferred moments])
+            lines[-1] += (f" (the deferred stores' commits: {out['deferred_commits_clipping_every_step_s']:.3f}"
+                          " s of CPU worker time after the pass)")
     rk = out["ranks"]
     if rk["world_size"] > 1:
         pr = rk["per_rank"]

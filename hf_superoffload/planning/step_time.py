@@ -139,8 +139,9 @@ class StepTime:
     """A non-final micro-batch of gradient accumulation (``gpu_s`` when gradients accumulate on the device)."""
     micro_batches: int = 1
     commit_s: float = 0.0
-    """Deferred speculation: the worker's seconds per step for the commits of committed speculative passes (off
-    the critical path while they fit its idle time; the rest is in ``exposed_s``)."""
+    """The worker's seconds per step storing what passes deferred: the whole-step commits of committed speculative
+    passes (deferred speculation), or with clipping the moment (and master) commits of the verdict-known pass; off
+    the critical path while they fit its idle time, the rest is in ``exposed_s``."""
 
 
 def verdict_pass_bytes(plan_like: PlanLike) -> tuple[float, float]:
