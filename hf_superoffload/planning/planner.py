@@ -1065,8 +1065,9 @@ def _price_exactness(plan: OffloadPlan, workload: Workload | None, profile: Hard
     exact, fast = step(plan), step(algebraic)
     if exact is None or fast is None or exact <= fast * (1 + _EXACTNESS_PRICE):
         return plan
-    note = (f"deferred speculation: off (auto: its commits would not fit the CPU's idle time, {exact:.3f} s "
-            f"predicted per step against {fast:.3f} s; a skip or redo undoes algebraically, to fp32 rounding; "
+    # relative, as _price_deferral's: the kept layers are not chosen yet, so neither figure is the final plan's step
+    note = (f"deferred speculation: off (auto: its commits would not fit the CPU's idle time, a step predicted "
+            f"{exact / fast - 1:.0%} slower with it; a skip or redo undoes algebraically, to fp32 rounding; "
             "PlannerOverrides(deferred_speculation=True) makes them exact at that price)")
     notes = tuple(note if n.startswith("deferred speculation:") else n for n in plan.notes)
     return dataclasses.replace(algebraic, notes=notes)
