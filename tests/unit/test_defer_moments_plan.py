@@ -225,7 +225,7 @@ def test_deferred_speculation_where_the_inverse_rollback_defers_its_stores():
 def test_auto_prices_exactness_with_the_roofline():
     """'auto' keeps deferred speculation where its commits hide in the worker's idle time (8B batch 16 with a
     device tail: the roofline predicts no difference) and the algebraic undo where they would not (3.6B, every
-    state on the host: 1.24 s against 0.97 s predicted without clipping); True buys exactness at that price."""
+    state on the host: 1.26 s against 0.99 s predicted without clipping); True buys exactness at that price."""
     from hf_superoffload.demo.presets import llama_config
     from hf_superoffload.planning.memory_model import ModelShape
     from hf_superoffload.planning.planner import Workload
