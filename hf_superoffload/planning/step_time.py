@@ -162,9 +162,16 @@ def verdict_pass_seconds(plan_like: PlanLike, profile: HardwareProfile, ranks: i
     assert profile.cpu_adam_gparams is not None
     host = plan_like.host_numel
     e = 4 if plan_like.cast_side == "gpu" else 2
-    host_bw = (profile.host_memory_gbps or 28 * profile.cpu_adam_gparams) * 1e9 / ranks
+    host_bw = _host_bandwidth(profile, ranks)
     adam = host / (profile.cpu_adam_gparams * 1e9 / ranks) * verdict_pass_bytes(plan_like)[0] / FULL_STEP_BYTES
     return adam, e * host / host_bw
+
+
+def _host_bandwidth(profile: HardwareProfile, ranks: int) -> float:
+    """Bytes per second of host memory one of ``ranks`` ranks on this host gets: the profile's measured bandwidth,
+    or without one 28 B x the CPU Adam rate (the kernel is bandwidth bound: [Note: step-time roofline])."""
+    assert profile.cpu_adam_gparams is not None
+    return (profile.host_memory_gbps or 28 * profile.cpu_adam_gparams) * 1e9 / ranks
 
 
 def collective_seconds(numel: int, world_size: int, peer_gbps: float) -> float:
@@ -215,14 +222,13 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     e = 4 if plan_like.cast_side == "gpu" else 2  # bytes per parameter up (the fp32 master or bf16); down: always 2
     ranks = sequence_parallel * data_parallel  # all on this host: they split its cores and memory bandwidth
     rate = p.cpu_adam_gparams * 1e9 / ranks
-    host_bw = (p.host_memory_gbps or 28 * p.cpu_adam_gparams) * 1e9 / ranks
+    host_bw = _host_bandwidth(p, ranks)
     rate_eff = rate * max(0.2, 1 - (e * host / w_b) / host_bw)
     cpu_s = host / rate_eff
     deferred = plan_like.deferred_speculation and not clipping_every_step  # clipping every step pauses speculation
     commit_s = COMMIT_FULL_BYTES / FULL_STEP_BYTES * host / rate if deferred else 0.0
     if deferred:
         cpu_s *= SPECULATIVE_BF16_BYTES / FULL_STEP_BYTES
-    commit_bytes = verdict_pass_bytes(plan_like)[1]
     d2h_s, h2d_s = 2 * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
     bucket = plan_like.bucket_bytes / e  # a whole bucket's elements (what the collectives move) ...
     shard = bucket / ranks  # ... of which a rank steps and uploads its 1/W
@@ -233,7 +239,7 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
         spec = 0.0
         rem = sum(verdict_pass_seconds(plan_like, p, ranks))
         if plan_like.deferred_landing_bytes:  # stored in the worker's idle time, beside the backward's landing DMA
-            commit_s = host * (commit_bytes / (FULL_STEP_BYTES * rate) + 2 / host_bw)
+            commit_s = host * (verdict_pass_bytes(plan_like)[1] / (FULL_STEP_BYTES * rate) + 2 / host_bw)
     peer = p.peer_gbps or PEER_GBPS_ASSUMED
     rs_s = ag_s = collective_seconds(ranks * (host + plan_like.device_numel), ranks, peer)
     one_bucket = collective_seconds(int(bucket), ranks, peer)  # the last reduce-scatter, the first all-gather
