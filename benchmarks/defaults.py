@@ -274,6 +274,7 @@ def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int, a
                    "cast_side": plan.cast_side.value, "rollback": plan.rollback.value,
                    "host_accumulation": plan.host_accumulation.value, "defer_moments": plan.defer_moments,
                    "d2h_lead": plan.d2h_lead_buckets, "cpu_threads": plan.cpu_threads,
+                   "bucket_size_mb": plan.bucket_size_mb, "host_buckets": len(plan.host_buckets),
                    "workload_inferred": opt.workload is not None, "summary": plan.summary()}
     st = opt.last_step_stats
     rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",

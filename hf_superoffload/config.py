@@ -230,12 +230,14 @@ class SuperOffloadConfig:
     ``HF_SUPEROFFLOAD_<NAME>``); ``overrides`` holds the planner's expert switches (:class:`PlannerOverrides`).
     """
 
-    bucket_size_mb: float = field(default=32.0, metadata=_meta(
-        "Gradient MB per bucket, the unit of device->host copy, CPU Adam work and host->device copy.",
-        valid=_positive, fix="use a positive size such as 32"))
-    """Gradient bytes (in the model dtype) per bucket. A bucket is the unit of device-to-host copy, CPU Adam work and
-    host-to-device copy. A parameter larger than one bucket gets a bucket of its own. [Note: bucket size] in
-    docs/design.md."""
+    bucket_size_mb: float | Literal["auto"] = field(default="auto", metadata=_meta(
+        "'auto' or gradient MB per bucket, the unit of device->host copy, CPU Adam work and host->device copy "
+        "('auto': the plan search picks 32, 64 or 128).",
+        valid=_auto_or(_positive), fix="use 'auto' or a positive size such as 32"))
+    """Gradient megabytes (in the model dtype) per bucket. A bucket is the unit of device-to-host copy, CPU Adam work
+    and host-to-device copy. A parameter larger than one bucket gets a bucket of its own. ``"auto"``: the plan search
+    weighs 32, 64 and 128 MB (each bucket costs the CPU worker a fixed time, a larger one more device memory in
+    flight) and takes 32 MB where nothing is priced. [Note: bucket size] in docs/design.md."""
     gpu_resident_buckets: int | Literal["auto"] = field(default="auto", metadata=_meta(
         "'auto' or an integer >= 0: how many of the last buckets to arrive in backward (the first layers) "
         "keep fp32 master and Adam state on the GPU (0: all on the host).",

@@ -254,7 +254,7 @@ def superoffload_config_from_args(args: SuperOffloadArguments) -> SuperOffloadCo
     :class:`SuperOffloadConfig`; an argument not at its default overrides the same key of ``superoffload_config``.
 
     Raises ``ValueError`` naming the argument and the fix, e.g.
-    ``SuperOffloadArguments.superoffload_bucket_size_mb=-1 is invalid: use a positive size such as 32``.
+    ``SuperOffloadArguments.superoffload_bucket_size_mb=-1 is invalid: use 'auto' or a positive size such as 32``.
     """
     where = f"SuperOffloadArguments.{PREFIX}config"
     values = load_config_mapping(args.superoffload_config, what=where)

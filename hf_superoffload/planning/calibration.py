@@ -16,7 +16,8 @@ step's verdict says) and restates the two rates by the ratio of predicted to mea
   step before the last, the last one complete when the calibration runs) against the roofline's pass of that
   step: with clipping, the whole pass after the verdict (the rate restated so that its Adam share fills what the
   uploads beside it leave of the measured seconds: ``step_time.verdict_pass_seconds``, the roofline's own
-  split); else the speculative and remaining passes. Only for a
+  split); else the speculative and remaining passes. The host buckets' fixed cost (``step_time.BUCKET_TASK_S``
+  each) comes off both sides first: it is no rate's. Only for a
   pass that undid nothing (an undo or redo adds passes the roofline's step does not have). Not the iteration's
   ``cpu_s``: that counts the passes that end between two ``step()`` calls, and a pass overlapping the next
   forward lands in either (measured on an H100 box at 8B: 0.05 s in the second iteration against 0.47 s of a
@@ -37,7 +38,7 @@ from .hardware import HardwareProfile
 from .memory_model import PlanLike
 from .plan import OffloadPlan
 from .planner import Workload
-from .step_time import verdict_pass_seconds
+from .step_time import bucket_task_seconds, verdict_pass_rate_factor
 
 __all__ = ["RATE_CLAMP", "MeasuredStep", "RateCalibration", "calibrate_rates"]
 
@@ -128,17 +129,16 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
         # of 28 B/param with deferred moment stores), else the speculative and remaining passes of one step's buckets
         assert profile.cpu_adam_gparams is not None
         pass_clipped = measured.clipped if measured.pass_clipped is None else measured.pass_clipped
+        # the buckets' fixed cost is no rate's: it comes off the measured seconds first ([Note: bucket size])
+        tasks = bucket_task_seconds(PlanLike.from_plan(plan))
+        floor = measured.cpu_s / RATE_CLAMP
         if pass_clipped:
-            adam_s, dma_s = verdict_pass_seconds(PlanLike.from_plan(plan), profile)
-            if profile.host_memory_gbps is None:  # the bandwidth is 28 B x the rate: both shares scale with it
-                cpu = _clamp((adam_s + dma_s) / measured.cpu_s)
-            else:  # the Adam share the rate prices, against what the uploads beside it leave of the pass
-                cpu = _clamp(adam_s / max(measured.cpu_s - dma_s, measured.cpu_s / RATE_CLAMP))
+            cpu = _clamp(verdict_pass_rate_factor(PlanLike.from_plan(plan), profile, measured.cpu_s, floor_s=floor))
         else:
             unclipped = t if not measured.clipped else workload.step_time(
                 PlanLike.from_plan(plan), profile, micro_batches=measured.micro_batches)
             assert unclipped is not None  # the same profile priced t
-            cpu = _clamp(unclipped.cpu_s / measured.cpu_s)
+            cpu = _clamp((unclipped.cpu_s - tasks) / max(measured.cpu_s - tasks, floor))
     for name, f in (("GEMM", gemm), ("CPU Adam", cpu)):
         if f is not None and f in (RATE_CLAMP, 1.0 / RATE_CLAMP):
             notes.append(f"{name} rate off by more than {RATE_CLAMP:.0f}x: the profile describes another machine "

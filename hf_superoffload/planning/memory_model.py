@@ -223,6 +223,8 @@ class PlanLike:
             leaves the fp32 master to the commit (16 instead of 20 B/param in the pass, 26 instead of 18 in the
             commit): 1 for ``MasterDeferral.ALL``, the fixed share's parameters for ``SHARE``, 0 otherwise
             (``ADAPTIVE`` starts at 0 and adds buckets only while their commits fit the worker's idle time).
+        host_buckets: how many buckets the CPU worker steps (the step-time roofline's per-bucket cost, [Note: bucket
+            size] in docs/design.md); 0 prices none.
     """
 
     device_numel: int = 0
@@ -240,8 +242,11 @@ class PlanLike:
     host_accumulation: Literal["off", "fp32", "landing"] = "off"
     deferred_speculation: bool = False
     master_share: float = 0.0
+    host_buckets: int = 0
 
     def __post_init__(self) -> None:
+        if self.host_buckets < 0:
+            raise ValueError(f"host_buckets={self.host_buckets}: use a number of buckets >= 0")
         if not 0.0 <= self.master_share <= 1.0:
             raise ValueError(f"master_share={self.master_share}: use a fraction in [0, 1]")
         if self.kept_layers < 0:
@@ -273,7 +278,7 @@ class PlanLike:
                    bucket_bytes=largest if bucket_bytes is None else bucket_bytes, cast_side="gpu" if gpu_cast else "cpu",
                    d2h_lead_buckets=plan.d2h_lead_buckets, kept_layers=plan.kept_layers,
                    host_accumulation=plan.host_accumulation.value, deferred_speculation=plan.deferred_speculation,
-                   master_share=master if plan.defer_moments else 0.0)
+                   master_share=master if plan.defer_moments else 0.0, host_buckets=len(plan.host_buckets))
 
     @classmethod
     def all_host(cls, numel: int, **kw: Any) -> PlanLike:  # every optimizer state on the host, no device tail

@@ -143,6 +143,9 @@ class OffloadPlan:
         kept_layers: under activation checkpointing, how many decoder layers (the last ones) keep their
             activations instead of recomputing them in backward: device memory the offload freed, spent on
             speed ([Note: kept layers] in planning/planner.py); 0 leaves checkpointing as the model has it.
+        bucket_size_mb: the bucket size the parameters were partitioned with (``SuperOffloadConfig.bucket_size_mb``,
+            or the plan search's pick for ``"auto"``: [Note: bucket size] in docs/design.md); a move of the tail
+            keeps it, so the buckets keep their boundaries.
         notes: human-readable reasons for the choices (printed with the summary).
     """
 
@@ -170,6 +173,7 @@ class OffloadPlan:
     nonspeculative_in_place: bool = False
     master_buckets: int = 0
     kept_layers: int = 0
+    bucket_size_mb: float = 32.0
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
@@ -208,7 +212,8 @@ class OffloadPlan:
         gib = 1024**3
         lines = [
             "hf_superoffload plan:",
-            f"  buckets: {len(self.buckets)} ({len(self.host_buckets)} host, {len(self.device_buckets)} device tail)",
+            f"  buckets: {len(self.buckets)} ({len(self.host_buckets)} host, {len(self.device_buckets)} device tail) "
+            f"of {self.bucket_size_mb:g} MB, or one larger parameter each",
             f"  optimizer state: {self.host_numel / 1e6:.1f}M params on host ({self.host_bytes() / gib:.2f} GiB), "
             f"{self.device_numel / 1e6:.1f}M on device ({self.device_bytes() / gib:.2f} GiB)",
             f"  weights: {self.weight_mode.value}; casts on {self.cast_side.value}; rollback: {self.rollback.value}"

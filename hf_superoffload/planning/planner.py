@@ -49,6 +49,10 @@ _COLLECTIVES_BYTES = 2 * 1024**3
 _DOUBLE_BUFFER_SHARE = 0.5
 # Small models still get this many buckets, so the CPU work pipelines with backward.
 _MIN_BUCKETS = 8
+# [Note: bucket size] in docs/design.md: the sizes the plan search weighs for ``bucket_size_mb="auto"``, the rules'
+# size first (what a plan that prices nothing takes). 128 MB is the largest measured; the roofline's per-bucket cost
+# was fitted between 16 and 128 MB.
+BUCKET_SIZES_MB = (32.0, 64.0, 128.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -377,7 +381,7 @@ def make_plan(
     kw: dict[str, Any] = dict(element_size=element_size, profile=profile, world_size=world_size, rank=rank,
                               local_world_size=local_world_size, local_rank=local_rank, cores=cores,
                               workload=workload)
-    candidates = _switch_candidates(config, workload, profile)
+    candidates = _switch_candidates(config, workload, profile, numels, element_size)
     if len(candidates) < 2 or workload is None:
         return _search_tail(numels, config=config, **kw)
     tried: list[tuple[str, OffloadPlan, float]] = []
@@ -393,7 +397,10 @@ def make_plan(
         return _search_tail(numels, config=config, **kw)
     fastest = min(t for _, _, t in tried)
     label, plan, t = next(c for c in tried if c[2] <= fastest * (1 + _SWITCH_TIE))  # candidates in rule order
-    others = "; ".join(f"{lb} {tt:.2f} s" for lb, _, tt in tried if lb != label) or "no other fits"
+    rest = sorted((c for c in tried if c[0] != label), key=lambda c: c[2])
+    others = "; ".join(f"{lb} {tt:.2f} s" for lb, _, tt in rest[:_OTHERS_SHOWN]) or "no other fits"
+    if len(rest) > _OTHERS_SHOWN:
+        others += f"; {len(rest) - _OTHERS_SHOWN} slower"
     searched = {f for f in _SEARCHED if len({getattr(c, f) for _, c in candidates}) > 1}
     notes = tuple(_searched_note(n, searched) for n in plan.notes)
     note = (f"plan search: {label}, {t:.2f} s/step predicted with clipping on every step (auto: the fastest of the "
@@ -417,20 +424,27 @@ def make_plan(
 #   counts its buckets) and the roofline prices its absence as the whole D2H exposed, so any host state gets it
 #   ([Note: D2H lead] in docs/design.md); deferred speculation is priced ([Note: deferred speculation]); the
 #   master deferral adapts at run time;
-# * not searched, for want of a model that prices them: the bucket size (the configured one; the roofline sees
-#   only its latency) and the CPU threads (the profile's).
+# * enumerated as well, with ``bucket_size_mb="auto"``: the bucket size, ``BUCKET_SIZES_MB`` ([Note: bucket size]
+#   in docs/design.md: the roofline prices each host bucket's fixed cost on the CPU worker and one bucket's
+#   latency, the memory model its buffers in flight); a plan that sums micro-batches on the host keeps the rules'
+#   32 MB (its copies in flight are bounded by the D2H backlog, which the memory model does not price per bucket);
+# * not searched, for want of a model that prices them: the CPU threads (the profile's; the thread trial measures
+#   one more at run time, [Note: the thread trial] in thread_trial.py).
 # A field the user sets is a constraint: its one value is the only candidate. Without a workload nothing can be
 # priced and the rules decide. The verdict, ``plan``'s "largest that fits" and the engine all take this plan.
-_SEARCHED = {"weight_placement": "weight placement", "cast_side": "cast side", "accumulate_on_host": "accumulation"}
+_SEARCHED = {"weight_placement": "weight placement", "cast_side": "cast side", "accumulate_on_host": "accumulation",
+             "bucket_size_mb": "bucket size"}
 # Combinations whose predicted steps are this close count as equal: the earlier one in the rules' order is taken.
 # Whole plans differ in most roofline terms, whose errors (a few percent) do not cancel as between neighbour tails.
 _SWITCH_TIE = 0.02
+_OTHERS_SHOWN = 4  # the plan search's note names this many of the next fastest combinations
 
 
-def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None,
-                       profile: HardwareProfile) -> list[tuple[str, SuperOffloadConfig]]:
+def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None, profile: HardwareProfile,
+                       numels: Sequence[int], element_size: int) -> list[tuple[str, SuperOffloadConfig]]:
     """[Note: one search over the plan]: ``config`` with each searched ``"auto"`` switch fixed, one entry per
-    combination the engine can run, in the rules' order (what the rules alone would pick first)."""
+    combination the engine can run, in the rules' order (what the rules alone would pick first). Bucket sizes that
+    partition ``numels`` alike (a small model's buckets are capped by ``_MIN_BUCKETS``) are one candidate."""
     if workload is None or profile.device_free_bytes is None:
         return [("as configured", config)]
     weights = ["stationary", "flow"] if config.weight_placement == "auto" else [config.weight_placement]
@@ -440,6 +454,14 @@ def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None,
     known = workload.accumulation and (workload.micro_batches or 1) > 1
     accs: list[bool | str] = ([True, False] if known else ["auto"]) if config.accumulate_on_host == "auto" \
         else [config.accumulate_on_host]
+    sizes: list[float] = []
+    if config.bucket_size_mb == "auto":  # one per distinct partition, the rules' size first
+        seen: set[int] = set()
+        for mb in BUCKET_SIZES_MB:
+            n = _bucket_numel(numels, config.replace(bucket_size_mb=mb), element_size)
+            if n not in seen:
+                seen.add(n)
+                sizes.append(mb)
     out: list[tuple[str, SuperOffloadConfig]] = []
     for w in weights:
         for c in casts:
@@ -449,15 +471,22 @@ def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None,
                 if w == "flow" and a is False:
                     continue  # the device would hold every streamed weight's gradient: what flow exists to avoid
                 acc = "" if a == "auto" else ", accumulating on the host" if a else ", accumulating on the device"
-                out.append((f"{w} weights, {c} cast{acc}",
-                            config.replace(weight_placement=w, cast_side=c, accumulate_on_host=a)))
+                fixed = config.replace(weight_placement=w, cast_side=c, accumulate_on_host=a)
+                # [Note: bucket size]: a host-accumulated micro-batch's copies in flight on the device are bounded by
+                # the D2H backlog, not by the buckets the memory model counts; those plans keep the rules' size
+                summing = a is True or (a == "auto" and workload.accumulation)
+                for mb in sizes[:1] if summing else sizes:
+                    label = f"{w} weights, {c} cast{acc}" + (f", {mb:g} MB buckets" if len(sizes) > 1 else "")
+                    out.append((label, fixed.replace(bucket_size_mb=mb)))
+                if not sizes:
+                    out.append((f"{w} weights, {c} cast{acc}", fixed))
     return out
 
 
 def _searched_note(note: str, searched: set[str]) -> str:
     """A switch's note from the plan of a searched combination says the search chose it, not the user."""
     keys = {"weight_placement": ("weights:",), "cast_side": ("casts fused", "fp32 crosses", "fp32 master crosses"),
-            "accumulate_on_host": ("gradient accumulation:",)}
+            "accumulate_on_host": ("gradient accumulation:",), "bucket_size_mb": ()}
     if any(note.startswith(prefix) for f in searched for prefix in keys[f]):
         return note.replace("configured", "auto: the plan search")
     return note
@@ -615,8 +644,14 @@ def bisect_largest_int(lo: int, hi: int, ok: Any) -> int:
     return lo
 
 
+def bucket_size_mb(config: SuperOffloadConfig) -> float:
+    """The bucket size ``config`` asks for: its own, or the rules' (the first of ``BUCKET_SIZES_MB``) for ``"auto"``
+    where the plan search did not fix it."""
+    return BUCKET_SIZES_MB[0] if config.bucket_size_mb == "auto" else float(config.bucket_size_mb)
+
+
 def _bucket_numel(numels: Sequence[int], config: SuperOffloadConfig, element_size: int) -> int:
-    bucket_numel = max(1, int(config.bucket_size_mb * 1024 * 1024 / element_size))
+    bucket_numel = max(1, int(bucket_size_mb(config) * 1024 * 1024 / element_size))
     return min(bucket_numel, max(1, -(-sum(numels) // _MIN_BUCKETS)))
 
 
@@ -752,6 +787,7 @@ def _plans_by_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfi
     if plan.world_size != 1 or plan.weight_mode is not WeightMode.STATIONARY or profile.device_free_bytes is None:
         return None
     pinned = config.replace(
+        bucket_size_mb=plan.bucket_size_mb,  # the same partition: the buckets keep their boundaries
         weight_placement="stationary", rollback=plan.rollback.value, cast_side=plan.cast_side.value,
         accumulate_on_host=plan.host_accumulation is not HostAccumulation.OFF,
         host_accumulation_dtype=("auto" if plan.host_accumulation is HostAccumulation.OFF
@@ -1002,6 +1038,7 @@ def _make_plan(
         nonspeculative_in_place=config.overrides.nonspeculative_in_place and rollback is Rollback.DOUBLE_BUFFER,
         upload_thread=(config.overrides.upload_thread and weight_mode is WeightMode.STATIONARY and world_size == 1
                        and profile.device_type == "cuda" and host_numel > 0),
+        bucket_size_mb=bucket_size_mb(config),
     )
     if defer and config.overrides.defer_moments == "auto":
         plan = _price_deferral(plan, config, workload, profile, world_size)

@@ -20,7 +20,10 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   ``R_eff = R (1 - (e H / W_b) / host_memory_gbps)`` (``host_memory_gbps`` defaults to 28 B x R: the kernel
   is bandwidth bound); ``cpu_s = H / R_eff``. Buckets are stepped speculatively as they land, so by the
   verdict ``spec = min(cpu_s, W_b - one bucket)`` is done (that share of snapshot pages gets written);
-  ``rem = cpu_s - spec`` is left.
+  ``rem = cpu_s - spec`` is left. Every pass also costs ``BUCKET_TASK_S`` per host bucket beyond its bytes
+  (``cpu_s`` and the clipped pass below include it; [Note: bucket size] in docs/design.md): 0.49 ms, fitted on
+  the H100 box's all-host 3.6B row over 16-128 MB buckets, which is why larger buckets pay where the pass is
+  exposed.
 * exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``, or all of it, ``d2h_s``, with no D2H lead (each host
   bucket's hook waits for its own copy, so the copies run beside an idle GPU: [Note: D2H lead] in docs/design.md;
   the lead's measured gain against the predicted: 3.6B all-host 74 ms (131 ms predicted), 8B 0.50 s (0.29 s));
@@ -89,10 +92,11 @@ from dataclasses import dataclass
 from .hardware import HardwareProfile
 from .memory_model import ModelShape, PlanLike
 
-__all__ = ["ACCUMULATE_ADD_BYTES", "ACCUMULATE_DRAM_EFFICIENCY", "ATTENTION_EFFICIENCY", "COMMIT_FULL_BYTES",
-           "FULL_STEP_BYTES", "GEMM_EFFICIENCY", "MASTER_DEFERRED_BYTES", "MOMENT_COMMIT_BYTES", "PEER_GBPS_ASSUMED",
-           "SPECULATIVE_BF16_BYTES", "VERDICT_PASS_BYTES", "StepTime", "collective_seconds", "predict_step_time",
-           "verdict_pass_bytes", "verdict_pass_seconds"]
+__all__ = ["ACCUMULATE_ADD_BYTES", "ACCUMULATE_DRAM_EFFICIENCY", "ATTENTION_EFFICIENCY", "BUCKET_TASK_S",
+           "COMMIT_FULL_BYTES", "FULL_STEP_BYTES", "GEMM_EFFICIENCY", "MASTER_DEFERRED_BYTES", "MOMENT_COMMIT_BYTES",
+           "PEER_GBPS_ASSUMED", "SPECULATIVE_BF16_BYTES", "VERDICT_PASS_BYTES", "StepTime", "bucket_task_seconds",
+           "collective_seconds", "predict_step_time", "verdict_pass_bytes", "verdict_pass_rate_factor",
+           "verdict_pass_seconds"]
 
 SPECULATIVE_BF16_BYTES, FULL_STEP_BYTES, COMMIT_FULL_BYTES = 16, 28, 26
 """Host bytes per parameter: a pass writing the bf16 weights only, the fused step, a commit of the whole step
@@ -100,6 +104,10 @@ SPECULATIVE_BF16_BYTES, FULL_STEP_BYTES, COMMIT_FULL_BYTES = 16, 28, 26
 VERDICT_PASS_BYTES, MOMENT_COMMIT_BYTES, MASTER_DEFERRED_BYTES = 20, 18, 4
 """Deferred moment stores: the verdict-known pass (m and v not stored), its moment commit; a deferred master takes
 4 B/param more off the pass and puts 8 on the commit (16 and 26)."""
+BUCKET_TASK_S = 0.49e-3
+"""Seconds the CPU worker's pass spends per host bucket beyond its bytes ([Note: bucket size] in docs/design.md):
+fitted on the H100 box's all-host 3.6B row, 16/32/64/128 MB buckets (198/143/114/58 host buckets) measuring
+1.074/1.062/1.034/1.009 s, each within 1% of the fit."""
 GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate ...
 GEMM_EFFICIENCY_WIDTH = 4096  # ... at this hidden size and above; narrower models' GEMMs reach less
 
@@ -167,11 +175,30 @@ def verdict_pass_seconds(plan_like: PlanLike, profile: HardwareProfile, ranks: i
     return adam, e * host / host_bw
 
 
+def verdict_pass_rate_factor(plan_like: PlanLike, profile: HardwareProfile, measured_s: float, *,
+                             floor_s: float) -> float:
+    """The inverse of :func:`verdict_pass_seconds` plus the buckets' fixed cost: the factor on the profile's CPU Adam
+    rate with which the whole pass after a verdict takes ``measured_s`` ([Note: calibrating the rates]). The fixed
+    cost comes off first (it is no rate's); where the profile has no measured bandwidth (28 B x the rate), the
+    uploads' memory time scales with the rate too, else it stays and the Adam share fills what it leaves. What the
+    rate must fill is at least ``floor_s`` (one noisy pass cannot ask for an unbounded rate)."""
+    adam_s, dma_s = verdict_pass_seconds(plan_like, profile)
+    left = measured_s - bucket_task_seconds(plan_like)
+    if profile.host_memory_gbps is None:
+        return (adam_s + dma_s) / max(left, floor_s)
+    return adam_s / max(left - dma_s, floor_s)
+
+
 def _host_bandwidth(profile: HardwareProfile, ranks: int) -> float:
     """Bytes per second of host memory one of ``ranks`` ranks on this host gets: the profile's measured bandwidth,
     or without one 28 B x the CPU Adam rate (the kernel is bandwidth bound: [Note: step-time roofline])."""
     assert profile.cpu_adam_gparams is not None
     return (profile.host_memory_gbps or 28 * profile.cpu_adam_gparams) * 1e9 / ranks
+
+
+def bucket_task_seconds(plan_like: PlanLike) -> float:
+    """The CPU worker's fixed cost of one pass over the plan's host buckets (``BUCKET_TASK_S`` each)."""
+    return plan_like.host_buckets * BUCKET_TASK_S
 
 
 def collective_seconds(numel: int, world_size: int, peer_gbps: float) -> float:
@@ -229,15 +256,16 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     commit_s = COMMIT_FULL_BYTES / FULL_STEP_BYTES * host / rate if deferred else 0.0
     if deferred:
         cpu_s *= SPECULATIVE_BF16_BYTES / FULL_STEP_BYTES
+    cpu_s += bucket_task_seconds(plan_like)
     d2h_s, h2d_s = 2 * host / (p.d2h_gbps * 1e9), e * host / (p.h2d_gbps * 1e9)
     bucket = plan_like.bucket_bytes / e  # a whole bucket's elements (what the collectives move) ...
     shard = bucket / ranks  # ... of which a rank steps and uploads its 1/W
-    latency = shard / rate_eff + e * shard / (p.h2d_gbps * 1e9) if host else 0.0
+    latency = shard / rate_eff + BUCKET_TASK_S + e * shard / (p.h2d_gbps * 1e9) if host else 0.0
     spec = min(cpu_s, max(0.0, w_b - latency))
     rem = cpu_s - spec
     if clipping_every_step:  # the whole pass after the verdict, and the commits its deferred stores leave
         spec = 0.0
-        rem = sum(verdict_pass_seconds(plan_like, p, ranks))
+        rem = sum(verdict_pass_seconds(plan_like, p, ranks)) + bucket_task_seconds(plan_like)
         if plan_like.deferred_landing_bytes:  # stored in the worker's idle time, beside the backward's landing DMA
             commit_s = host * (verdict_pass_bytes(plan_like)[1] / (FULL_STEP_BYTES * rate) + 2 / host_bw)
     peer = p.peer_gbps or PEER_GBPS_ASSUMED

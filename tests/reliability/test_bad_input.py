@@ -177,7 +177,7 @@ def test_invalid_hyper_parameters_name_value_and_fix(kw: dict[str, Any], match: 
 
 def test_invalid_config_names_field_value_and_fix() -> None:
     """One representative; every field: tests/unit/test_config_and_planner.py."""
-    with pytest.raises(ValueError, match=r"SuperOffloadConfig.bucket_size_mb=0 is invalid: use a positive size"):
+    with pytest.raises(ValueError, match=r"SuperOffloadConfig.bucket_size_mb=0 is invalid: use .auto. or a positive size"):
         SuperOffloadConfig(bucket_size_mb=0)
 
 

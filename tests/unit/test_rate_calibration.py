@@ -13,7 +13,7 @@ from hf_superoffload.plan_cli import arrival_numels, load_model_config, resolve_
 from hf_superoffload.planning.calibration import RATE_CLAMP, MeasuredStep, calibrate_rates
 from hf_superoffload.planning.memory_model import ModelShape, PlanLike
 from hf_superoffload.planning.planner import Workload, make_plan
-from hf_superoffload.planning.step_time import predict_step_time, verdict_pass_seconds
+from hf_superoffload.planning.step_time import bucket_task_seconds, predict_step_time, verdict_pass_seconds
 
 BATCH, SEQ = 4, 2048
 
@@ -35,8 +35,9 @@ def _predicted(shape: Any, plan: Any, profile: Any, clipped: bool) -> Any:
 
 
 def _whole_pass(plan: Any, profile: Any) -> float:
-    """The roofline's whole host pass after a verdict: the CPU Adam and the uploads' memory time beside it."""
-    return sum(verdict_pass_seconds(PlanLike.from_plan(plan), profile))
+    """The roofline's whole host pass after a verdict: the CPU Adam and the uploads' memory time beside it, and the
+    buckets' fixed cost."""
+    return sum(verdict_pass_seconds(PlanLike.from_plan(plan), profile)) + bucket_task_seconds(PlanLike.from_plan(plan))
 
 
 def _calibrate(shape: Any, plan: Any, profile: Any, m: MeasuredStep) -> Any:
