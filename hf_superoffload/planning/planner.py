@@ -381,10 +381,10 @@ def make_plan(
     kw: dict[str, Any] = dict(element_size=element_size, profile=profile, world_size=world_size, rank=rank,
                               local_world_size=local_world_size, local_rank=local_rank, cores=cores,
                               workload=workload)
-    candidates = _switch_candidates(config, workload, profile, numels, element_size)
+    candidates = _switch_candidates(config, workload, profile, numels, element_size, world_size)
     if len(candidates) < 2 or workload is None:
         return _search_tail(numels, config=config, **kw)
-    tried: list[tuple[str, OffloadPlan, float]] = []
+    tried: list[tuple[str, SuperOffloadConfig, OffloadPlan, float]] = []
     for label, fixed in candidates:
         try:
             plan = _search_tail(numels, config=fixed, **kw)
@@ -392,20 +392,28 @@ def make_plan(
             continue  # the host cannot hold it with any tail the device holds
         t = _worst_case_s(plan, workload, profile, world_size)
         if t is not None and device_holds(plan, workload, profile, world_size)[0]:
-            tried.append((label, plan, t))
+            tried.append((label, fixed, plan, t))
     if not tried:  # nothing fits: the rules' plan and its verdict (or its PlanError) say what to change
         return _search_tail(numels, config=config, **kw)
-    fastest = min(t for _, _, t in tried)
-    label, plan, t = next(c for c in tried if c[2] <= fastest * (1 + _SWITCH_TIE))  # candidates in rule order
-    rest = sorted((c for c in tried if c[0] != label), key=lambda c: c[2])
-    others = "; ".join(f"{lb} {tt:.2f} s" for lb, _, tt in rest[:_OTHERS_SHOWN]) or "no other fits"
-    if len(rest) > _OTHERS_SHOWN:
-        others += f"; {len(rest) - _OTHERS_SHOWN} slower"
-    searched = {f for f in _SEARCHED if len({getattr(c, f) for _, c in candidates}) > 1}
+    fastest = min(c[3] for c in tried)
+    label, chosen, plan, t = next(c for c in tried if c[3] <= fastest * (1 + _SWITCH_TIE))  # in rule order
+    searched = {f for f in _SEARCHED if len({_switch_value(c, f) for _, c in candidates}) > 1}
+    # what each decision bought: per searched switch, the fastest combination with another value of it and the
+    # chosen one's values of the others
+    shown: dict[str, float] = {}
+    for f in sorted(searched):
+        alt = [c for c in tried if _switch_value(c[1], f) != _switch_value(chosen, f)
+               and all(_switch_value(c[1], g) == _switch_value(chosen, g) for g in searched if g != f)]
+        if alt:
+            best = min(alt, key=lambda c: c[3])
+            shown[best[0]] = best[3]
+    others = "; ".join(f"{lb} {tt:.2f} s" for lb, tt in sorted(shown.items(), key=lambda x: x[1])) or "no other fits"
+    if len(tried) - 1 > len(shown):
+        others += f"; {len(tried) - 1 - len(shown)} more"
     notes = tuple(_searched_note(n, searched) for n in plan.notes)
     note = (f"plan search: {label}, {t:.2f} s/step predicted with clipping on every step (auto: the fastest of the "
             f"{len(candidates)} combinations of {', '.join(sorted(_SEARCHED[f] for f in searched))}, each with its "
-            f"fastest tail, that both memories hold; the others: {others})")
+            f"fastest tail, that both memories hold; with one of them changed: {others})")
     return dataclasses.replace(plan, notes=(*notes, note))
 
 
@@ -418,12 +426,14 @@ def make_plan(
 #   ``_SWITCH_TIE`` go to the earlier combination in the rules' order (stationary, the link's cast, the host
 #   accumulation), so the search leaves the measured rules only for a gain larger than the roofline's error
 #   between whole plans;
-# * decided per tail by dominance, inside each combination: the double buffer, the deferred moment stores and the
-#   fp32 accumulation arena cost only host RAM and are never slower (and the first and last are exact), so each
-#   is taken when the host holds it beside the rest; the D2H lead costs only device memory (the tail sizing
-#   counts its buckets) and the roofline prices its absence as the whole D2H exposed, so any host state gets it
-#   ([Note: D2H lead] in docs/design.md); deferred speculation is priced ([Note: deferred speculation]); the
-#   master deferral adapts at run time;
+# * enumerated as well, where the rules would take them: deferred moment stores against the fused pass (the
+#   commits cost host RAM and, where the backward is short beside the pass, time: [Note: deferred moments] in
+#   docs/design.md), for stationary weights on one process without host accumulation;
+# * decided per tail by dominance, inside each combination: the double buffer and the fp32 accumulation arena
+#   cost only host RAM and are never slower (and exact), so each is taken when the host holds it beside the rest;
+#   the D2H lead costs only device memory (the tail sizing counts its buckets) and the roofline prices its absence
+#   as the whole D2H exposed, so any host state gets it ([Note: D2H lead] in docs/design.md); deferred speculation
+#   is priced ([Note: deferred speculation]); the master deferral adapts at run time;
 # * enumerated as well, with ``bucket_size_mb="auto"``: the bucket size, ``BUCKET_SIZES_MB`` ([Note: bucket size]
 #   in docs/design.md: the roofline prices each host bucket's fixed cost on the CPU worker and one bucket's
 #   latency, the memory model its buffers in flight); a plan that sums micro-batches on the host keeps the rules'
@@ -433,15 +443,20 @@ def make_plan(
 # A field the user sets is a constraint: its one value is the only candidate. Without a workload nothing can be
 # priced and the rules decide. The verdict, ``plan``'s "largest that fits" and the engine all take this plan.
 _SEARCHED = {"weight_placement": "weight placement", "cast_side": "cast side", "accumulate_on_host": "accumulation",
-             "bucket_size_mb": "bucket size"}
+             "bucket_size_mb": "bucket size", "defer_moments": "moment stores"}
+
+
+def _switch_value(config: SuperOffloadConfig, name: str) -> Any:
+    """A searched switch's value in ``config`` (``defer_moments`` is a planner override)."""
+    return config.overrides.defer_moments if name == "defer_moments" else getattr(config, name)
 # Combinations whose predicted steps are this close count as equal: the earlier one in the rules' order is taken.
 # Whole plans differ in most roofline terms, whose errors (a few percent) do not cancel as between neighbour tails.
 _SWITCH_TIE = 0.02
-_OTHERS_SHOWN = 4  # the plan search's note names this many of the next fastest combinations
 
 
 def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None, profile: HardwareProfile,
-                       numels: Sequence[int], element_size: int) -> list[tuple[str, SuperOffloadConfig]]:
+                       numels: Sequence[int], element_size: int,
+                       world_size: int = 1) -> list[tuple[str, SuperOffloadConfig]]:
     """[Note: one search over the plan]: ``config`` with each searched ``"auto"`` switch fixed, one entry per
     combination the engine can run, in the rules' order (what the rules alone would pick first). Bucket sizes that
     partition ``numels`` alike (a small model's buckets are capped by ``_MIN_BUCKETS``) are one candidate."""
@@ -475,18 +490,33 @@ def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None, pr
                 # [Note: bucket size]: a host-accumulated micro-batch's copies in flight on the device are bounded by
                 # the D2H backlog, not by the buckets the memory model counts; those plans keep the rules' size
                 summing = a is True or (a == "auto" and workload.accumulation)
-                for mb in sizes[:1] if summing else sizes:
-                    label = f"{w} weights, {c} cast{acc}" + (f", {mb:g} MB buckets" if len(sizes) > 1 else "")
-                    out.append((label, fixed.replace(bucket_size_mb=mb)))
-                if not sizes:
-                    out.append((f"{w} weights, {c} cast{acc}", fixed))
+                # [Note: deferred moments] in docs/design.md: where the rules would defer the moment stores, the
+                # fused pass is the other candidate (the commits cost where the backward is short beside the pass)
+                defers = (["auto", False] if w == "stationary" and not summing and world_size == 1
+                          and _moment_stores_searched(config) else [None])
+                for mb in (sizes[:1] if summing else sizes) or [None]:
+                    for d in defers:
+                        label = f"{w} weights, {c} cast{acc}" + (f", {mb:g} MB buckets" if len(sizes) > 1 else "")
+                        label += {"auto": ", deferred moment stores", False: ", moments stored in the pass",
+                                  None: ""}[d]
+                        one = fixed if mb is None else fixed.replace(bucket_size_mb=mb)
+                        out.append((label, one if d is None else one.with_overrides(defer_moments=d)))
     return out
+
+
+def _moment_stores_searched(config: SuperOffloadConfig) -> bool:
+    """Whether the plan search weighs the fused pass against deferred moment stores: ``defer_moments="auto"``
+    and no setting that asks for deferred stores (a deferred master, deferred speculation)."""
+    ov = config.overrides
+    return (ov.defer_moments == "auto" and ov.defer_master is not True and not isinstance(ov.defer_master, float)
+            and ov.deferred_speculation is not True)
 
 
 def _searched_note(note: str, searched: set[str]) -> str:
     """A switch's note from the plan of a searched combination says the search chose it, not the user."""
     keys = {"weight_placement": ("weights:",), "cast_side": ("casts fused", "fp32 crosses", "fp32 master crosses"),
-            "accumulate_on_host": ("gradient accumulation:",), "bucket_size_mb": ()}
+            "accumulate_on_host": ("gradient accumulation:",), "bucket_size_mb": (),
+            "defer_moments": ("deferred moment stores:",)}
     if any(note.startswith(prefix) for f in searched for prefix in keys[f]):
         return note.replace("configured", "auto: the plan search")
     return note
@@ -1040,41 +1070,9 @@ def _make_plan(
                        and profile.device_type == "cuda" and host_numel > 0),
         bucket_size_mb=bucket_size_mb(config),
     )
-    if defer and config.overrides.defer_moments == "auto":
-        plan = _price_deferral(plan, config, workload, profile, world_size)
     if plan.deferred_speculation and config.overrides.deferred_speculation == "auto":
         plan = _price_exactness(plan, workload, profile, world_size)
     return plan
-
-
-def _price_deferral(plan: OffloadPlan, config: SuperOffloadConfig, workload: Workload | None,
-                    profile: HardwareProfile, world_size: int) -> OffloadPlan:
-    """``plan`` (deferred moment stores on, ``"auto"``) with the fused pass instead when the roofline predicts it
-    faster with clipping on every step: the commits (18 B/param) the worker's idle time cannot hold delay the next
-    pass, so a short backward beside a long host pass (a small batch, a slow host) does better storing m and v in
-    the pass (28 instead of 20 B/param). Settings that ask for deferred stores (``defer_master``, deferred
-    speculation) keep them."""
-    ov = config.overrides
-    if workload is None or ov.defer_master is True or isinstance(ov.defer_master, float) \
-            or ov.deferred_speculation is True:
-        return plan
-    notes = tuple(n for n in plan.notes if not n.startswith(("deferred master stores:", "deferred speculation:")))
-    fused = dataclasses.replace(plan, defer_moments=False, defer_master=MasterDeferral.OFF, master_buckets=0,
-                                deferred_speculation=False, notes=notes)
-    deferred_s, fused_s = _worst_case_s(plan, workload, profile, world_size), _worst_case_s(fused, workload,
-                                                                                             profile, world_size)
-    if deferred_s is None or fused_s is None:
-        return plan
-    # relative: the kept layers are not chosen yet, so neither figure is the final plan's step
-    if deferred_s <= fused_s:
-        priced = f"; {1 - deferred_s / fused_s:.0%} faster per step than storing m and v in the pass"
-        return dataclasses.replace(plan, notes=tuple(
-            n.replace("landing arena)", f"landing arena{priced})", 1)
-            if n.startswith("deferred moment stores:") else n for n in plan.notes))
-    note = (f"deferred moment stores: off (auto: their commits would not fit the CPU worker's idle time; storing m "
-            f"and v in the pass is {1 - fused_s / deferred_s:.0%} faster per step)")
-    return dataclasses.replace(fused, notes=tuple(note if n.startswith("deferred moment stores:") else n
-                                                  for n in notes))
 
 
 # [Note: deferred speculation] in docs/design.md makes the in-place rollback's skip and redo exact, and costs a
@@ -1102,7 +1100,7 @@ def _price_exactness(plan: OffloadPlan, workload: Workload | None, profile: Hard
     exact, fast = step(plan), step(algebraic)
     if exact is None or fast is None or exact <= fast * (1 + _EXACTNESS_PRICE):
         return plan
-    # relative, as _price_deferral's: the kept layers are not chosen yet, so neither figure is the final plan's step
+    # relative: the kept layers are not chosen yet, so neither figure is the final plan's step
     note = (f"deferred speculation: off (auto: its commits would not fit the CPU's idle time, a step predicted "
             f"{exact / fast - 1:.0%} slower with it; a skip or redo undoes algebraically, to fp32 rounding; "
             "PlannerOverrides(deferred_speculation=True) makes them exact at that price)")

@@ -279,19 +279,21 @@ def _all_host_3_6b(batch: int, config: SuperOffloadConfig | None = None):
 
 
 def test_auto_prices_the_commits_against_the_fused_pass():
-    """'auto' keeps deferred moment stores where their commits fit the CPU worker's idle time (3.6B batch 8: a
-    0.5 s backward beside a 0.6 s pass) and stores m and v in the pass where they would not (batch 2: a 0.13 s
-    backward; the commits would delay every next pass); settings that ask for deferred stores keep them."""
+    """'auto' is one more switch of the plan search ([Note: one search over the plan]): deferred moment stores where
+    their commits fit the CPU worker's idle time (3.6B batch 8: a 0.5 s backward beside a 0.6 s pass), m and v
+    stored in the pass where they would not (batch 2: a 0.13 s backward; the commits would delay every next pass);
+    the search's note prices the other choice; settings that ask for deferred stores keep them."""
     from hf_superoffload.planning.memory_model import ModelShape
     from hf_superoffload.planning.step_time import predict_step_time
 
     long, _ = _all_host_3_6b(8)
     assert long.defer_moments and long.defer_master is MasterDeferral.ADAPTIVE
-    assert "faster per step than storing m and v in the pass" in long.summary()
+    assert ", deferred moment stores," in long.notes[-1] and "moments stored in the pass" in long.notes[-1]
     short, w = _all_host_3_6b(2)
     assert not short.defer_moments and short.defer_master is MasterDeferral.OFF and not short.deferred_speculation
     assert short.deferred_landing_bytes() == 0
-    assert "deferred moment stores: off (auto: their commits would not fit" in short.summary()
+    assert "deferred moment stores: off (auto: the plan search)" in short.summary()
+    assert ", moments stored in the pass," in short.notes[-1] and "deferred moment stores" in short.notes[-1]
     assert not any(n.startswith(("deferred master stores:", "deferred speculation:")) for n in short.notes)
     shape, h200 = ModelShape.from_config(w.model), HardwareProfile.h200_pcie()
 
