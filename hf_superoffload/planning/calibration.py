@@ -17,7 +17,7 @@ step's verdict says) and restates the two rates by the ratio of predicted to mea
   step: with clipping, the whole pass after the verdict (the rate restated so that its Adam share fills what the
   uploads beside it leave of the measured seconds: ``step_time.verdict_pass_seconds``, the roofline's own
   split); else the speculative and remaining passes. The host buckets' fixed cost (``step_time.BUCKET_TASK_S``
-  each) comes off both sides first: it is no rate's. Only for a
+  each) lies outside the Adam calls the measurement times, so the roofline's side leaves it out. Only for a
   pass that undid nothing (an undo or redo adds passes the roofline's step does not have). Not the iteration's
   ``cpu_s``: that counts the passes that end between two ``step()`` calls, and a pass overlapping the next
   forward lands in either (measured on an H100 box at 8B: 0.05 s in the second iteration against 0.47 s of a
@@ -129,8 +129,6 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
         # of 28 B/param with deferred moment stores), else the speculative and remaining passes of one step's buckets
         assert profile.cpu_adam_gparams is not None
         pass_clipped = measured.clipped if measured.pass_clipped is None else measured.pass_clipped
-        # the buckets' fixed cost is no rate's: it comes off the measured seconds first ([Note: bucket size])
-        tasks = bucket_task_seconds(PlanLike.from_plan(plan))
         floor = measured.cpu_s / RATE_CLAMP
         if pass_clipped:
             cpu = _clamp(verdict_pass_rate_factor(PlanLike.from_plan(plan), profile, measured.cpu_s, floor_s=floor))
@@ -138,7 +136,8 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
             unclipped = t if not measured.clipped else workload.step_time(
                 PlanLike.from_plan(plan), profile, micro_batches=measured.micro_batches)
             assert unclipped is not None  # the same profile priced t
-            cpu = _clamp((unclipped.cpu_s - tasks) / max(measured.cpu_s - tasks, floor))
+            # the measured seconds are the Adam calls': the buckets' fixed cost, outside them, is no rate's
+            cpu = _clamp((unclipped.cpu_s - bucket_task_seconds(PlanLike.from_plan(plan))) / measured.cpu_s)
     for name, f in (("GEMM", gemm), ("CPU Adam", cpu)):
         if f is not None and f in (RATE_CLAMP, 1.0 / RATE_CLAMP):
             notes.append(f"{name} rate off by more than {RATE_CLAMP:.0f}x: the profile describes another machine "

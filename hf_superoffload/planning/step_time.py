@@ -20,10 +20,10 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   ``R_eff = R (1 - (e H / W_b) / host_memory_gbps)`` (``host_memory_gbps`` defaults to 28 B x R: the kernel
   is bandwidth bound); ``cpu_s = H / R_eff``. Buckets are stepped speculatively as they land, so by the
   verdict ``spec = min(cpu_s, W_b - one bucket)`` is done (that share of snapshot pages gets written);
-  ``rem = cpu_s - spec`` is left. Every pass also costs ``BUCKET_TASK_S`` per host bucket beyond its bytes
-  (``cpu_s`` and the clipped pass below include it; [Note: bucket size] in docs/design.md): 0.49 ms, fitted on
-  the H100 box's all-host 3.6B row over 16-128 MB buckets, which is why larger buckets pay where the pass is
-  exposed.
+  ``rem = cpu_s - spec`` is left. Every pass also costs ``BUCKET_TASK_S`` per host bucket beyond its bytes,
+  outside the Adam calls (``cpu_s`` and the clipped pass below include it; [Note: bucket size] in
+  docs/design.md): 0.49 ms, fitted on the H100 box's all-host 3.6B row over 16-128 MB buckets, which is why
+  larger buckets pay where the pass is exposed.
 * exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``, or all of it, ``d2h_s``, with no D2H lead (each host
   bucket's hook waits for its own copy, so the copies run beside an idle GPU: [Note: D2H lead] in docs/design.md;
   the lead's measured gain against the predicted: 3.6B all-host 74 ms (131 ms predicted), 8B 0.50 s (0.29 s));
@@ -105,9 +105,9 @@ VERDICT_PASS_BYTES, MOMENT_COMMIT_BYTES, MASTER_DEFERRED_BYTES = 20, 18, 4
 """Deferred moment stores: the verdict-known pass (m and v not stored), its moment commit; a deferred master takes
 4 B/param more off the pass and puts 8 on the commit (16 and 26)."""
 BUCKET_TASK_S = 0.49e-3
-"""Seconds the CPU worker's pass spends per host bucket beyond its bytes ([Note: bucket size] in docs/design.md):
-fitted on the H100 box's all-host 3.6B row, 16/32/64/128 MB buckets (198/143/114/58 host buckets) measuring
-1.074/1.062/1.034/1.009 s, each within 1% of the fit."""
+"""Seconds the CPU worker's pass spends per host bucket beyond its bytes, outside the Adam calls ([Note: bucket
+size] in docs/design.md): fitted on the H100 box's all-host 3.6B row, 16/32/64/128 MB buckets (198/143/114/58 host
+buckets) measuring 1.074/1.062/1.034/1.009 s, each within 1% of the fit."""
 GEMM_EFFICIENCY = 0.68  # [Note: step-time roofline]: the default plans' measured share of the GEMM rate ...
 GEMM_EFFICIENCY_WIDTH = 4096  # ... at this hidden size and above; narrower models' GEMMs reach less
 
@@ -177,16 +177,15 @@ def verdict_pass_seconds(plan_like: PlanLike, profile: HardwareProfile, ranks: i
 
 def verdict_pass_rate_factor(plan_like: PlanLike, profile: HardwareProfile, measured_s: float, *,
                              floor_s: float) -> float:
-    """The inverse of :func:`verdict_pass_seconds` plus the buckets' fixed cost: the factor on the profile's CPU Adam
-    rate with which the whole pass after a verdict takes ``measured_s`` ([Note: calibrating the rates]). The fixed
-    cost comes off first (it is no rate's); where the profile has no measured bandwidth (28 B x the rate), the
-    uploads' memory time scales with the rate too, else it stays and the Adam share fills what it leaves. What the
-    rate must fill is at least ``floor_s`` (one noisy pass cannot ask for an unbounded rate)."""
+    """The inverse of :func:`verdict_pass_seconds`: the factor on the profile's CPU Adam rate with which the Adam
+    calls of the whole pass after a verdict take ``measured_s`` ([Note: calibrating the rates]; the buckets' fixed
+    cost lies outside those calls, [Note: bucket size]). Where the profile has no measured bandwidth (28 B x the
+    rate), the uploads' memory time scales with the rate too, else it stays and the Adam share fills what it
+    leaves. What the rate must fill is at least ``floor_s`` (one noisy pass cannot ask for an unbounded rate)."""
     adam_s, dma_s = verdict_pass_seconds(plan_like, profile)
-    left = measured_s - bucket_task_seconds(plan_like)
     if profile.host_memory_gbps is None:
-        return (adam_s + dma_s) / max(left, floor_s)
-    return adam_s / max(left - dma_s, floor_s)
+        return (adam_s + dma_s) / max(measured_s, floor_s)
+    return adam_s / max(measured_s - dma_s, floor_s)
 
 
 def _host_bandwidth(profile: HardwareProfile, ranks: int) -> float:

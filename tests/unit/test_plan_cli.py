@@ -161,14 +161,12 @@ def test_main_entry_point(capsys):
 
 def test_step_time_roofline_on_the_anchor():
     shape = ModelShape.from_config(json.loads(Path(model("llama_3p6b")).read_text()))
-    # every state on the host in 143 buckets (32 MB ones)
-    st = predict_step_time(shape, PlanLike.all_host(shape.numel, host_buckets=143), HardwareProfile.h200_pcie(),
-                           batch_size=8, seq_len=2048, grad_ckpt=True)
+    st = predict_step_time(shape, PlanLike.all_host(shape.numel), HardwareProfile.h200_pcie(), batch_size=8,
+                           seq_len=2048, grad_ckpt=True)
     assert st.gpu_s == pytest.approx(0.94, rel=0.04)  # the measured all-device step (0.959 s) less its tail's AdamW
     # backward: 4 of 6 FLOPs plus the decoder layers' recompute (not the LM head's): between 2/3 and 3/4
     assert 2 / 3 < st.backward_window_s / st.gpu_s < 0.75
-    # 3.6B at ~4.5 Gparam/s under DMA contention (4.9 net of the buckets' fixed cost), and 143 x 0.49 ms
-    assert st.cpu_s == pytest.approx(0.87, rel=0.05)
+    assert st.cpu_s == pytest.approx(0.87, rel=0.05)  # 3.6B at ~4.2 Gparam/s under DMA contention (no buckets)
     assert st.speculated_fraction == pytest.approx(0.81, abs=0.02)  # a 0.67 s backward holds ~4/5 of the pass
     assert st.step_s >= st.gpu_s + st.tail_s
     slow = dataclasses.replace(HardwareProfile.h200_pcie(), cpu_adam_gparams=1.0)
@@ -280,21 +278,17 @@ def test_step_time_predictions_hold_against_the_measured_default_rows():
     from hf_superoffload.planning.planner import Workload
 
     h200 = HardwareProfile.h200_pcie()
-    # (kept: the optimizer's workload lets the plan keep layers' activations, [Note: kept layers]; the all-host rows
-    # ran 32 MB buckets, which they are priced with). The all-host row without kept layers is predicted 10.3% slow:
-    # the roofline prices its recompute as if nothing of the CPU-bound pass hid under it (a known error, one
-    # measurement), so it has its own, wider bound below; the same row keeping layers measured 1.143 and, on a
-    # later call, 1.320 s, and its prediction lies between.
+    # (kept: the optimizer's workload lets the plan keep layers' activations, [Note: kept layers]). The all-host
+    # row ran 32 MB buckets, which it is priced with: 1.320 s on cbf4c69 (2026-12-06); its earlier figures (1.143
+    # s keeping layers, 1.274 without, 2026-12-05) were not reproduced there (README) and are not held to here.
     host0 = SuperOffloadConfig(gpu_resident_buckets=0, bucket_size_mb=32)
-    for name, batch, config, kept, measured, rel in (("3.6b", 8, SuperOffloadConfig(), False, 0.959, 0.10),
-                                                     ("8b", 4, SuperOffloadConfig(), False, 1.018, 0.10),
-                                                     ("3.6b", 8, host0, False, 1.274, 0.12),
-                                                     ("3.6b", 8, SuperOffloadConfig(), True, 0.805, 0.10),
-                                                     ("3.6b", 8, host0, True, 1.143, 0.10),
-                                                     ("3.6b", 8, host0, True, 1.320, 0.10),
-                                                     ("8b", 4, SuperOffloadConfig(), True, 0.979, 0.10),
-                                                     ("8b", 8, SuperOffloadConfig(), True, 1.907, 0.10),
-                                                     ("8b", 16, SuperOffloadConfig(), True, 3.610, 0.10)):
+    for name, batch, config, kept, measured in (("3.6b", 8, SuperOffloadConfig(), False, 0.959),
+                                                ("8b", 4, SuperOffloadConfig(), False, 1.018),
+                                                ("3.6b", 8, SuperOffloadConfig(), True, 0.805),
+                                                ("3.6b", 8, host0, True, 1.320),
+                                                ("8b", 4, SuperOffloadConfig(), True, 0.979),
+                                                ("8b", 8, SuperOffloadConfig(), True, 1.907),
+                                                ("8b", 16, SuperOffloadConfig(), True, 3.610)):
         cfg = load_model_config(name)
         shape = ModelShape.from_config(cfg)
         plan = make_plan(arrival_numels(cfg), element_size=2, config=config, profile=h200,
@@ -302,15 +296,15 @@ def test_step_time_predictions_hold_against_the_measured_default_rows():
         assert (plan.kept_layers > 0) == kept
         st = predict_step_time(shape, PlanLike.from_plan(plan), h200, batch_size=batch, seq_len=2048, grad_ckpt=True,
                                clipping_every_step=True)
-        assert st.step_s == pytest.approx(measured, rel=rel), (name, config)
+        assert st.step_s == pytest.approx(measured, rel=0.10), (name, config)
 
 
 def test_step_time_predictions_hold_on_the_h100_box_with_its_training_rate():
-    """The H100 box (docs/benchmarks.md, "Deferred stores priced, the H100's in-training rate"): with the CPU Adam
-    rate its host reaches in training, which ``h100_sxm`` ships net of the buckets' fixed cost, the CPU-bound
-    all-host row (measured 1.088-1.195 s on four instances at 32 MB buckets; 1.155 the median) and the snippet
-    (0.963 s) are predicted within 10%; the optimizer-alone rate (6.98 Gparam/s) predicts the all-host row 10%
-    fast."""
+    """The H100 box (docs/benchmarks.md, "Deferred stores priced, the H100's in-training rate" and "Bucket size in
+    the plan search"): with the CPU Adam rate its host reaches in training, which ``h100_sxm`` ships, and the
+    buckets' fixed cost, the CPU-bound all-host row at 32 MB buckets (1.088-1.298 s on five instances; 1.155 the
+    median) and the snippet (0.950-0.963 s) are predicted within 10%; the optimizer-alone rate (6.98 Gparam/s)
+    predicts the all-host row more than 10% fast."""
     from hf_superoffload.planning.planner import Workload
 
     h100 = HardwareProfile.shipped("h100_sxm")
@@ -328,7 +322,7 @@ def test_step_time_predictions_hold_on_the_h100_box_with_its_training_rate():
                      profile=alone, workload=Workload(shape, 8, 2048, True, chunked_loss=True, layer_checkpointing=True))
     st = predict_step_time(shape, PlanLike.from_plan(plan), alone, batch_size=8, seq_len=2048, grad_ckpt=True,
                            clipping_every_step=True)
-    assert st.step_s < 0.92 * 1.155
+    assert st.step_s < 0.9 * 1.155
 
 
 def test_grad_accum_prices_every_micro_batch(capsys):
