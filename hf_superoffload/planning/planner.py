@@ -424,34 +424,34 @@ def make_plan(
 #   known, where they accumulate (host, device). Each combination gets its own fastest tail and kept layers
 #   ([Note: tail from both memories]); combinations the host or the device cannot hold drop out. Ties within
 #   ``_SWITCH_TIE`` go to the earlier combination in the rules' order (stationary, the link's cast, the host
-#   accumulation), so the search leaves the measured rules only for a gain larger than the roofline's error
-#   between whole plans;
+#   accumulation, 32 MB buckets, deferred moment stores), so the search leaves the measured rules only for a gain
+#   larger than the roofline's error between whole plans;
 # * enumerated as well, where the rules would take them: deferred moment stores against the fused pass (the
 #   commits cost host RAM and, where the backward is short beside the pass, time: [Note: deferred moments] in
 #   docs/design.md), for stationary weights on one process without host accumulation;
+# * enumerated as well, with ``bucket_size_mb="auto"``: the bucket size, ``BUCKET_SIZES_MB`` ([Note: bucket size]
+#   in docs/design.md: the roofline prices each host bucket's fixed cost on the CPU worker and one bucket's
+#   latency, the memory model its buffers in flight); a plan that sums micro-batches on the host keeps the rules'
+#   32 MB (its copies in flight are bounded by the D2H backlog, which the memory model does not price per bucket);
 # * decided per tail by dominance, inside each combination: the double buffer and the fp32 accumulation arena
 #   cost only host RAM and are never slower (and exact), so each is taken when the host holds it beside the rest;
 #   the D2H lead costs only device memory (the tail sizing counts its buckets) and the roofline prices its absence
 #   as the whole D2H exposed, so any host state gets it ([Note: D2H lead] in docs/design.md); deferred speculation
 #   is priced ([Note: deferred speculation]); the master deferral adapts at run time;
-# * enumerated as well, with ``bucket_size_mb="auto"``: the bucket size, ``BUCKET_SIZES_MB`` ([Note: bucket size]
-#   in docs/design.md: the roofline prices each host bucket's fixed cost on the CPU worker and one bucket's
-#   latency, the memory model its buffers in flight); a plan that sums micro-batches on the host keeps the rules'
-#   32 MB (its copies in flight are bounded by the D2H backlog, which the memory model does not price per bucket);
 # * not searched, for want of a model that prices them: the CPU threads (the profile's; the thread trial measures
 #   one more at run time, [Note: the thread trial] in thread_trial.py).
 # A field the user sets is a constraint: its one value is the only candidate. Without a workload nothing can be
 # priced and the rules decide. The verdict, ``plan``'s "largest that fits" and the engine all take this plan.
 _SEARCHED = {"weight_placement": "weight placement", "cast_side": "cast side", "accumulate_on_host": "accumulation",
              "bucket_size_mb": "bucket size", "defer_moments": "moment stores"}
+# Combinations whose predicted steps are this close count as equal: the earlier one in the rules' order is taken.
+# Whole plans differ in most roofline terms, whose errors (a few percent) do not cancel as between neighbour tails.
+_SWITCH_TIE = 0.02
 
 
 def _switch_value(config: SuperOffloadConfig, name: str) -> Any:
     """A searched switch's value in ``config`` (``defer_moments`` is a planner override)."""
     return config.overrides.defer_moments if name == "defer_moments" else getattr(config, name)
-# Combinations whose predicted steps are this close count as equal: the earlier one in the rules' order is taken.
-# Whole plans differ in most roofline terms, whose errors (a few percent) do not cancel as between neighbour tails.
-_SWITCH_TIE = 0.02
 
 
 def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None, profile: HardwareProfile,
