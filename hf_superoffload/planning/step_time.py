@@ -22,9 +22,10 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   rate, ``H / R_eff``, the share ``done = min(1, (W_b - one bucket) / (H / R_eff))`` is stepped by the verdict
   (``spec``; that share of snapshot pages gets written); the rest of the buckets run after the backward, free of
   its DMA, as a verdict-known pass (below): ``rem = (1 - done) x verdict pass``, ``cpu_s = spec + rem``. Pricing
-  the whole pass at ``R_eff`` over-predicted a short backward beside a long pass: 3.6B all-host at batch 2, its
-  timed steps committing, measured 0.860 s a step on the H100 box against 1.198 s predicted so (0.879 now). Every pass also costs ``BUCKET_TASK_S`` per host bucket beyond its bytes,
-  outside the Adam calls (``cpu_s`` and the clipped pass below include it; [Note: bucket size] in
+  the whole pass at ``R_eff`` over-predicts a short backward beside a long pass: 3.6B all-host at batch 2, its
+  timed steps committing, measured 0.860 s a step on the H100 box; the whole pass at ``R_eff`` said 1.198 s,
+  this split says 0.879. Every pass also costs ``BUCKET_TASK_S`` per host bucket beyond its bytes, outside the
+  Adam calls (``cpu_s`` and the clipped pass below include it; [Note: bucket size] in
   docs/design.md): 0.49 ms, fitted on the H100 box's all-host 3.6B row over 16-128 MB buckets, which is why
   larger buckets pay where the pass is exposed.
 * exposed: D2H beyond backward, ``max(0, d2h_s - W_b)``, or all of it, ``d2h_s``, with no D2H lead (each host
@@ -84,8 +85,9 @@ T = batch x seq tokens, N parameters, L layers, d attention width, S sequence le
   short (a small batch, a slow host), and the planner prices it ([Note: deferred moments] in docs/design.md).
   Measured on the H100 box, 3.6B all-host batch 8: 1.088 s with it, 1.240 s storing m and v in the pass (commits
   0.52-0.58 s per step in a 1.09 s step). The adaptive master share is priced from where it starts, none (its
-  gain measured there: 1.088 against 1.099 s with it off). Without clipping the remainder is priced as a fused
-  pass (measured 0.978 s against 0.990 predicted on the H200 box, its commits inside the forward).
+  gain measured there: 1.088 against 1.099 s with it off). Without clipping the remainder is priced as a
+  verdict-known pass and its commits as hidden (the H200 box's 3.6B all-host row measured 0.978 s, predicted
+  0.919; its commits ran inside the forward).
 """
 
 from __future__ import annotations
@@ -273,7 +275,7 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     cpu_s = spec + rem
     if clipping_every_step:  # the whole pass after the verdict, and the commits its deferred stores leave
         spec = 0.0
-        rem = sum(verdict_pass_seconds(plan_like, p, ranks)) + bucket_task_seconds(plan_like)
+        rem = sum(verdict_pass_seconds(plan_like, p, ranks)) + tasks
         if plan_like.deferred_landing_bytes:  # stored in the worker's idle time, beside the backward's landing DMA
             commit_s = host * (verdict_pass_bytes(plan_like)[1] / (FULL_STEP_BYTES * rate) + 2 / host_bw)
     peer = p.peer_gbps or PEER_GBPS_ASSUMED
