@@ -21,7 +21,7 @@ from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
 from .planning.calibration import MeasuredStep, calibrate_rates
 from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
-from .planning.memory_model import ModelShape, PlanLike, estimate
+from .planning.memory_model import PlanLike
 from .planning.plan import OffloadPlan
 from .planning.planner import (
     CALIBRATION_STEPS,
@@ -387,7 +387,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             return
         workload = self._planning_workload(self._fitted)
         plan = self.plan
-        est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
+        est = workload.estimate(PlanLike.from_plan(plan))
         self._budget = calibrated_budget(self._budget, predicted_required=est.gpu_required_bytes, measured_need=need,
                                          largest_block=est.largest_block_bytes)
         gib = 1024**3
@@ -403,7 +403,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                            "with the plan as it is", CALIBRATION_STEPS, need / gib, why)
         if workload.layer_checkpointing:  # [Note: kept layers]: room the model did not see goes to them
             plan = self.plan
-            layers = ModelShape.from_config(workload.model).num_layers
+            layers = workload.shape.num_layers
             kept = most_kept_layers(plan, workload, self._budget, 1, layers)
             if kept > plan.kept_layers:
                 logger.info("hf_superoffload: the measured peak leaves room: %d decoder layer(s) keep their "

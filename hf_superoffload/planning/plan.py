@@ -174,14 +174,26 @@ class OffloadPlan:
     master_buckets: int = 0
     kept_layers: int = 0
     bucket_size_mb: float = 32.0
+    # the buckets split by placement, filled on first use: the planner's search reads them on every candidate plan
+    # (thousands per ``make_plan``), and ``dataclasses.replace`` starts a new plan without them
+    _split: tuple[tuple[BucketSpec, ...], tuple[BucketSpec, ...]] | None = field(
+        default=None, init=False, repr=False, compare=False)
+
+    def _by_placement(self) -> tuple[tuple[BucketSpec, ...], tuple[BucketSpec, ...]]:
+        if self._split is None:
+            split = (tuple(b for b in self.buckets if b.placement is Placement.HOST),
+                     tuple(b for b in self.buckets if b.placement is Placement.DEVICE))
+            object.__setattr__(self, "_split", split)
+            return split
+        return self._split
 
     @property
     def host_buckets(self) -> tuple[BucketSpec, ...]:
-        return tuple(b for b in self.buckets if b.placement is Placement.HOST)
+        return self._by_placement()[0]
 
     @property
     def device_buckets(self) -> tuple[BucketSpec, ...]:
-        return tuple(b for b in self.buckets if b.placement is Placement.DEVICE)
+        return self._by_placement()[1]
 
     def host_bytes(self) -> int:
         """Host RAM for optimizer state and the DMA buffers."""

@@ -11,7 +11,14 @@ from typing import Any
 
 from ..config import SuperOffloadConfig
 from .hardware import HardwareProfile
-from .memory_model import ENGINE_HOST_BYTES_PER_PARAM, ModelShape, PlanLike, bisect_largest, estimate
+from .memory_model import (
+    ENGINE_HOST_BYTES_PER_PARAM,
+    MemoryEstimate,
+    ModelShape,
+    PlanLike,
+    bisect_largest,
+    estimate,
+)
 from .plan import (
     BucketSpec,
     CastSide,
@@ -88,18 +95,33 @@ class Workload:
     """Micro-batches per optimizer step when known (the Trainer's ``gradient_accumulation_steps``, ``plan
     --grad-accum``): the search then prices the step they make, and weighs summing gradients on the host against
     the device ([Note: one search over the plan]); ``None``: one, or an unknown count with ``accumulation``."""
+    # ``model``'s shape, read once: the search prices thousands of plans of one workload, and reading a
+    # transformers config's fields is slow; ``dataclasses.replace`` starts a new workload without it
+    _shape: ModelShape | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ValueError(f"micro_batches={self.micro_batches}: use the micro-batches per optimizer step (>= 1) "
                              "or None")
 
+    @property
+    def shape(self) -> ModelShape:
+        """``model`` as a :class:`ModelShape`."""
+        if self._shape is None:
+            object.__setattr__(self, "_shape", ModelShape.from_config(self.model))
+            assert self._shape is not None
+        return self._shape
+
+    def estimate(self, plan_like: PlanLike) -> MemoryEstimate:
+        """The memory model's estimate of ``plan_like`` for this workload."""
+        return estimate(self.shape, plan_like=plan_like, **self.estimate_kwargs())
+
     def step_time(self, plan_like: PlanLike, profile: HardwareProfile, *, world_size: int = 1,
                   clipping_every_step: bool = False, micro_batches: int | None = None) -> StepTime | None:
         """The roofline's step ([Note: step-time roofline]) of ``plan_like`` for this workload on ``profile``:
         ``world_size`` ranks on this host (data parallel over the sequence-parallel groups), ``micro_batches`` in
         place of the workload's own; ``None`` when the profile lacks a rate."""
-        return predict_step_time(ModelShape.from_config(self.model), plan_like, profile, batch_size=self.batch_size,
+        return predict_step_time(self.shape, plan_like, profile, batch_size=self.batch_size,
                                  seq_len=self.seq_len, grad_ckpt=self.grad_ckpt,
                                  sequence_parallel=self.sequence_parallel,
                                  data_parallel=max(1, world_size // self.sequence_parallel),
@@ -150,21 +172,31 @@ def _partition(numels: tuple[int, ...], bucket_numel: int) -> tuple[tuple[tuple[
     return groups, tuple(sum(numels[i] for i in g) for g in groups)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)
+def _all_on_host(numels: tuple[int, ...], bucket_numel: int, world_size: int,
+                 rank: int) -> tuple[tuple[BucketSpec, ...], tuple[int, ...]]:
+    """Every bucket placed on the host, and the running sum of the shards before each (and of all, last): a tail's
+    host buckets are a prefix of these, the same objects for every tail."""
+    groups, sizes = _partition(numels, bucket_numel)
+    buckets: list[BucketSpec] = []
+    starts = [0]
+    for k, (g, size) in enumerate(zip(groups, sizes, strict=True)):
+        shard = -(-size // world_size)
+        buckets.append(BucketSpec(k, g, size, Placement.HOST, starts[-1], shard, rank * shard))
+        starts.append(starts[-1] + shard)
+    return tuple(buckets), tuple(starts)
+
+
+@functools.lru_cache(maxsize=256)
 def _bucket_specs(numels: tuple[int, ...], bucket_numel: int, n_tail: int, world_size: int,
                   rank: int) -> tuple[tuple[BucketSpec, ...], int, int]:
     """The buckets with the last ``n_tail`` on the device, and this rank's host and device elements."""
-    groups, sizes = _partition(numels, bucket_numel)
-    buckets: list[BucketSpec] = []
-    offsets = [0, 0]  # host, device
-    first_device = len(groups) - n_tail
-    for k, (g, size) in enumerate(zip(groups, sizes, strict=True)):
-        on_device = k >= first_device
-        shard = -(-size // world_size)
-        buckets.append(BucketSpec(k, g, size, Placement.DEVICE if on_device else Placement.HOST, offsets[on_device],
-                                  shard, rank * shard))
-        offsets[on_device] += shard
-    return tuple(buckets), offsets[0], offsets[1]
+    on_host, starts = _all_on_host(numels, bucket_numel, world_size, rank)
+    first = len(on_host) - n_tail
+    base = starts[first]
+    tail = tuple(BucketSpec(b.index, b.param_indices, b.numel, Placement.DEVICE, starts[b.index] - base, b.shard,
+                            b.lo) for b in on_host[first:])
+    return on_host[:first] + tail, base, starts[-1] - base
 
 
 def _tail_count(
@@ -242,7 +274,7 @@ def _fit_tail_to_activations(sizes: Sequence[int], n_tail: int, workload: Worklo
         plan_like = PlanLike(device_numel=tail, host_numel=total - tail, bucket_bytes=bucket_bytes,
                              weight_mode="flow" if weight_mode is WeightMode.FLOW else "stationary",
                              d2h_lead_buckets=d2h_lead(config, len(shards) - k))
-        est = estimate(workload.model, plan_like=plan_like, **workload.estimate_kwargs())
+        est = workload.estimate(plan_like)
         return est.gpu_required_bytes <= free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
 
     if fits(n_tail):
@@ -286,7 +318,7 @@ def _weight_mode(numels: Sequence[int], bucket_bytes: int, config: SuperOffloadC
 
     def need(mode: str) -> int:
         plan_like = PlanLike(host_numel=total, weight_mode=mode, bucket_bytes=bucket_bytes)  # type: ignore[arg-type]
-        return estimate(workload.model, plan_like=plan_like, **workload.estimate_kwargs()).gpu_required_bytes
+        return workload.estimate(plan_like).gpu_required_bytes
 
     stationary = need("stationary")
     if stationary <= free:
@@ -331,8 +363,10 @@ def most_kept_layers(plan: OffloadPlan, workload: Workload, profile: HardwarePro
                      at_most: int) -> int:
     """The most kept layers, up to ``at_most``, with which the device holds ``plan`` for ``workload`` (0 when none
     do, or the plan does not fit even with every layer checkpointed)."""
+    like = PlanLike.from_plan(plan)  # the kept layers change no other field
+
     def holds(k: int) -> bool:
-        return device_holds(dataclasses.replace(plan, kept_layers=k), workload, profile, world_size)[0]
+        return _holds(dataclasses.replace(like, kept_layers=k), workload, profile, world_size)[0]
 
     return bisect_largest_int(0, at_most, holds) if holds(0) else 0
 
@@ -344,7 +378,7 @@ def _with_kept_layers(plan: OffloadPlan | None, workload: Workload | None, profi
             or not workload.grad_ckpt or plan.weight_mode is WeightMode.FLOW or workload.keep_attention
             or workload.sequence_parallel > 1 or workload.mlp_tile_tokens is not None):
         return plan
-    layers = ModelShape.from_config(workload.model).num_layers
+    layers = workload.shape.num_layers
     kept = most_kept_layers(plan, workload, profile, world_size, layers)
     if not kept:
         return plan
@@ -692,8 +726,13 @@ def device_holds(plan: OffloadPlan | None, workload: Workload, profile: Hardware
 
     if plan is None:
         return False, "the host RAM does not hold the rest"
+    return _holds(PlanLike.from_plan(plan), workload, profile, world_size)
+
+
+def _holds(like: PlanLike, workload: Workload, profile: HardwareProfile, world_size: int) -> tuple[bool, str]:
+    """:func:`device_holds` of a plan's ``PlanLike``."""
     gib = 1024**3
-    est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
+    est = workload.estimate(like)
     free = profile.device_free_bytes
     assert free is not None
     budget = free * (1.0 - _DEVICE_MARGIN) - (_COLLECTIVES_BYTES if world_size > 1 else 0)
@@ -856,7 +895,7 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
         held = PlanLike.from_plan(shrunk)
         if host_arena_numel is not None and host_arena_numel > shrunk.host_numel:
             held = dataclasses.replace(held, host_numel=host_arena_numel)
-        est = estimate(workload.model, plan_like=held, **workload.estimate_kwargs())
+        est = workload.estimate(held)
         during = max(4 * shrunk.host_numel, 4 * shrunk.device_numel)  # one regrown arena, or one staged arena
         if host is not None and est.host_peak_bytes + during > host:
             return None
@@ -896,7 +935,7 @@ def grow_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *
         return grown
     # during the move the host arenas stay as they are ([Note: the host arenas keep their size] in
     # runtime/tail_move.py) while one arena of the old tail at a time waits on the host
-    est = estimate(workload.model, plan_like=PlanLike.from_plan(plan), **workload.estimate_kwargs())
+    est = workload.estimate(PlanLike.from_plan(plan))
     return grown if est.host_peak_bytes + 4 * plan.device_numel <= host else None
 
 
