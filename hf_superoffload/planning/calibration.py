@@ -102,7 +102,8 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
     """[Note: calibrating the rates]: ``profile`` with its GEMM and CPU Adam rates restated from ``measured``, one
     step of ``plan`` on ``workload`` (its micro-batches as measured); ``None`` when the profile lacks the rates the
     roofline needs. One process."""
-    t = workload.step_time(PlanLike.from_plan(plan), profile, clipping_every_step=measured.clipped,
+    like = PlanLike.from_plan(plan)
+    t = workload.step_time(like, profile, clipping_every_step=measured.clipped,
                            micro_batches=measured.micro_batches)
     if t is None:
         return None
@@ -131,13 +132,13 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
         pass_clipped = measured.clipped if measured.pass_clipped is None else measured.pass_clipped
         floor = measured.cpu_s / RATE_CLAMP
         if pass_clipped:
-            cpu = _clamp(verdict_pass_rate_factor(PlanLike.from_plan(plan), profile, measured.cpu_s, floor_s=floor))
+            cpu = _clamp(verdict_pass_rate_factor(like, profile, measured.cpu_s, floor_s=floor))
         else:
             unclipped = t if not measured.clipped else workload.step_time(
-                PlanLike.from_plan(plan), profile, micro_batches=measured.micro_batches)
+                like, profile, micro_batches=measured.micro_batches)
             assert unclipped is not None  # the same profile priced t
             # the measured seconds are the Adam calls': the buckets' fixed cost, outside them, is no rate's
-            cpu = _clamp((unclipped.cpu_s - bucket_task_seconds(PlanLike.from_plan(plan))) / measured.cpu_s)
+            cpu = _clamp((unclipped.cpu_s - bucket_task_seconds(like)) / measured.cpu_s)
     for name, f in (("GEMM", gemm), ("CPU Adam", cpu)):
         if f is not None and f in (RATE_CLAMP, 1.0 / RATE_CLAMP):
             notes.append(f"{name} rate off by more than {RATE_CLAMP:.0f}x: the profile describes another machine "

@@ -225,7 +225,7 @@ class OffloadPlan:
         lines = [
             "hf_superoffload plan:",
             f"  buckets: {len(self.buckets)} ({len(self.host_buckets)} host, {len(self.device_buckets)} device tail) "
-            f"of {self.bucket_size_mb:g} MB, or one larger parameter each",
+            f"of at most {self.bucket_size_mb:g} MB (a small model gets smaller ones), or one larger parameter each",
             f"  optimizer state: {self.host_numel / 1e6:.1f}M params on host ({self.host_bytes() / gib:.2f} GiB), "
             f"{self.device_numel / 1e6:.1f}M on device ({self.device_bytes() / gib:.2f} GiB)",
             f"  weights: {self.weight_mode.value}; casts on {self.cast_side.value}; rollback: {self.rollback.value}"

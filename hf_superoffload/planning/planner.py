@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -511,30 +512,36 @@ def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None, pr
             if n not in seen:
                 seen.add(n)
                 sizes.append(mb)
+    moments = _moment_stores_searched(config)
+
+    def summing(a: bool | str) -> bool:
+        return a is True or (a == "auto" and workload.accumulation)
+
+    def runs(w: str, c: str, a: bool | str, mb: float | None, d: bool | str | None) -> bool:
+        if w == "flow" and (c == "gpu" or a is False):
+            # weight flow streams from the CPU cast's staging arena, and the device would hold every streamed
+            # weight's gradient were the micro-batches summed there: what flow exists to avoid
+            return False
+        # [Note: bucket size]: a host-accumulated micro-batch's copies in flight on the device are bounded by the D2H
+        # backlog, not by the buckets the memory model counts; those plans keep the rules' size
+        if summing(a) and mb != (sizes[0] if sizes else None):
+            return False
+        # [Note: deferred moments] in docs/design.md: where the rules would defer the moment stores, the fused pass
+        # is the other candidate (the commits cost where the backward is short beside the pass)
+        weighed = w == "stationary" and not summing(a) and world_size == 1 and moments
+        return d in (("auto", False) if weighed else (None,))
+
     out: list[tuple[str, SuperOffloadConfig]] = []
-    for w in weights:
-        for c in casts:
-            if w == "flow" and c == "gpu":
-                continue  # weight flow streams from the CPU cast's staging arena
-            for a in accs:
-                if w == "flow" and a is False:
-                    continue  # the device would hold every streamed weight's gradient: what flow exists to avoid
-                acc = "" if a == "auto" else ", accumulating on the host" if a else ", accumulating on the device"
-                fixed = config.replace(weight_placement=w, cast_side=c, accumulate_on_host=a)
-                # [Note: bucket size]: a host-accumulated micro-batch's copies in flight on the device are bounded by
-                # the D2H backlog, not by the buckets the memory model counts; those plans keep the rules' size
-                summing = a is True or (a == "auto" and workload.accumulation)
-                # [Note: deferred moments] in docs/design.md: where the rules would defer the moment stores, the
-                # fused pass is the other candidate (the commits cost where the backward is short beside the pass)
-                defers = (["auto", False] if w == "stationary" and not summing and world_size == 1
-                          and _moment_stores_searched(config) else [None])
-                for mb in (sizes[:1] if summing else sizes) or [None]:
-                    for d in defers:
-                        label = f"{w} weights, {c} cast{acc}" + (f", {mb:g} MB buckets" if len(sizes) > 1 else "")
-                        label += {"auto": ", deferred moment stores", False: ", moments stored in the pass",
-                                  None: ""}[d]
-                        one = fixed if mb is None else fixed.replace(bucket_size_mb=mb)
-                        out.append((label, one if d is None else one.with_overrides(defer_moments=d)))
+    for w, c, a, mb, d in itertools.product(weights, casts, accs, sizes or [None], ("auto", False, None)):
+        if not runs(w, c, a, mb, d):
+            continue
+        label = f"{w} weights, {c} cast"
+        label += {"auto": "", True: ", accumulating on the host", False: ", accumulating on the device"}[a]
+        label += f", {mb:g} MB buckets" if len(sizes) > 1 else ""
+        label += {"auto": ", deferred moment stores", False: ", moments stored in the pass", None: ""}[d]
+        one = config.replace(weight_placement=w, cast_side=c, accumulate_on_host=a)
+        one = one if mb is None else one.replace(bucket_size_mb=mb)
+        out.append((label, one if d is None else one.with_overrides(defer_moments=d)))
     return out
 
 

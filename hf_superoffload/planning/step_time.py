@@ -270,12 +270,12 @@ def predict_step_time(shape: ModelShape, plan_like: PlanLike, profile: HardwareP
     # its landing DMA (a short backward beside a long pass: 3.6B all-host at batch 2 measured 0.860 s a step, the
     # whole pass priced beside the DMA said 1.198)
     done = min(1.0, max(0.0, w_b - latency) / beside) if beside > 0 else 1.0
+    after = sum(verdict_pass_seconds(plan_like, p, ranks)) + tasks  # the whole pass, verdict known
     spec = done * beside
-    rem = (1.0 - done) * (sum(verdict_pass_seconds(plan_like, p, ranks)) + tasks)
+    rem = (1.0 - done) * after
     cpu_s = spec + rem
     if clipping_every_step:  # the whole pass after the verdict, and the commits its deferred stores leave
-        spec = 0.0
-        rem = sum(verdict_pass_seconds(plan_like, p, ranks)) + tasks
+        spec, rem = 0.0, after
         if plan_like.deferred_landing_bytes:  # stored in the worker's idle time, beside the backward's landing DMA
             commit_s = host * (verdict_pass_bytes(plan_like)[1] / (FULL_STEP_BYTES * rate) + 2 / host_bw)
     peer = p.peer_gbps or PEER_GBPS_ASSUMED
