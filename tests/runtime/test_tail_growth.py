@@ -218,7 +218,7 @@ def test_the_grown_plan_is_make_plans_for_that_tail() -> None:
     fresh = make_plan(numels, element_size=2, config=config.replace(gpu_resident_buckets=k), profile=larger,
                       workload=workload)
     for field in dataclasses.fields(grown):
-        if field.name != "notes":
+        if field.compare and field.name != "notes":  # not the plan's caches
             assert getattr(grown, field.name) == getattr(fresh, field.name), field.name
     # the moved buckets are the last host buckets; the other host buckets stay where they were
     n_host = len(grown.host_buckets)

@@ -205,7 +205,7 @@ def test_the_shrunk_plan_is_make_plans_for_that_tail(device_budget) -> None:
     k = len(shrunk.device_buckets)
     assert 0 < k < len(plan.device_buckets)
     for field in dataclasses.fields(shrunk):
-        if field.name != "notes":
+        if field.compare and field.name != "notes":  # not the plan's caches
             fresh = make_plan(numels, element_size=2, config=config.replace(gpu_resident_buckets=k), profile=profile,
                               workload=long)
             assert getattr(shrunk, field.name) == getattr(fresh, field.name), field.name
