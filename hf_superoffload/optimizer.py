@@ -19,7 +19,7 @@ from . import ops
 from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_default_causal_lm_loss
 from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
-from .planning.calibration import MeasuredStep, calibrate_rates
+from .planning.calibration import MeasuredStep, calibrate_from_passes
 from .planning.hardware import HardwareProfile, cuda_free_bytes, with_known_rates
 from .planning.memory_model import PlanLike
 from .planning.plan import OffloadPlan
@@ -38,6 +38,7 @@ from .planning.thread_trial import IterationSample, ThreadTrial
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
+from .runtime.telemetry import PassRecord
 from .runtime.validation import GroupHypers, SpeculationGovernor, StepVerdict
 from .state import engine_state_dict, load_engine_state, validate_engine_state
 
@@ -180,6 +181,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._steps_taken = 0
         self._forwards = self._step_forwards = 0  # training forwards since the last step, and in it
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
+        # the whole host passes of the last two steps before the calibration ([Note: calibrating the rates])
+        self._passes: tuple[PassRecord | None, ...] = ()
         self._trial: ThreadTrial | None = None  # [Note: the thread trial] in planning/thread_trial.py
         self.calibration: dict[str, Any] | None = None
         """What the calibration measured and changed (kept layers and device buckets, before and after, and how
@@ -457,14 +460,15 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if (stats is None or w is None or budget is None or self._comm is not None or stats.iteration_s <= 0
                 or stats.verdict == StepVerdict.SKIP.value):
             return None
-        passed = stats.host_pass  # the step before the last one: its pass is the last one complete
-        measured = MeasuredStep(stats.iteration_s, stats.wait_s, passed.adam_s if passed is not None else 0.0,
-                                clipped=stats.verdict == StepVerdict.REDO.value,
-                                undid=passed is not None and passed.undid,
-                                micro_batches=max(1, self._step_forwards),
-                                pass_clipped=passed is not None and passed.clipped)
+        # the passes of the two steps before the last one, each complete by the step after it: the faster counts
+        candidates = [MeasuredStep(stats.iteration_s, stats.wait_s, passed.adam_s if passed is not None else 0.0,
+                                   clipped=stats.verdict == StepVerdict.REDO.value,
+                                   undid=passed is not None and passed.undid,
+                                   micro_batches=max(1, self._step_forwards),
+                                   pass_clipped=passed is not None and passed.clipped)
+                      for passed in (self._passes or (stats.host_pass,))]
         w = self._planning_workload(w)
-        cal = calibrate_rates(budget, plan=self.plan, workload=w, measured=measured)
+        cal = calibrate_from_passes(budget, plan=self.plan, workload=w, candidates=candidates)
         if cal is None:
             return None
         self._budget = dataclasses.replace(budget, matmul_tflops=cal.profile.matmul_tflops,
@@ -472,9 +476,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         factors = ", ".join(f"{name} rate x{f:.2f}" for name, f in (("GEMM", cal.gemm_factor),
                                                                      ("CPU Adam", cal.cpu_factor)) if f is not None)
         logger.info("hf_superoffload: step %d took %.3f s over %d micro-batch(es), %.3f s predicted; %s%s",
-                    self._steps_taken, cal.measured_step_s, measured.micro_batches, cal.predicted_step_s,
+                    self._steps_taken, cal.measured_step_s, candidates[0].micro_batches, cal.predicted_step_s,
                     factors or "rates kept", "".join(f"; {n}" for n in cal.notes))
-        return {**cal.as_record(), "micro_batches": measured.micro_batches}
+        return {**cal.as_record(), "micro_batches": candidates[0].micro_batches}
 
     def _fit(self, workload: Workload, what: str) -> tuple[bool, str]:
         """Make the plan hold ``workload`` on the device budget: as it is, with fewer kept layers, or with device
@@ -596,6 +600,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             raise
         self.last_grad_norm = stats.grad_norm
         self._steps_taken += 1
+        if not self._calibrated:
+            self._passes = (*self._passes[-1:], stats.host_pass)
         self._step_forwards, self._forwards = self._forwards, 0
         if self._trial is not None:
             self._trial_step(stats)

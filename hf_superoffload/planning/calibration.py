@@ -12,9 +12,10 @@ step's verdict says) and restates the two rates by the ratio of predicted to mea
   device tail's AdamW, against the predicted compute of its micro-batches. Only where the roofline says the
   micro-batches are compute-bound (with the link or host memory binding them, the ratio would say nothing of the
   GEMMs);
-* the CPU: the worker's Adam seconds of one step's whole host pass (``StepStats.host_pass``: the pass of the
-  step before the last, the last one complete when the calibration runs) against the roofline's pass of that
-  step: with clipping, the whole pass after the verdict (the rate restated so that its Adam share fills what the
+* the CPU: the worker's Adam seconds of one step's whole host pass (``StepStats.host_pass``: the passes of the
+  two steps before the last, the last ones complete when the calibration runs; the faster counts, as a pass runs
+  slower than the host can, never faster: one step 2x slower than its neighbours once clamped the rate on an H100
+  box) against the roofline's pass of that step: with clipping, the whole pass after the verdict (the rate restated so that its Adam share fills what the
   uploads beside it leave of the measured seconds: ``step_time.verdict_pass_seconds``, the roofline's own
   split); else the speculative and remaining passes. The host buckets' fixed cost (``step_time.BUCKET_TASK_S``
   each) lies outside the Adam calls the measurement times, so the roofline's side leaves it out. Only for a
@@ -22,7 +23,7 @@ step's verdict says) and restates the two rates by the ratio of predicted to mea
   ``cpu_s``: that counts the passes that end between two ``step()`` calls, and a pass overlapping the next
   forward lands in either (measured on an H100 box at 8B: 0.05 s in the second iteration against 0.47 s of a
   steady pass, which clamped the rate to twice the truth), and not the first step's pass either (first-touch
-  work made it 1.4-2.8x a steady one there): hence three steps before the calibration.
+  work made it 1.4-2.8x a steady one there): hence four steps before the calibration.
 
 A ratio is clamped to ``[1 / RATE_CLAMP, RATE_CLAMP]``: one step is a noisy measurement, and a larger correction
 means the profile describes another machine, which the log says. The restated profile is what the optimizer's
@@ -32,6 +33,7 @@ re-plan uses, and the record (``optimizer.calibration["timing"]``) keeps predict
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .hardware import HardwareProfile
@@ -40,7 +42,7 @@ from .plan import OffloadPlan
 from .planner import Workload
 from .step_time import bucket_task_seconds, verdict_pass_rate_factor
 
-__all__ = ["RATE_CLAMP", "MeasuredStep", "RateCalibration", "calibrate_rates"]
+__all__ = ["RATE_CLAMP", "MeasuredStep", "RateCalibration", "calibrate_from_passes", "calibrate_rates"]
 
 RATE_CLAMP = 2.0
 """The largest factor by which one measured step restates a rate."""
@@ -150,3 +152,23 @@ def calibrate_rates(profile: HardwareProfile, *, plan: OffloadPlan, workload: Wo
         cpu_adam_gparams=profile.cpu_adam_gparams * (cpu or 1.0),
     )
     return RateCalibration(t.step_s, measured.iteration_s, gemm, cpu, restated, tuple(notes))
+
+
+def calibrate_from_passes(profile: HardwareProfile, *, plan: OffloadPlan, workload: Workload,
+                          candidates: Sequence[MeasuredStep]) -> RateCalibration | None:
+    """:func:`calibrate_rates` of one step measured with each of several whole host passes (``candidates``: the
+    same step, ``cpu_s``, ``undid`` and ``pass_clipped`` of each pass), keeping the one that restates the CPU Adam
+    rate fastest: a pass runs slower than the host can, never faster (another process, page faults, a descheduled
+    thread), so of two the faster is the nearer measurement ([Note: calibrating the rates])."""
+    cals = [c for m in candidates if (c := calibrate_rates(profile, plan=plan, workload=workload, measured=m))]
+    if not cals:
+        return None
+    rated = [c for c in cals if c.cpu_factor is not None]
+    if not rated:
+        return cals[0]
+    best = max(rated, key=lambda c: c.cpu_factor or 0.0)
+    if len(rated) > 1:
+        others = ", ".join(f"x{c.cpu_factor:.2f}" for c in rated if c is not best)
+        best = dataclasses.replace(best, notes=(*best.notes, f"CPU Adam rate from the faster of {len(rated)} "
+                                                f"passes (the other: {others})"))
+    return best

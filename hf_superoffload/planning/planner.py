@@ -823,10 +823,11 @@ def refuse_unless_fits(plan: OffloadPlan, numels: Sequence[int], *, element_size
 # the allocator can then always take fresh from the driver, and the changed layout starts from an emptied cache.
 CALIBRATED_MARGIN = 0.02
 """Share of the free device memory kept spare above a measured peak (what the next steps may fragment more)."""
-CALIBRATION_STEPS = 3
-"""Optimizer steps measured before the calibration: the last one's iteration holds the second step's whole CPU pass,
-the first one complete and steady (the first step's pass pays first-touch work; [Note: calibrating the rates] in
-calibration.py), and its uploads overlap a forward, as every later step's do."""
+CALIBRATION_STEPS = 4
+"""Optimizer steps measured before the calibration: the last two iterations hold the second and third steps' whole
+CPU passes, the first ones complete and steady (the first step's pass pays first-touch work), of which the faster
+counts ([Note: calibrating the rates] in calibration.py); the last step's uploads overlap a forward, as every later
+step's do."""
 
 
 def calibrated_budget(profile: HardwareProfile, *, predicted_required: int, measured_need: int,

@@ -12,8 +12,13 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload import optimizer as optimizer_module
 from hf_superoffload.planning import hardware
-from hf_superoffload.planning.calibration import RATE_CLAMP, MeasuredStep, calibrate_rates
+from hf_superoffload.planning.calibration import (
+    RATE_CLAMP,
+    MeasuredStep,
+    calibrate_from_passes,
+)
 from hf_superoffload.planning.planner import CALIBRATION_STEPS
 from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps
 
@@ -37,6 +42,13 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     data = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range((CALIBRATION_STEPS + 1) * accum)]
     told: list[str] = []
     opt.calibration_listeners.append(told.append)
+    seen: list[list[MeasuredStep]] = []  # what the optimizer hands the calibration
+
+    def spy(*args: object, candidates: list[MeasuredStep], **kw: object) -> object:
+        seen.append(list(candidates))
+        return calibrate_from_passes(*args, candidates=candidates, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(optimizer_module, "calibrate_from_passes", spy)
     with caplog.at_level(logging.INFO, logger="hf_superoffload"):
         steps = train_steps(model, opt, data, accumulation=accum)
     assert opt.calibration is not None
@@ -49,14 +61,17 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     assert passed is not None and passed.adam_s > 0 and last.pass_s == passed.wall_s > 0
     before = steps[CALIBRATION_STEPS - 2].stats
     assert passed.clipped == (before.verdict == "redo") and passed.undid == (before.wasted_buckets > 0)
-    # the same comparison, made here from the recorded steps, gives the recorded factors
+    # the same comparison, made here from the recorded steps with each of the last two passes, gives the recorded
+    # factors: the faster pass's
     w = opt.workload
     assert w is not None
-    expect = calibrate_rates(profile, plan=opt.plan, workload=w,
-                             measured=MeasuredStep(last.iteration_s, last.wait_s, passed.adam_s,
-                                                   clipped=last.verdict == "redo", undid=passed.undid,
-                                                   micro_batches=accum, pass_clipped=passed.clipped))
+    two = [steps[CALIBRATION_STEPS - 2].stats.host_pass, passed]
+    assert all(p is not None and p.adam_s > 0 for p in two)
+    measured = [MeasuredStep(last.iteration_s, last.wait_s, p.adam_s, clipped=last.verdict == "redo", undid=p.undid,
+                             micro_batches=accum, pass_clipped=p.clipped) for p in two if p is not None]
+    expect = calibrate_from_passes(profile, plan=opt.plan, workload=w, candidates=measured)
     assert expect is not None
+    assert len(seen) == 1 and seen[0] == measured  # both passes, the earlier first
     assert (timing["gemm_factor"], timing["cpu_factor"]) == (expect.gemm_factor, expect.cpu_factor)
     # the optimizer's profile stays the one it planned with; the restated rates are the record's
     assert opt.profile.cpu_adam_gparams == profile.cpu_adam_gparams != timing["cpu_adam_gparams"]

@@ -10,7 +10,12 @@ import pytest
 
 from hf_superoffload.config import SuperOffloadConfig
 from hf_superoffload.plan_cli import arrival_numels, load_model_config, resolve_profile
-from hf_superoffload.planning.calibration import RATE_CLAMP, MeasuredStep, calibrate_rates
+from hf_superoffload.planning.calibration import (
+    RATE_CLAMP,
+    MeasuredStep,
+    calibrate_from_passes,
+    calibrate_rates,
+)
 from hf_superoffload.planning.memory_model import ModelShape, PlanLike
 from hf_superoffload.planning.planner import Workload, make_plan
 from hf_superoffload.planning.step_time import bucket_task_seconds, predict_step_time, verdict_pass_seconds
@@ -151,3 +156,24 @@ def test_the_buckets_fixed_cost_is_not_the_rates() -> None:
     adam = 1.3 * (t.cpu_s - bucket_task_seconds(few))
     m = MeasuredStep(iteration_s=t.step_s, wait_s=t.exposed_s, cpu_s=adam, clipped=False, undid=False)
     assert _calibrate(shape, plan, profile, m).cpu_factor == pytest.approx(1 / 1.3, rel=1e-9)
+
+
+@pytest.mark.parametrize("noisy", [0, 1], ids=["first_pass_noisy", "last_pass_noisy"])
+def test_of_two_passes_the_faster_restates_the_cpu_rate(noisy: int) -> None:
+    """A pass runs slower than the host can, never faster: of the two measured, the faster one counts, whichever it
+    is and whatever the verdicts of their steps (a clipped pass is priced as one); one that undid work does not."""
+    shape, plan, profile = _plan()
+    t = _predicted(shape, plan, profile, True)
+    steady = _whole_pass(plan, profile) / 0.8  # this host's Adam runs at 0.8x the profile's rate
+    passes = [MeasuredStep(iteration_s=t.step_s, wait_s=t.exposed_s, cpu_s=steady, clipped=True, undid=False)] * 2
+    passes[noisy] = dataclasses.replace(passes[noisy], cpu_s=1.2 * steady)  # another process took the cores
+    workload = Workload(shape, BATCH, SEQ, True)
+    alone = [_calibrate(shape, plan, profile, m).cpu_factor for m in passes]  # each pass by itself
+    assert RATE_CLAMP**-1 < alone[noisy] < alone[1 - noisy] < 0.9
+    cal = calibrate_from_passes(profile, plan=plan, workload=workload, candidates=passes)
+    assert cal is not None and cal.cpu_factor == alone[1 - noisy]
+    assert any("faster of 2 passes" in n for n in cal.notes), cal.notes
+    # a pass that undid work tells nothing of the rate, however fast
+    undone = dataclasses.replace(passes[1 - noisy], cpu_s=0.5 * steady, undid=True)
+    cal = calibrate_from_passes(profile, plan=plan, workload=workload, candidates=[undone, passes[noisy]])
+    assert cal is not None and cal.cpu_factor == alone[noisy]
