@@ -214,22 +214,30 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
     _finish(rec, times, batch, accum, seq, n, cfg, device)
     if system in OURS:
         _describe(rec, opt, model, batch, seq, accum)
-        if cuda:  # one more step, phase by phase (each phase waits for the GPU): where the time goes
+        if cuda:  # one more step, phase by phase (each phase waits for the GPU): where the time and memory go
             phases: dict[str, float] = {}
+            peaks: dict[str, float] = {}  # each phase's max_memory_allocated, beside the memory model's phases
+            torch.cuda.reset_peak_memory_stats(device)
             t = time.perf_counter()
             loss = loss_of(batches[-1])
             torch.cuda.synchronize(device)
             phases["forward_s"] = time.perf_counter() - t
+            peaks["loss"] = torch.cuda.max_memory_allocated(device) / 1e9
+            torch.cuda.reset_peak_memory_stats(device)
             t = time.perf_counter()
             loss.backward()
             torch.cuda.synchronize(device)
             phases["backward_s"] = time.perf_counter() - t
+            peaks["backward"] = torch.cuda.max_memory_allocated(device) / 1e9
+            torch.cuda.reset_peak_memory_stats(device)
             t = time.perf_counter()
             update()
             opt.synchronize()  # here the whole CPU pass, with nothing to overlap it
             torch.cuda.synchronize(device)
             phases["step_and_pass_s"] = time.perf_counter() - t
+            peaks["step"] = torch.cuda.max_memory_allocated(device) / 1e9
             rec["phases"] = phases
+            rec["phase_peak_gpu_gb"] = peaks
         if profile_dir:  # one more step under torch.profiler, every thread: where the time goes
             sys.path.insert(0, str(Path(__file__).parent))
             import suite  # its module body imports only the standard library
@@ -371,6 +379,8 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clippe
     step = predict_step_time(shape, plan_like, rates, batch_size=batch, seq_len=seq,
                              grad_ckpt=True, clipping_every_step=clipped, micro_batches=accum)
     return {"rates": rates.name, "gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": host.host_expected_bytes / 1e9,
+            "gpu_phases_gb": {phase: {k: round(v / 1e9, 3) for k, v in parts.items()}
+                              for phase, parts in est.gpu_phases.items()},
             "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s,
             "micro_batch_s": None if step is None else step.micro_batch_s,
             "optimizer_step_s": None if step is None else step.step_s}
