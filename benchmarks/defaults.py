@@ -23,7 +23,9 @@ A row spec is ``PRESET:BATCH[:ACCUM[:LAYERS]]`` (LAYERS overrides the preset's d
 Each record: median/min/max seconds per optimizer step over the timed steps, tokens/s, MFU (6N + 6 L d s per token
 over 989 TFLOP/s), peak GPU memory (``max_memory_allocated``), peak host RSS, what lives on the host (parameters
 and GB of optimizer state), and the planner's own predictions for the plan it made (step time, peak GPU, host) so
-predicted and measured sit side by side. A baseline that runs out of memory is recorded as ``oom``.
+predicted and measured sit side by side. A baseline that runs out of memory is recorded as ``oom``. On a GPU, ours
+then run one more step phase by phase: the forward, backward and step seconds (``phases``) and each phase's peak
+GPU memory (``phase_peak_gpu_gb``: loss, backward, step) beside the memory model's (``predicted.gpu_phases_gb``).
 """
 
 from __future__ import annotations
