@@ -120,17 +120,15 @@ def _largest_by_plan(shape: ModelShape, layered: Any, cfg: SuperOffloadConfig, p
     """The most layers of this width for which the planner's own search finds a plan that fits: the same search,
     and the same check, as the verdict (so a model below the frontier always fits). ``ranks``: ``make_plan``'s
     rank arguments (empty for one process); the fit is checked against one rank's share of the host."""
-    run = workload.estimate_kwargs()
     share = rank_share(profile, ranks.get("local_world_size", 1))
 
     def est_for(layers: int) -> MemoryEstimate | None:
-        s = shape.with_layers(layers)
+        w = dataclasses.replace(workload, model=shape.with_layers(layers))
         try:
-            plan = make_plan(layered(layers), element_size=2, config=cfg, profile=profile,
-                             workload=dataclasses.replace(workload, model=s), **ranks)
+            plan = make_plan(layered(layers), element_size=2, config=cfg, profile=profile, workload=w, **ranks)
         except PlanError:
             return None
-        est = estimate(s, plan_like=PlanLike.from_plan(plan), **run)
+        est = w.estimate(PlanLike.from_plan(plan))
         return est if fits(est, share) else None
 
     best = bisect_largest(1, MAX_LAYERS, lambda layers: est_for(layers) is not None)
