@@ -466,7 +466,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                                    undid=passed is not None and passed.undid,
                                    micro_batches=max(1, self._step_forwards),
                                    pass_clipped=passed is not None and passed.clipped)
-                      for passed in (self._passes or (stats.host_pass,))]
+                      for passed in self._passes]
         w = self._planning_workload(w)
         cal = calibrate_from_passes(budget, plan=self.plan, workload=w, candidates=candidates)
         if cal is None:
