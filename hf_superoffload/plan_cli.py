@@ -273,7 +273,7 @@ def main_plan(args: argparse.Namespace) -> int:
     try:
         plan = make_plan(numels, element_size=2, config=cfg, profile=profile, workload=workload, **ranks)
         plan_like = PlanLike.from_plan(plan)  # the planner already sized the tail for this workload's activations
-        host_est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
+        host_est = workload.estimate(plan_like)
         over = share.host_available_bytes is not None and host_est.host_peak_bytes > share.host_available_bytes
         if over and cfg.rollback == "auto" and plan.rollback.value != "inverse":
             plan = make_plan(numels, element_size=2, config=cfg.replace(rollback="inverse"), profile=profile,
@@ -291,7 +291,7 @@ def main_plan(args: argparse.Namespace) -> int:
                                 clipping_every_step=True, micro_batches=args.grad_accum)
     if step is not None and plan is not None and plan.rollback.value == "snapshot":
         plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
-    est = estimate(shape, plan_like=plan_like, **run, **sp_kw)
+    est = workload.estimate(plan_like)
     frontier: tuple[int | None, int | None] | None = None
     try:
         check_fits(est, share)

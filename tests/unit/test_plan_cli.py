@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -338,3 +339,8 @@ def test_grad_accum_prices_every_micro_batch(capsys):
     assert st["step_s"] == pytest.approx(7 * st["micro_batch_s"] + one["step_time_s"]["step_s"], rel=0.02)
     rc, out, _ = plan(capsys, *args, "--grad-accum", "8")
     assert "8 micro-batches, each before the last" in out
+    # the printed memory is the planner's own, accumulated gradients included: the figure the tail was sized by
+    sized = re.search(r"device tail:.*?, ([\d.]+) of [\d.]+ GiB usable device memory predicted", out)
+    printed = re.search(r"predicted GPU memory: ([\d.]+) GiB required", out)
+    assert sized and printed and sized.group(1) == printed.group(1), out
+    assert "accumulated_gradients" in out
