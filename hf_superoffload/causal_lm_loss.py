@@ -9,9 +9,10 @@ gradient of the logits. That is 12 B per logit element at its peak: 13.9 GiB for
 :func:`chunked_causal_lm_loss` takes the same arguments and returns the same loss. Its forward keeps the model's
 bf16 logits (alive anyway: the LM head made them) and one fp32 log-sum-exp per token; its backward writes the
 bf16 logit gradient chunk by chunk (softmax minus the one-hot target, scaled), holding one fp32 chunk at a time:
-4 B per logit element plus two fp32 chunks. HF's path also ends in a bf16 logit gradient (the upcast's backward
-casts it down), so the gradients agree to bf16 rounding; the loss value differs from HF's only in the fp32 order
-of its sum.
+4 B per logit element plus one fp32 chunk (its forward: the 2 B bf16 logits, an fp32 chunk and logsumexp's fp32
+temporary of it; ``memory_model.estimate`` takes the larger). HF's path also ends in a bf16 logit gradient (the
+upcast's backward casts it down), so the gradients agree to bf16 rounding; the loss value differs from HF's only in
+the fp32 order of its sum.
 
 ``SuperOffloadOptimizer`` installs it (``SuperOffloadConfig.chunked_loss``, on by default) on every
 transformers model in the optimized module whose loss is HF's default ``ForCausalLMLoss`` and that has no loss of

@@ -88,7 +88,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..causal_lm_loss import CHUNK_TOKENS  # two fp32 chunks of logits alive at a time
+from ..causal_lm_loss import CHUNK_TOKENS  # the fp32 chunk of logits alive at a time
 from .hardware import HardwareProfile
 from .plan import CastSide, MasterDeferral, OffloadPlan, PlanError, Rollback, WeightMode
 
@@ -99,7 +99,7 @@ GiB = 1024**3
 RUNTIME_HOST_BYTES = int(1.7e9)  # host RSS of a GPU-only training process (measured at 3.6B)
 ENGINE_HOST_BYTES_PER_PARAM = 0.6  # host RSS per host parameter beyond the arenas (fitted; see the table)
 LOGITS_BYTES_PER_ELEMENT = 12  # transformers' ForCausalLMLoss at its peak: fp32 log_softmax, its gradient, the logits'
-CHUNKED_LOGITS_BYTES_PER_ELEMENT = 4  # causal_lm_loss.py: the bf16 logits it saves and their bf16 gradient
+CHUNKED_LOGITS_BYTES_PER_ELEMENT = 4  # causal_lm_loss.py's backward: the bf16 logits it saves and their bf16 gradient
 INFLIGHT_BUCKETS = 3  # on the GPU at once: one filling, one waiting for its D2H, one upload buffer
 FLOW_RESIDENT_LAYERS = 2  # weight-flow keeps the layer being computed and the one being prefetched
 
@@ -374,7 +374,8 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
             batch 4 x 2048 ran out of memory at the second micro-batch's loss, 5 GiB past the prediction without
             this term).
         chunked_loss: transformers' causal-LM loss is the chunked one of ``causal_lm_loss.py`` (the optimizer
-            installs it by default): 4 B per logit element and two fp32 chunks instead of 12 B per element.
+            installs it by default): 4 B per logit element and one fp32 chunk (its forward: 2 B and two fp32
+            chunks) instead of 12 B per element.
     """
     if batch_size < 1 or seq_len < 1 or sequence_parallel < 1:
         raise ValueError(f"batch_size, seq_len and sequence_parallel must be >= 1, got {batch_size}, {seq_len} "
@@ -419,7 +420,12 @@ def estimate(model_config: Any, *, batch_size: int, seq_len: int, grad_ckpt: boo
     loss = dict(resident, activations=checkpointed * ckpt_bytes + (s.num_layers - checkpointed) * layer_act)
     loss["final_norm"] = (14 if autocast else 8) * h * tokens
     if loss_chunk_tokens is None and chunked_loss:
-        loss["logits"] = (CHUNKED_LOGITS_BYTES_PER_ELEMENT * tokens + 8 * min(tokens, CHUNK_TOKENS)) * s.vocab_size
+        # [Note: chunked causal-LM loss]: its backward holds the saved bf16 logits, their bf16 gradient and one fp32
+        # chunk; its forward the bf16 logits, an fp32 chunk and logsumexp's fp32 temporary of it (the larger at
+        # sequences under two chunks)
+        chunk = min(tokens, CHUNK_TOKENS)
+        backward_peak = CHUNKED_LOGITS_BYTES_PER_ELEMENT * tokens + 4 * chunk
+        loss["logits"] = max(backward_peak, 2 * tokens + 8 * chunk) * s.vocab_size
     else:
         loss["logits"] = LOGITS_BYTES_PER_ELEMENT * min(tokens, loss_chunk_tokens or tokens) * s.vocab_size
     if autocast:

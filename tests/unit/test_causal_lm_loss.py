@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import collections
+import weakref
+from typing import Any
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from hf_superoffload import SuperOffloadOptimizer, causal_lm_loss
@@ -109,3 +114,60 @@ def test_model_loss_and_gradients_with_the_chunked_loss_match_transformers() -> 
     b.loss.backward()
     for (name, p), q in zip(ref.named_parameters(), ours.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=2**-7, atol=1e-6, msg=name)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages that tensors made under this mode keep alive, and their peak: what the caching
+    allocator would count, less what a native op allocates and frees inside itself."""
+
+    def __init__(self, existing: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.old = {t.untyped_storage().data_ptr() for t in existing}  # views of these allocate nothing
+        self.refs: collections.Counter[int] = collections.Counter()
+        self.size: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or (key := t.untyped_storage().data_ptr()) in self.old:
+                continue
+            if self.refs[key] == 0:
+                self.size[key] = t.untyped_storage().nbytes()
+                self.live += self.size[key]
+                self.peak = max(self.peak, self.live)
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            self.live -= self.size.pop(key)
+
+
+def test_the_memory_model_prices_the_loss_backward_as_it_allocates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: chunked causal-LM loss]: the backward holds the saved bf16 logits, their bf16 gradient and one fp32
+    chunk, which is what ``memory_model.estimate`` counts for the loss at sequences of two chunks or more."""
+    from hf_superoffload.planning import memory_model
+
+    chunk, batch, seq, vocab = 128, 2, 512, 4096
+    monkeypatch.setattr(causal_lm_loss, "CHUNK_TOKENS", chunk)
+    monkeypatch.setattr(memory_model, "CHUNK_TOKENS", chunk)
+    logits, labels = _pair(batch, seq, vocab, seed=0)
+    x = logits.requires_grad_(True)
+    forward = _LiveBytes([x, labels])
+    with forward:
+        loss = chunked_causal_lm_loss(x, labels, vocab)
+    backward = _LiveBytes([x, labels, loss])
+    with backward:
+        loss.backward()
+    tokens = batch * seq
+    saved = 2 * tokens * vocab  # the bf16 logits, alive through both
+    held = saved + backward.peak
+    assert held == pytest.approx(2 * saved + 4 * chunk * vocab, rel=0.01)  # their gradient and one fp32 chunk
+    assert saved + forward.peak < held  # logsumexp's own temporary is no op here; the forward stays below
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=vocab)
+    est = memory_model.estimate(shape, batch_size=batch, seq_len=seq, grad_ckpt=True, chunked_loss=True)
+    assert est.gpu_phases["loss"]["logits"] == pytest.approx(held, rel=0.01)
