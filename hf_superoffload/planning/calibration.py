@@ -14,10 +14,10 @@ step's verdict says) and restates the two rates by the ratio of predicted to mea
   GEMMs);
 * the CPU: the worker's Adam seconds of one step's whole host pass (``StepStats.host_pass``: the passes of the
   two steps before the last, the last ones complete when the calibration runs; the faster counts, as a pass runs
-  slower than the host can, never faster: one step 2x slower than its neighbours once clamped the rate on an H100
-  box) against the roofline's pass of that step: with clipping, the whole pass after the verdict (the rate restated so that its Adam share fills what the
-  uploads beside it leave of the measured seconds: ``step_time.verdict_pass_seconds``, the roofline's own
-  split); else the speculative and remaining passes. The host buckets' fixed cost (``step_time.BUCKET_TASK_S``
+  slower than the host can, never faster: one slow pass once clamped the rate on an H100 box) against the
+  roofline's pass of that step: with clipping, the whole pass after the verdict (the rate restated so that its
+  Adam share fills what the uploads beside it leave of the measured seconds: ``step_time.verdict_pass_seconds``,
+  the roofline's own split); else the speculative and remaining passes. The host buckets' fixed cost (``step_time.BUCKET_TASK_S``
   each) lies outside the Adam calls the measurement times, so the roofline's side leaves it out. Only for a
   pass that undid nothing (an undo or redo adds passes the roofline's step does not have). Not the iteration's
   ``cpu_s``: that counts the passes that end between two ``step()`` calls, and a pass overlapping the next
