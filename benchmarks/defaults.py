@@ -25,7 +25,8 @@ over 989 TFLOP/s), peak GPU memory (``max_memory_allocated``), peak host RSS, wh
 and GB of optimizer state), and the planner's own predictions for the plan it made (step time, peak GPU, host) so
 predicted and measured sit side by side. A baseline that runs out of memory is recorded as ``oom``. On a GPU, ours
 then run one more step phase by phase: the forward, backward and step seconds (``phases``) and each phase's peak
-GPU memory (``phase_peak_gpu_gb``: loss, backward, step) beside the memory model's (``predicted.gpu_phases_gb``).
+GPU memory (``phase_peak_gpu_gb``: forward through the loss; loss, which ends when the gradient reaches the final
+norm's output; backward; step) beside the memory model's (``predicted.gpu_phases_gb``).
 """
 
 from __future__ import annotations
@@ -202,16 +203,8 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                 rec["warmup_steps"] = k + 1 - steps
                 break
     except torch.OutOfMemoryError as e:
-        where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
-        rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-6:], oom_step=k)
-        if cuda:  # what the allocator held: fragmentation shows as reserved but unallocated bytes
-            stats = torch.cuda.memory_stats(device)
-            rec["oom_memory_gb"] = {key: stats.get(f"{key}_bytes.all.{kind}", 0) / 1e9
-                                    for key in ("allocated", "reserved") for kind in ("current", "peak")}
-            rec["oom_memory_gb"]["alloc_retries"] = stats.get("num_alloc_retries", 0)
-        if system in OURS:  # the plan the run had reached, and what the calibration changed on the way
-            rec["plan_summary"] = opt.plan.summary()
-            rec["calibration"] = opt.calibration
+        _record_oom(rec, e, device, opt if system in OURS else None)
+        rec["oom_step"] = k
         return rec
     _finish(rec, times, batch, accum, seq, n, cfg, device)
     if system in OURS:
@@ -220,16 +213,28 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
             phases: dict[str, float] = {}
             peaks: dict[str, float] = {}  # each phase's max_memory_allocated, beside the memory model's phases
             torch.cuda.reset_peak_memory_stats(device)
+
+            def _loss_done(grad: Any) -> None:
+                # the gradient reached the final norm's output: the loss's backward (its logits and their
+                # gradient) is over, the model's "loss" phase ends here and its "backward" phase begins
+                peaks["loss"] = max(peaks["forward"], torch.cuda.max_memory_allocated(device) / 1e9)
+                torch.cuda.reset_peak_memory_stats(device)
+
+            def _watch(_module: Any, _args: Any, out: Any) -> None:
+                out.register_hook(_loss_done)
+
+            handle = model.model.norm.register_forward_hook(_watch)
             t = time.perf_counter()
             loss = loss_of(batches[-1])
             torch.cuda.synchronize(device)
             phases["forward_s"] = time.perf_counter() - t
-            peaks["loss"] = torch.cuda.max_memory_allocated(device) / 1e9
+            peaks["forward"] = torch.cuda.max_memory_allocated(device) / 1e9
             torch.cuda.reset_peak_memory_stats(device)
             t = time.perf_counter()
             loss.backward()
             torch.cuda.synchronize(device)
             phases["backward_s"] = time.perf_counter() - t
+            handle.remove()
             peaks["backward"] = torch.cuda.max_memory_allocated(device) / 1e9
             torch.cuda.reset_peak_memory_stats(device)
             t = time.perf_counter()
@@ -333,13 +338,30 @@ def _run_trainer(rec: dict[str, Any], model: Any, batches: list[Any], batch: int
         try:
             trainer.train()
         except torch.OutOfMemoryError as e:
-            rec.update(status="oom", error=str(e).splitlines()[0][:300])
+            _record_oom(rec, e, device, trainer.superoffload_optimizer)
+            rec["oom_step"] = len(stamps)
             return rec
         times = [b - a for a, b in itertools.pairwise(stamps)][warmup:]
         _finish(rec, times, batch, accum, seq, n, model.config, device)
         _describe(rec, trainer.superoffload_optimizer, model, batch, seq, accum)
         trainer.superoffload_optimizer.close()
     return rec
+
+
+def _record_oom(rec: dict[str, Any], e: BaseException, device: Any, opt: Any) -> None:
+    """Where a run ran out of GPU memory, what the allocator held then, and the plan it had reached."""
+    import torch
+
+    where = [f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(e.__traceback__)]
+    rec.update(status="oom", error=str(e).splitlines()[0][:300], oom_at=where[-8:])
+    if device.type == "cuda":  # fragmentation shows as reserved but unallocated bytes
+        stats = torch.cuda.memory_stats(device)
+        rec["oom_memory_gb"] = {key: stats.get(f"{key}_bytes.all.{kind}", 0) / 1e9
+                                for key in ("allocated", "reserved") for kind in ("current", "peak")}
+        rec["oom_memory_gb"]["alloc_retries"] = stats.get("num_alloc_retries", 0)
+    if opt is not None and opt.planned:  # the plan the run had reached, and what the calibration changed
+        rec["plan_summary"] = opt.plan.summary()
+        rec["calibration"] = opt.calibration
 
 
 def _finish(rec: dict[str, Any], times: list[float], batch: int, accum: int, seq: int, n: int, cfg: Any,
