@@ -553,14 +553,24 @@ def _moment_stores_searched(config: SuperOffloadConfig) -> bool:
             and ov.deferred_speculation is not True)
 
 
+_NOTE_PREFIXES = {"weight_placement": ("weights:",),
+                  "cast_side": ("casts fused", "fp32 crosses", "fp32 master crosses"),
+                  "accumulate_on_host": ("gradient accumulation:",), "bucket_size_mb": (),
+                  "defer_moments": ("deferred moment stores:",), "gpu_resident_buckets": ("device tail:",)}
+"""Each config field the planner may fix for itself, and how its note in ``OffloadPlan.notes`` begins."""
+
+
+def _relabel_note(note: str, fields: set[str], why: str) -> str:
+    """A note of a plan made from a config with ``fields`` fixed by the planner (not the user) says ``why`` where it
+    would say "configured": the summary a user reads must not credit them with a choice they did not make."""
+    if any(note.startswith(prefix) for f in fields for prefix in _NOTE_PREFIXES[f]):
+        return note.replace(", as configured", f" ({why})").replace("configured", why)
+    return note
+
+
 def _searched_note(note: str, searched: set[str]) -> str:
     """A switch's note from the plan of a searched combination says the search chose it, not the user."""
-    keys = {"weight_placement": ("weights:",), "cast_side": ("casts fused", "fp32 crosses", "fp32 master crosses"),
-            "accumulate_on_host": ("gradient accumulation:",), "bucket_size_mb": (),
-            "defer_moments": ("deferred moment stores:",)}
-    if any(note.startswith(prefix) for f in searched for prefix in keys[f]):
-        return note.replace("configured", "auto: the plan search")
-    return note
+    return _relabel_note(note, searched, "auto: the plan search")
 
 
 def _worst_case_s(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, world_size: int = 1) -> float | None:
@@ -870,13 +880,23 @@ def _plans_by_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfi
         host_accumulation_dtype=("auto" if plan.host_accumulation is HostAccumulation.OFF
                                  else plan.host_accumulation.value))
 
+    # the switches pinned here that the user left to the planner: their notes say so, not "configured"
+    auto = {f for f in ("weight_placement", "cast_side", "accumulate_on_host", "bucket_size_mb")
+            if getattr(config, f) == "auto"}
+    tail = {"gpu_resident_buckets"} if config.gpu_resident_buckets == "auto" else set()
+
     def plan_at(k: int) -> OffloadPlan | None:
         try:
             moved = make_plan(numels, element_size=element_size, config=pinned.replace(gpu_resident_buckets=k),
                               profile=profile, workload=workload)
         except PlanError:
             return None
-        return None if any(getattr(moved, f) != getattr(plan, f) for f in _MOVE_KEEPS) else moved
+        if any(getattr(moved, f) != getattr(plan, f) for f in _MOVE_KEEPS):
+            return None
+        return dataclasses.replace(moved, notes=tuple(
+            _relabel_note(_relabel_note(n, auto, "auto: kept from the first plan"), tail,
+                          "auto: resized to the measured memory")
+            for n in moved.notes))
 
     return plan_at
 

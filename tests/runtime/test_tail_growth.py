@@ -328,3 +328,20 @@ def test_a_device_that_cannot_hold_a_new_arena_beside_the_old_says_so() -> None:
     assert layout.allocate_beside(total // 4 + 1, device) is None
     small = layout.allocate_beside(1024, device)
     assert small is not None and small.numel() == 1024 and small.dtype == torch.float32
+
+
+def test_a_moved_plan_credits_the_user_only_with_what_they_set() -> None:
+    """The grown plan's switches are pinned from the first plan and its tail resized by the planner: its summary (the
+    Trainer's log after the calibration) says so; a switch the user did set still reads "configured"."""
+    model = tiny_llama(**MODEL)
+    numels, workload, profile = _setting(model)
+    larger = dataclasses.replace(profile, device_free_bytes=int(profile.device_free_bytes * 1.0001))
+    for config, user_set in ((SuperOffloadConfig(), ()), (SuperOffloadConfig(cast_side="cpu"), ("casts fused",))):
+        plan = make_plan(numels, element_size=2, config=config, profile=profile, workload=workload)
+        grown = grow_tail(plan, workload, larger, numels=numels, element_size=2, config=config)
+        assert grown is not None
+        configured = [n for n in grown.notes if "configured" in n]
+        assert [n for n in configured if not n.startswith(user_set or ("\0",))] == [], configured
+        assert len(configured) == len(user_set), grown.notes
+        tail = [n for n in grown.notes if n.startswith("device tail:")]
+        assert tail == [f"device tail: {len(grown.device_buckets)} bucket(s) (auto: resized to the measured memory)"]
