@@ -386,22 +386,20 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clippe
     (this host's cached measurement, else the shipped profile of the same GPU model: [Note: known rates]), before
     its calibration restated them; without either (the CPU, an unknown GPU) the H200 box's."""
     from hf_superoffload.planning.hardware import HardwareProfile
-    from hf_superoffload.planning.memory_model import ModelShape, PlanLike, estimate
-    from hf_superoffload.planning.step_time import predict_step_time
+    from hf_superoffload.planning.memory_model import PlanLike
+    from hf_superoffload.planning.planner import Workload
 
-    shape = ModelShape.from_config(model.config)
+    # the optimizer's own workload (inferred at the first batch, or the Trainer's), else the row's shape
+    workload = opt.workload or Workload(model.config, batch, seq, grad_ckpt=True)
     plan_like = PlanLike.from_plan(opt.plan)
-    run = opt.workload.estimate_kwargs() if opt.workload is not None else dict(batch_size=batch, seq_len=seq,
-                                                                               grad_ckpt=True)
-    est = estimate(shape, plan_like=plan_like, **run)
+    est = workload.estimate(plan_like)
     # after a move to the device the host arenas keep their size ([Note: the host arenas keep their size])
     arenas = max(plan_like.host_numel, opt.engine.host_arena_numel)
-    host = estimate(shape, plan_like=dataclasses.replace(plan_like, host_numel=arenas), **run)
+    host = workload.estimate(dataclasses.replace(plan_like, host_numel=arenas))
     rates = opt.profile
     if rates.cpu_adam_gparams is None:
         rates = HardwareProfile.h200_pcie()
-    step = predict_step_time(shape, plan_like, rates, batch_size=batch, seq_len=seq,
-                             grad_ckpt=True, clipping_every_step=clipped, micro_batches=accum)
+    step = workload.step_time(plan_like, rates, clipping_every_step=clipped, micro_batches=accum)
     return {"rates": rates.name, "gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": host.host_expected_bytes / 1e9,
             "gpu_phases_gb": {phase: {k: round(v / 1e9, 3) for k, v in parts.items()}
                               for phase, parts in est.gpu_phases.items()},
