@@ -40,6 +40,12 @@ def allocate_beside(numel: int, device: torch.device) -> torch.Tensor | None:
         return None
 
 
+def allocate_alone(numel: int, device: torch.device) -> torch.Tensor:
+    """A new fp32 device arena of ``numel`` elements where the old one is freed: its staying state waits on the host
+    ([Note: restaging the device arenas] in runtime/tail_move.py)."""
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
 def stage_on_host(arena: torch.Tensor, pieces: Sequence[BucketSpec]) -> torch.Tensor:
     """The ``pieces`` (each spec's ``[offset, offset + shard)``) of a device ``arena``, one after another in a new
     host tensor: what waits on the host while the arena is reallocated (a pageable copy: a move is rare)."""
@@ -302,7 +308,7 @@ class BucketLayout:
             del old_arena
             setattr(self, name, torch.empty(0, dtype=torch.float32, device=self.device))
             self._bind_device_views()  # the old arena's views go with it
-            grown = torch.empty(numel, dtype=torch.float32, device=self.device)
+            grown = allocate_alone(numel, self.device)
             sources = list(held.split([old.shard for _, old in staying]))
         for (b, _), src in zip(staying, sources, strict=True):
             grown[b.spec.offset : b.spec.offset + b.spec.shard].copy_(src)

@@ -9,6 +9,8 @@ state about the new layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..planning.plan import OffloadPlan, Placement, WeightMode
@@ -137,13 +139,7 @@ def move_to_host(layout: BucketLayout, plan: OffloadPlan) -> list[HostBucket]:
     host_new = [HostBucket(plan.buckets[i], leaving[i].params) for i in moved]
     for b in host_new:
         layout.bind_host(b)
-        d = leaving[b.index]
-        for pmv in b.pmv:  # every copy: a double buffer's other copy is written before it is read
-            for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):
-                dst.copy_(src)
-        if b.staging is not None:
-            b.staging.copy_(b.pmv[0][0])
-        d.drop_state()
+        _copy_to_host(leaving[b.index], b)
     layout.shrink_device_tail([b for b in layout.device_buckets if b.index not in leaving])
     layout.add_host_buckets(host_new)
     return host_new
@@ -162,8 +158,29 @@ def move_to_device(layout: BucketLayout, plan: OffloadPlan) -> list[DeviceBucket
     arriving = [DeviceBucket(plan.buckets[b.index], b.params) for b in leaving]
     layout.grow_device_tail(plan, arriving)
     for d, h in zip(arriving, leaving, strict=True):
-        for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), h.pmv[layout.cur], strict=True):
-            dst.copy_(src)
+        _copy_to_device(h.pmv[layout.cur], d)
     layout.remove_host_buckets(leaving)
     layout.fit_host_arenas(plan)  # the layout's plan is ``plan`` from here on
     return arriving
+
+
+# Each copy runs in a function of its own: a loop variable left in the mover's frame would hold a view of the last
+# bucket's old arena (an ``exp_avg_sq`` of the device, on a move to the host) while that arena is reallocated, and
+# with it the whole old arena: the device then holds the old and the new ``exp_avg_sq`` at once, what
+# [Note: restaging the device arenas] promises it never does (an 8B Trainer row on an H100 ran out of memory
+# allocating a new arena with the old one's bytes still taken, as this would).
+def _copy_to_host(d: DeviceBucket, b: HostBucket) -> None:
+    """``d``'s fp32 master and moments into every host state copy of ``b`` (a double buffer's other copy is written
+    before it is read) and its staging; then ``d`` forgets its views of the device arenas."""
+    for pmv in b.pmv:
+        for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):
+            dst.copy_(src)
+    if b.staging is not None:
+        b.staging.copy_(b.pmv[0][0])
+    d.drop_state()
+
+
+def _copy_to_device(state: Sequence[torch.Tensor], d: DeviceBucket) -> None:
+    """A host bucket's committed fp32 master and moments (``state``) into ``d``'s views of the grown device arenas."""
+    for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), state, strict=True):
+        dst.copy_(src)

@@ -185,6 +185,7 @@ def test_the_old_tail_waits_on_the_host_one_arena_at_a_time(sim_device, staging_
     old_tail = _room_grows_the_tail(sim_device, torch.device("cpu"), SuperOffloadConfig(), share=0.5)
     assert len(watch.elements) == 3 and watch.most_alive == 1 and watch.alive == 0
     assert watch.elements == [old_tail] * 3
+    assert watch.old_alive_at_alloc == [0, 0, 0], "an old device arena outlived its staging"
 
 
 def test_room_beyond_every_kept_layer_grows_the_tail(sim_device) -> None:

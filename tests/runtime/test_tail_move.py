@@ -250,6 +250,8 @@ def test_the_staying_tail_waits_on_the_host_one_arena_at_a_time(device_budget, s
     train_steps(model, opt, _batches([LONG]))
     assert opt.plan.device_numel > 0, "the long batch should leave a smaller tail"
     assert watch.elements == [opt.plan.device_numel] * 3 and watch.most_alive == 1 and watch.alive == 0
+    # and no old device arena outlives its staging: not kept by a view left in the mover's frame
+    assert watch.old_alive_at_alloc == [0, 0, 0]
     opt.close()
 
 
