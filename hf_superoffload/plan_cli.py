@@ -36,7 +36,7 @@ from .planning.memory_model import (
 )
 from .planning.plan import OffloadPlan
 from .planning.planner import PlanError, Workload, fit_frontier, make_plan
-from .planning.step_time import PEER_GBPS_ASSUMED, predict_step_time
+from .planning.step_time import PEER_GBPS_ASSUMED
 
 __all__ = ["add_plan_parser", "arrival_numels", "check_ranks", "load_model_config", "main", "main_plan", "rank_share"]
 
@@ -283,12 +283,8 @@ def main_plan(args: argparse.Namespace) -> int:
     except PlanError as e:  # show the numbers of the leanest plan: every state on the host, inverse rollback
         reasons.append(f"the planner refuses: {e}")
         plan, plan_like = None, PlanLike.all_host(sum(numels))
-    step = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp, data_parallel=dp,
-                             mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention,
-                             micro_batches=args.grad_accum)
-    clipped = predict_step_time(shape, plan_like, profile, **run, sequence_parallel=sp, data_parallel=dp,
-                                mlp_tile_tokens=args.tiled_mlp or None, keep_attention=args.keep_attention,
-                                clipping_every_step=True, micro_batches=args.grad_accum)
+    step = workload.step_time(plan_like, profile, world_size=world)
+    clipped = workload.step_time(plan_like, profile, world_size=world, clipping_every_step=True)
     if step is not None and plan is not None and plan.rollback.value == "snapshot":
         plan_like = dataclasses.replace(plan_like, speculated_fraction=step.speculated_fraction)
     est = workload.estimate(plan_like)
