@@ -98,6 +98,7 @@ from ._common import (
     remove_stale_temp_files,
     save_optimizer_state,
     show_plan,
+    training_outputs_in_model_dtype,
     warn_if_threads_throttled,
 )
 from ._preemption import Preemption
@@ -226,6 +227,8 @@ def prepare_superoffload(
         flow = (isinstance(optimizer_or_kwargs, SuperOffloadOptimizer) and optimizer_or_kwargs.planned
                 and optimizer_or_kwargs.plan.weight_mode.value == "flow")
         model = accelerator.prepare_model(model, device_placement=False if flow else None, evaluation_mode=True)
+        # [Note: no fp32 copy of the logits] in _common.py: a training forward given labels computes its own loss
+        training_outputs_in_model_dtype(model, lambda kwargs: kwargs.get("labels") is not None)
     base = accelerator.unwrap_model(model)
     if tiled_mlp_tokens:
         from ..sequence_parallel import enable_tiled_mlp

@@ -86,6 +86,7 @@ from ._common import (
     remove_stale_temp_files,
     save_optimizer_state,
     show_plan,
+    training_outputs_in_model_dtype,
     warn_if_threads_throttled,
 )
 from ._preemption import Preemption
@@ -305,8 +306,8 @@ def _route_prepare_model(trainer: SuperOffloadTrainer) -> None:
         if opt is not None and opt.planned and opt.plan.weight_mode.value == "flow":
             device_placement = False
         prepared = original(model, device_placement=device_placement, evaluation_mode=True)
-        if _loss_from_the_model(trainer):
-            _training_outputs_in_model_dtype(prepared)
+        if _loss_from_the_model(trainer):  # [Note: no fp32 copy of the logits] in _common.py
+            training_outputs_in_model_dtype(prepared)
         return prepared
 
     accelerator.prepare_model = prepare_model
@@ -317,39 +318,6 @@ def _loss_from_the_model(trainer: SuperOffloadTrainer) -> bool:
     Trainer's ``compute_loss`` as it is, no label smoother, no ``compute_loss_func``."""
     return (type(trainer).compute_loss is Trainer.compute_loss and trainer.label_smoother is None
             and trainer.compute_loss_func is None)
-
-
-# [Note: no fp32 copy of the logits]
-# With ``bf16=True`` accelerate wraps the model's forward in autocast and converts every bf16 output to fp32
-# (``convert_outputs_to_fp32``), the logits included: 4 B per logit (4.2 GB at 8B with batch 4 x 2048, 5.0 GB at
-# 15B), allocated at the end of the forward beside the bf16 logits the loss saved for its backward. The memory
-# model does not count it, so the calibration finds the device fuller than planned and moves state back to the
-# host: on an H100 the 8B batch-4 Trainer row measured 83.9 GB at its peak where the README snippet's identical
-# first plan measured 79.6, gave back two device buckets and a kept layer, and once ran out of memory in that
-# move. When the Trainer's loss is the model's own and nothing reads the logits, the training forward keeps autocast and returns the model's dtype; evaluation and prediction (no grad,
-# or eval mode) keep accelerate's fp32 outputs, and a Trainer that reads the logits (a subclass's
-# ``compute_loss``, a label smoother, ``compute_loss_func``: TRL's SFTTrainer logs the entropy from them) keeps
-# them too.
-def _training_outputs_in_model_dtype(model: Any) -> bool:
-    """[Note: no fp32 copy of the logits]: route a training forward of ``model`` around accelerate's fp32 output
-    conversion (autocast stays); ``False`` when its forward is not accelerate's wrapper as expected (left as is)."""
-    from types import MethodType
-
-    from accelerate.utils.operations import ConvertOutputsToFp32
-
-    convert = getattr(getattr(model.__dict__.get("forward"), "__func__", None), "__wrapped__", None)
-    if not isinstance(convert, ConvertOutputsToFp32):
-        return False
-    autocast_forward = convert.model_forward
-
-    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled():
-            return autocast_forward(self, *args, **kwargs)
-        return convert(self, *args, **kwargs)
-
-    forward.__wrapped__ = convert  # type: ignore[attr-defined]  # accelerate's unwrap_model walks this chain
-    model.forward = MethodType(forward, model)
-    return True
 
 
 class _SuperOffloadCallback(TrainerCallback):
