@@ -393,18 +393,18 @@ def show_plan(text: str) -> None:
 
 
 # [Note: no fp32 copy of the logits]
-# With bf16 mixed precision accelerate wraps the model's forward in autocast and converts every bf16 output to fp32
-# (``convert_outputs_to_fp32``), the logits included: 4 B per logit (4.2 GB at 8B with batch 4 x 2048, 5.0 GB at
-# 15B) allocated at the end of the forward beside the bf16 logits the loss saved for its backward, and kept through
-# the backward by a loop that holds ``outputs``. The memory model does not count it; on an H100 the 8B batch-4
-# Trainer row reserved 83.9 GB at its peak where the README snippet's identical first plan reserved 79.6 (0.9 GB
-# more allocated at the peak, the rest reserved and not allocated), so its calibration moved state back to the host. Where the loss is
-# the model's own (computed inside the forward, in fp32, by the chunked loss) the copy is never read: a training
-# forward then keeps autocast and returns the model's dtype, as DeepSpeed's and FSDP2's bf16 training do.
-# ``SuperOffloadTrainer`` does so when its ``compute_loss`` is Trainer's own with no label smoother and no
-# ``compute_loss_func`` (a Trainer that reads the logits, like TRL's SFTTrainer for its entropy, keeps fp32);
-# ``prepare_superoffload`` when the forward is given ``labels``. Evaluation and prediction (no grad, or eval mode)
-# keep accelerate's fp32 outputs.
+# With bf16 mixed precision accelerate wraps the model's forward in autocast and converts every bf16 output to
+# fp32 (``convert_outputs_to_fp32``), the logits included: 4 B per logit (4.2 GB at 8B with batch 4 x 2048, 5.0 GB
+# at 15B), allocated at the end of the forward beside the bf16 logits the loss saved for its backward, and kept
+# through the backward by a loop that holds ``outputs``. The memory model does not count it. On an H100 the 8B
+# batch-4 Trainer row reserved 83.9 GB at its peak where the README snippet's identical first plan reserved 79.6
+# (0.9 GB more allocated at the peak, the rest reserved and not allocated), so its calibration moved state back to
+# the host. Where the loss is the model's own (computed inside the forward, in fp32, by the chunked loss) the copy
+# is never read: a training forward then keeps autocast and returns the model's dtype, as DeepSpeed's and FSDP2's
+# bf16 training do. ``SuperOffloadTrainer`` does so when its ``compute_loss`` is Trainer's own with no label
+# smoother and no ``compute_loss_func`` (a Trainer that reads the logits, like TRL's SFTTrainer for its entropy,
+# keeps fp32); ``prepare_superoffload`` when the forward is given ``labels``. Evaluation and prediction (no grad,
+# or eval mode) keep accelerate's fp32 outputs.
 def training_outputs_in_model_dtype(model: Any, when: Callable[[dict[str, Any]], bool] | None = None) -> bool:
     """[Note: no fp32 copy of the logits]: route a training forward of ``model`` (``when(kwargs)`` too, if given)
     around accelerate's fp32 output conversion, autocast kept; ``False`` when its forward is not accelerate's

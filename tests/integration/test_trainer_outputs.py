@@ -21,8 +21,8 @@ def _logit_dtypes(hf: Any, tmp_path: Path, **args: Any) -> dict[str, set[torch.d
         lambda m, _a, out: seen["train" if m.training and torch.is_grad_enabled() else "eval"].add(out.logits.dtype))
     kw = hf.train_kwargs(tmp_path, max_steps=2, bf16=True, eval_strategy="no", **hf.SMALL_BUCKETS)
     kw.update(args)
-    trainer = SuperOffloadTrainer(model=model, args=SuperOffloadArguments(**kw), train_dataset=hf.TokenDataset(8, seq=16),
-                                  eval_dataset=hf.TokenDataset(4, seq=16))
+    trainer = SuperOffloadTrainer(model=model, args=SuperOffloadArguments(**kw),
+                                  train_dataset=hf.TokenDataset(8, seq=16), eval_dataset=hf.TokenDataset(4, seq=16))
     trainer.train()
     assert trainer.accelerator.native_amp, "the test needs accelerate's bf16 autocast (and its fp32 outputs) on"
     trainer.evaluate()
