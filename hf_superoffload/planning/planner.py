@@ -895,7 +895,7 @@ def _plans_by_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfi
             return None
         return dataclasses.replace(moved, notes=tuple(
             _relabel_note(_relabel_note(n, auto, "auto: kept from the first plan"), tail,
-                          "auto: resized to the measured memory")
+                          "auto: resized since the first plan, to the memory the run needs")
             for n in moved.notes))
 
     return plan_at

@@ -345,4 +345,4 @@ def test_a_moved_plan_credits_the_user_only_with_what_they_set() -> None:
         assert [n for n in configured if not n.startswith(user_set or ("\0",))] == [], configured
         assert len(configured) == len(user_set), grown.notes
         tail = [n for n in grown.notes if n.startswith("device tail:")]
-        assert tail == [f"device tail: {len(grown.device_buckets)} bucket(s) (auto: resized to the measured memory)"]
+        assert tail == [f"device tail: {len(grown.device_buckets)} bucket(s) (auto: resized since the first plan, to the memory the run needs)"]
