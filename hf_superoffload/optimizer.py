@@ -248,18 +248,21 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         accumulates = self._pending_no_sync > 0 or (self._pending_predicate is not None
                                                     and not self._pending_predicate())
         ckpt = _checkpointing(module)
+        # a forward without labels returns logits for a loss computed outside (a label smoother, the loop's own):
+        # the chunked loss never runs, so the plan prices HF's loss over every logit
+        outside = kwargs.get("labels") is None
         profile = self._profile_now() if shape is not None or self._comm is not None else None
         if self._comm is not None:
             # Bucket sharding follows the plan, so every rank must make the same one: the largest batch, sequence
             # and free memory the smallest, over the ranks (every rank runs this first forward, so the collective
             # is matched; a rank whose batch shows no shape plans with the others').
             assert profile is not None
-            shape, accumulates, ckpt, profile = _agree_on_first_batch(self._comm, self.device, shape, accumulates,
-                                                                      ckpt, profile)
+            shape, accumulates, ckpt, outside, profile = _agree_on_first_batch(
+                self._comm, self.device, shape, accumulates, ckpt, outside, profile)
         workload = None
         if shape is not None:
             workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=ckpt, accumulation=accumulates,
-                                chunked_loss=self._chunked_loss,
+                                chunked_loss=self._chunked_loss and not outside,
                                 micro_batches=self._micro_batches if accumulates else None)
         self._build(workload, profile=profile)
 
@@ -884,21 +887,21 @@ def _agreed_max(comm: ShardGroup, device: torch.device, values: list[int]) -> li
 
 def _agree_on_first_batch(
     comm: ShardGroup, device: torch.device, shape: tuple[int, int] | None, accumulates: bool, ckpt: bool,
-    profile: HardwareProfile,
-) -> tuple[tuple[int, int] | None, bool, bool, HardwareProfile]:
+    outside: bool, profile: HardwareProfile,
+) -> tuple[tuple[int, int] | None, bool, bool, bool, HardwareProfile]:
     """What every rank plans with ([Note: workload from the first batch]): the largest batch and sequence of the
-    ranks' first batches (a rank whose batch showed none takes the others'), accumulation and checkpointing if any
-    rank has them, and the smallest free device and host memory."""
+    ranks' first batches (a rank whose batch showed none takes the others'), accumulation, checkpointing and a
+    loss outside the model if any rank has them, and the smallest free device and host memory."""
     unknown = -(2**62)  # a memory size no rank reported: loses every maximum
     free, host = profile.device_free_bytes, profile.host_available_bytes
     agreed = _agreed_max(comm, device, [
-        shape is not None, *(shape or (0, 0)), accumulates, ckpt,
+        shape is not None, *(shape or (0, 0)), accumulates, ckpt, outside,
         unknown if free is None else -free, unknown if host is None else -host,
     ])
-    has_shape, batch, seq, acc, ck, neg_free, neg_host = agreed
+    has_shape, batch, seq, acc, ck, out, neg_free, neg_host = agreed
     profile = dataclasses.replace(profile, device_free_bytes=None if neg_free == unknown else -neg_free,
                                   host_available_bytes=None if neg_host == unknown else -neg_host)
-    return ((batch, seq) if has_shape else None), bool(acc), bool(ck), profile
+    return ((batch, seq) if has_shape else None), bool(acc), bool(ck), bool(out), profile
 
 
 def _batch_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int] | None:

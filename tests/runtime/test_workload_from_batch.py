@@ -177,3 +177,26 @@ def test_the_integrations_micro_batch_count_reaches_the_workload(device_budget) 
         with pytest.raises(ValueError, match="micro_batches="):
             opt.set_sync_predicate(None, micro_batches=bad)  # type: ignore[arg-type]
     opt.close()
+
+
+def test_a_first_forward_without_labels_plans_the_loss_outside_the_model(device_budget) -> None:
+    """A loop that computes its loss from the logits (no ``labels`` to the model) never runs the chunked loss: the
+    plan prices HF's loss over every logit, and with it a smaller device tail than a forward given labels gets."""
+    batch, seq = 2, 24
+    tails = {}
+    for labels in (True, False):
+        model = tiny_llama(**MODEL, vocab_size=8192)  # the logits weigh as much as the optimizer state
+        device_budget(_budget_for_half_tail(model, batch, seq))
+        opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+        ids = _batches(1, batch, seq)[0]
+        if labels:
+            model(input_ids=ids, labels=ids).loss.backward()
+        else:
+            logits = model(input_ids=ids).logits
+            torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+        assert opt.workload == Workload(model.config, batch, seq, grad_ckpt=False, chunked_loss=labels)
+        tails[labels] = opt.plan.device_numel
+        opt.close()
+    assert tails[False] < tails[True]
