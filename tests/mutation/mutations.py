@@ -32,7 +32,7 @@ MOVE = "tests/runtime/test_tail_move.py"
 GROW = "tests/runtime/test_tail_growth.py"
 TRIAL = "tests/runtime/test_thread_trial_run.py"
 _MOVE_COPY = "for dst, src in zip(pmv, (d.master, d.exp_avg, d.exp_avg_sq), strict=True):"
-_GROW_COPY = "for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), h.pmv[layout.cur], strict=True):"
+_GROW_COPY = "for dst, src in zip((d.master, d.exp_avg, d.exp_avg_sq), state, strict=True):"
 
 _STEP_CALL = ("            param, grad, exp_avg, exp_avg_sq, int(step), hyper.lr, hyper.beta1, hyper.beta2, hyper.eps,\n"
               "            hyper.weight_decay, float(grad_scale), param_bf16_out, src_p,")
@@ -239,8 +239,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # the state of the last device buckets (the wrong end of the tail) goes to the moved ones
         "tail_move_copies_the_wrong_end", "hf_superoffload/runtime/tail_move.py",
-        "        d = leaving[b.index]\n",
-        "        d = layout.device_buckets[len(layout.device_buckets) - len(leaving) + moved.index(b.index)]\n",
+        "        _copy_to_host(leaving[b.index], b)\n",
+        "        _copy_to_host(layout.device_buckets[len(layout.device_buckets) - len(leaving) + moved.index(b.index)], b)\n",
         (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[double_buffer-verdict-first]",),
     ),
     Mutation(  # [Note: moving the tail to the device]: the moved buckets' second moments are never copied in
@@ -249,8 +249,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[inverse]",),
     ),
     Mutation(  # the double buffer's other (uncommitted) state copy goes to the device
-        "tail_growth_reads_the_other_state_copy", "hf_superoffload/runtime/tail_move.py", _GROW_COPY,
-        _GROW_COPY.replace("h.pmv[layout.cur]", "h.pmv[1 - layout.cur]"),  # the other copy whichever is current
+        "tail_growth_reads_the_other_state_copy", "hf_superoffload/runtime/tail_move.py",
+        "_copy_to_device(h.pmv[layout.cur], d)",
+        "_copy_to_device(h.pmv[1 - layout.cur], d)",  # the other copy whichever is current
         (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[double_buffer]",),
     ),
     Mutation(  # the buckets already on the device keep their old offsets in the grown arenas
@@ -270,8 +271,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # [Note: restaging the device arenas]: the moved buckets' views keep every old arena alive
         "tail_move_keeps_the_old_arenas_alive", "hf_superoffload/runtime/tail_move.py",
-        "        d.drop_state()\n", "",
+        "    d.drop_state()\n", "",
         (f"{MOVE}::test_the_staying_tail_moves_device_to_device_one_arena_at_a_time",),
+    ),
+    Mutation(  # [Note: restaging the device arenas]: a view left in the mover's frame keeps one old arena alive
+        "tail_move_leaves_a_view_in_its_frame", "hf_superoffload/runtime/tail_move.py",
+        "        _copy_to_host(leaving[b.index], b)\n",
+        "        src = leaving[b.index].exp_avg_sq\n        _copy_to_host(leaving[b.index], b)\n",
+        (f"{MOVE}::test_the_staying_tail_waits_on_the_host_one_arena_at_a_time",),
     ),
     Mutation(  # every staged arena of a move waits on the host until the move ends (12 B per staying parameter)
         "tail_move_stages_every_arena_at_once", "hf_superoffload/runtime/layout.py",
