@@ -880,25 +880,28 @@ def _plans_by_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfi
         host_accumulation_dtype=("auto" if plan.host_accumulation is HostAccumulation.OFF
                                  else plan.host_accumulation.value))
 
-    # the switches pinned here that the user left to the planner: their notes say so, not "configured"
-    auto = {f for f in ("weight_placement", "cast_side", "accumulate_on_host", "bucket_size_mb")
-            if getattr(config, f) == "auto"}
-    tail = {"gpu_resident_buckets"} if config.gpu_resident_buckets == "auto" else set()
-
     def plan_at(k: int) -> OffloadPlan | None:
         try:
             moved = make_plan(numels, element_size=element_size, config=pinned.replace(gpu_resident_buckets=k),
                               profile=profile, workload=workload)
         except PlanError:
             return None
-        if any(getattr(moved, f) != getattr(plan, f) for f in _MOVE_KEEPS):
-            return None
-        return dataclasses.replace(moved, notes=tuple(
-            _relabel_note(_relabel_note(n, auto, "auto: kept from the first plan"), tail,
-                          "auto: resized since the first plan, to the memory the run needs")
-            for n in moved.notes))
+        return None if any(getattr(moved, f) != getattr(plan, f) for f in _MOVE_KEEPS) else moved
 
     return plan_at
+
+
+def _as_moved(moved: OffloadPlan, config: SuperOffloadConfig) -> OffloadPlan:
+    """``moved`` (a plan of :func:`_plans_by_tail`, the one a move takes) with notes that say which switches the
+    move pinned from the first plan and that its tail was resized, where the user left them to the planner: its
+    config says "configured" for every pinned switch."""
+    auto = {f for f in ("weight_placement", "cast_side", "accumulate_on_host", "bucket_size_mb")
+            if getattr(config, f) == "auto"}
+    tail = {"gpu_resident_buckets"} if config.gpu_resident_buckets == "auto" else set()
+    return dataclasses.replace(moved, notes=tuple(
+        _relabel_note(_relabel_note(n, auto, "auto: kept from the first plan"), tail,
+                      "auto: resized since the first plan, to the memory the run needs")
+        for n in moved.notes))
 
 
 def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
@@ -927,7 +930,7 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
         during = max(4 * shrunk.host_numel, 4 * shrunk.device_numel)  # one regrown arena, or one staged arena
         if host is not None and est.host_peak_bytes + during > host:
             return None
-        return shrunk
+        return _as_moved(shrunk, config)
     return None
 
 
@@ -958,6 +961,7 @@ def grow_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *
     most = bisect_largest_int(tail + 1, len(plan.buckets), holds)
     best, _ = _fastest_tail(tail, most, plan_at, workload, profile)
     grown = plan_at(best) if best > tail else None
+    grown = None if grown is None else _as_moved(grown, config)
     host = profile.host_available_bytes
     if grown is None or host is None:
         return grown

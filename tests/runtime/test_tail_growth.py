@@ -345,4 +345,11 @@ def test_a_moved_plan_credits_the_user_only_with_what_they_set() -> None:
         assert [n for n in configured if not n.startswith(user_set or ("\0",))] == [], configured
         assert len(configured) == len(user_set), grown.notes
         tail = [n for n in grown.notes if n.startswith("device tail:")]
-        assert tail == [f"device tail: {len(grown.device_buckets)} bucket(s) (auto: resized since the first plan, to the memory the run needs)"]
+        assert tail == [f"device tail: {len(grown.device_buckets)} bucket(s) (auto: resized since the first plan, "
+                        "to the memory the run needs)"]
+        shrunk = shrink_tail(grown, workload, profile, numels=numels, element_size=2, config=config)  # and back
+        assert shrunk is not None and len(shrunk.device_buckets) < len(grown.device_buckets)
+        assert [n for n in shrunk.notes if "configured" in n] == configured
+        assert [n for n in shrunk.notes if n.startswith("device tail:")] == [
+            f"device tail: {len(shrunk.device_buckets)} bucket(s) (auto: resized since the first plan, to the memory "
+            "the run needs)"]
