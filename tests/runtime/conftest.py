@@ -65,51 +65,40 @@ def sim_device(monkeypatch: pytest.MonkeyPatch) -> SimulatedDevice:
 class StagingWatch:
     """See :func:`staging_watch`."""
 
-    def __init__(self, stage: Callable[[torch.Tensor, Sequence[BucketSpec]], torch.Tensor]) -> None:
-        self._stage = stage
+    def __init__(self, stage: Callable[[torch.Tensor, Sequence[BucketSpec]], torch.Tensor],
+                 alone: Callable[[int, torch.device], torch.Tensor]) -> None:
+        self._stage, self._alone = stage, alone
         self._refs: list[weakref.ref[torch.Tensor]] = []
         self.most_alive = 0
         self.elements: list[int] = []
+        self.old_arenas: list[weakref.ref[torch.Tensor]] = []
+        self.old_alive_at_alloc: list[int] = []
 
     def __call__(self, arena: torch.Tensor, pieces: Sequence[BucketSpec]) -> torch.Tensor:
+        self.old_arenas.append(weakref.ref(arena))
         held = self._stage(arena, pieces)
         self._refs.append(weakref.ref(held))
         self.elements.append(held.numel())
         self.most_alive = max(self.most_alive, self.alive)
         return held
 
+    def allocate(self, numel: int, device: torch.device) -> torch.Tensor:
+        self.old_alive_at_alloc.append(sum(r() is not None for r in self.old_arenas))
+        return self._alone(numel, device)
+
     @property
     def alive(self) -> int:
         return sum(r() is not None for r in self._refs)
 
 
-class AloneWatch(StagingWatch):
-    """See :func:`staging_watch`: also, at each new device arena allocated once its old one is staged
-    (``layout.allocate_alone``), how many of the staged old device arenas were still alive."""
-
-    def __init__(self, stage: Callable[[torch.Tensor, Sequence[BucketSpec]], torch.Tensor]) -> None:
-        super().__init__(stage)
-        self._alone = layout.allocate_alone
-        self.old_arenas: list[weakref.ref[torch.Tensor]] = []
-        self.old_alive_at_alloc: list[int] = []
-
-    def __call__(self, arena: torch.Tensor, pieces: Sequence[BucketSpec]) -> torch.Tensor:
-        self.old_arenas.append(weakref.ref(arena))
-        return super().__call__(arena, pieces)
-
-    def allocate(self, numel: int, device: torch.device) -> torch.Tensor:
-        self.old_alive_at_alloc.append(sum(r() is not None for r in self.old_arenas))
-        return self._alone(numel, device)
-
-
 @pytest.fixture
-def staging_watch(monkeypatch: pytest.MonkeyPatch) -> AloneWatch:
+def staging_watch(monkeypatch: pytest.MonkeyPatch) -> StagingWatch:
     """On a device that cannot hold an old and a new device arena at once (``layout.allocate_beside`` finds no
     room), the host copies a move of the device tail stages its arenas through (``layout.stage_on_host``), each
     tracked by a weak reference: ``most_alive`` is the most alive at once (counted as each is made), ``alive`` now,
     ``elements`` what each held; ``old_alive_at_alloc``: the staged old device arenas still alive as each new one is
     allocated (none: the device never holds an old and a new arena at once)."""
-    watch = AloneWatch(layout.stage_on_host)
+    watch = StagingWatch(layout.stage_on_host, layout.allocate_alone)
     monkeypatch.setattr(layout, "allocate_beside", lambda numel, device: None)
     monkeypatch.setattr(layout, "stage_on_host", watch)
     monkeypatch.setattr(layout, "allocate_alone", watch.allocate)
