@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHUNK_TOKENS", "chunked_causal_lm_loss", "install_chunked_loss", "uninstall_chunked_loss",
-           "uses_default_causal_lm_loss"]
+__all__ = ["CHUNK_TOKENS", "chunked_causal_lm_loss", "install_chunked_loss", "loss_inside_the_model",
+           "uninstall_chunked_loss", "uses_default_causal_lm_loss"]
 
 CHUNK_TOKENS = 2048
 """Tokens per chunk of every chunked cross-entropy: this loss over logits, and the sequence-parallel loss over
@@ -126,6 +126,13 @@ def _default_loss_models(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules()
             if isinstance(m, PreTrainedModel) and type(m).__name__.endswith("ForCausalLM")
             and getattr(m, "_loss_function", None) is None and m.loss_function is ForCausalLMLoss]
+
+
+def loss_inside_the_model(forward_kwargs: dict[str, Any]) -> bool:
+    """Whether a causal-LM forward called with ``forward_kwargs`` computes its loss itself: HF's models do when
+    given ``labels``. Without them the caller computes it from the logits (a label smoother, the loop's own), so the
+    chunked loss never runs and the fp32 logits may be read."""
+    return forward_kwargs.get("labels") is not None
 
 
 def uses_default_causal_lm_loss(model: torch.nn.Module) -> bool:

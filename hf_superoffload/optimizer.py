@@ -16,7 +16,12 @@ from typing import Any
 import torch
 
 from . import ops
-from .causal_lm_loss import install_chunked_loss, uninstall_chunked_loss, uses_default_causal_lm_loss
+from .causal_lm_loss import (
+    install_chunked_loss,
+    loss_inside_the_model,
+    uninstall_chunked_loss,
+    uses_default_causal_lm_loss,
+)
 from .config import SuperOffloadConfig
 from .cpu_ext import AdamWHyper
 from .planning.calibration import MeasuredStep, calibrate_from_passes
@@ -248,9 +253,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         accumulates = self._pending_no_sync > 0 or (self._pending_predicate is not None
                                                     and not self._pending_predicate())
         ckpt = _checkpointing(module)
-        # a forward without labels returns logits for a loss computed outside (a label smoother, the loop's own):
-        # the chunked loss never runs, so the plan prices HF's loss over every logit
-        outside = kwargs.get("labels") is None
+        # a loss computed outside the model never runs the chunked loss: the plan prices HF's over every logit
+        outside = not loss_inside_the_model(kwargs)
         profile = self._profile_now() if shape is not None or self._comm is not None else None
         if self._comm is not None:
             # Bucket sharding follows the plan, so every rank must make the same one: the largest batch, sequence

@@ -79,6 +79,7 @@ import torch
 from accelerate.logging import get_logger
 from accelerate.utils import DistributedType
 
+from ..causal_lm_loss import loss_inside_the_model
 from ..config import (
     USER_OPTIONS,
     InvalidConfigValue,
@@ -228,7 +229,7 @@ def prepare_superoffload(
                 and optimizer_or_kwargs.plan.weight_mode.value == "flow")
         model = accelerator.prepare_model(model, device_placement=False if flow else None, evaluation_mode=True)
         # [Note: no fp32 copy of the logits] in _common.py: a training forward given labels computes its own loss
-        training_outputs_in_model_dtype(model, lambda kwargs: kwargs.get("labels") is not None)
+        training_outputs_in_model_dtype(model, loss_inside_the_model)
     base = accelerator.unwrap_model(model)
     if tiled_mlp_tokens:
         from ..sequence_parallel import enable_tiled_mlp
