@@ -194,7 +194,8 @@ class HardwareProfile:
                 return dataclasses.replace(
                     cached, device_free_bytes=base.device_free_bytes, host_available_bytes=base.host_available_bytes
                 )
-        rates: dict[str, Any] = {"cpu_adam_gparams": _measure_cpu_adam(base.cpu_threads, quick=quick)}
+        rates: dict[str, Any] = {"cpu_adam_gparams": _measure_cpu_adam(base.cpu_threads, quick=quick),
+                                 "host_memory_gbps": _measure_host_memory(base.cpu_threads, quick=quick)}
         if device.type == "cuda":
             rates.update(_measure_cuda(device, quick=quick))
             torch.cuda.empty_cache()  # hand the benchmark buffers back: leave the device as read() found it
@@ -361,6 +362,21 @@ def _measure_cpu_adam(threads: int, *, quick: bool) -> float:
         ops.cpu_adamw_step_(p, g, m, v, step=step[0], hyper=hyper, param_bf16_out=out, num_threads=threads)
 
     return n / _median_seconds(run, 3 if quick else 5) / 1e9
+
+
+def _measure_host_memory(threads: int, *, quick: bool) -> float:
+    """GB/s of the in-place streaming pattern the CPU Adam and the host gradient sums run: ``a += s * b`` over fp32
+    arrays far past the last-level cache (8 B read and 4 B written per element), at ``threads`` threads. The
+    step-time roofline prices host memory with it (without it: 28 B x the CPU Adam rate)."""
+    n = (8 if quick else 64) * 1024 * 1024
+    a, b = torch.ones(n), torch.ones(n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seconds = _median_seconds(lambda: a.add_(b, alpha=1e-3), 3 if quick else 7)
+    finally:
+        torch.set_num_threads(before)
+    return 12 * n / seconds / 1e9
 
 
 def _measure_cuda(device: torch.device, *, quick: bool) -> dict[str, float]:  # pragma: no cover - needs a GPU

@@ -40,6 +40,8 @@ def test_quick_measure_on_cpu_gives_sane_values_and_caches(cache_dir, monkeypatc
     assert prof.source == "measured-quick"
     # the real fused kernel on a couple of shared cores: somewhere between 10 Mparam/s and 100 Gparam/s
     assert 0.01 < prof.cpu_adam_gparams < 100
+    # the in-place streaming rate: a memory bus, from a slow VM's few GB/s to a Grace's ~500
+    assert 0.5 < prof.host_memory_gbps < 2000
     for f in ("h2d_gbps", "d2h_gbps", "h2d_concurrent_gbps", "d2h_concurrent_gbps", "matmul_tflops",
               "device_memory_gbps", "device_free_bytes"):
         assert getattr(prof, f) is None, f
@@ -56,6 +58,21 @@ def test_quick_measure_on_cpu_gives_sane_values_and_caches(cache_dir, monkeypatc
         HardwareProfile.measure("cpu")
     with pytest.raises(AssertionError, match="measured again"):
         HardwareProfile.measure("cpu", quick=True, refresh=True)
+
+
+def test_host_memory_rate_counts_the_in_place_pattern_bytes_and_restores_the_threads(monkeypatch):
+    # a += s * b reads 8 B and writes 4 B per fp32 element: the rate the roofline prices host memory with
+    seen = []
+
+    def timed(fn, reps):
+        fn()
+        seen.append(torch.get_num_threads())
+        return 0.5
+
+    monkeypatch.setattr(hardware, "_median_seconds", timed)
+    before = torch.get_num_threads()
+    assert hardware._measure_host_memory(1, quick=True) == pytest.approx(12 * 8 * 1024 * 1024 / 0.5 / 1e9)
+    assert seen == [1] and torch.get_num_threads() == before
 
 
 def test_measure_rereads_free_memory_over_the_cache(cache_dir, monkeypatch):
