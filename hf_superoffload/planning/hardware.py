@@ -3,8 +3,9 @@
 [Note: hardware profile]
 ``HardwareProfile.read`` takes only what costs nothing (free device memory, ``MemAvailable``, cores).
 ``HardwareProfile.measure`` adds rates measured in a few seconds: pinned H2D/D2H alone and concurrent,
-bf16 GEMM TFLOP/s, device copy bandwidth (CUDA only) and the CPU AdamW rate of the real fused kernel
-(``ops.cpu_adamw_step_``, bf16 gradient in, bf16 weights out, at ``cpu_threads``). Rates do not change
+bf16 GEMM TFLOP/s, device copy bandwidth (CUDA only), the CPU AdamW rate of the real fused kernel
+(``ops.cpu_adamw_step_``, bf16 gradient in, bf16 weights out, at ``cpu_threads``) and the host memory rate of
+the in-place stream that kernel and the host gradient sums make (``a += s * b``, at ``cpu_threads``). Rates do not change
 between runs, so they are cached as JSON under ``~/.cache/hf_superoffload`` (``HF_SUPEROFFLOAD_CACHE``
 overrides the folder); the free-memory fields are re-read on every call.
 
