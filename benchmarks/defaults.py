@@ -319,12 +319,17 @@ def _run_trainer(rec: dict[str, Any], model: Any, batches: list[Any], batch: int
 
     rows = [{"input_ids": ids[i].cpu(), "labels": ids[i].cpu()} for ids in batches for i in range(ids.shape[0])]
     stamps: list[float] = []
+    built: list[Any] = []  # the trainer, once made: its optimizer's verdict per step
 
     class Stamp(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, *_: Any, **__: Any) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             stamps.append(time.perf_counter())
+            st = built[0].superoffload_optimizer.last_step_stats
+            # the timed steps' verdicts: _describe predicts the schedule they had (redos or commits)
+            rec["per_step"].append({"wall_s": stamps[-1] - stamps[-2] if len(stamps) > 1 else 0.0,
+                                    "verdict": None if st is None else st.verdict})
 
     with tempfile.TemporaryDirectory() as out:
         args = SuperOffloadArguments(output_dir=out, bf16=True, max_grad_norm=CLIP, learning_rate=LR,
@@ -335,6 +340,8 @@ def _run_trainer(rec: dict[str, Any], model: Any, batches: list[Any], batch: int
                                      use_cpu=device.type != "cuda")
         trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=rows * (warmup + steps + 2),
                                       callbacks=[Stamp()])
+        built.append(trainer)
+        rec["per_step"] = []
         try:
             trainer.train()
         except torch.OutOfMemoryError as e:

@@ -28,8 +28,11 @@ def test_snippet_and_trainer_rows_record_their_plans(tmp_path: Path) -> None:
     # every step of the snippet's loop, the timed ones too, is in its per-step record
     assert len(recs["snippet"]["per_step"]) == recs["snippet"]["warmup_steps"] + 2
     # the prediction is for the schedule of the timed steps: clipped when most of them redid the step
-    timed = [p["verdict"] for p in recs["snippet"]["per_step"][-2:]]
-    assert recs["snippet"]["timed_redo_steps"] == timed.count("redo")
+    # (the Trainer's too: one verdict per optimizer step, the timed ones last)
+    for r in recs.values():
+        timed = [p["verdict"] for p in r["per_step"][-2:]]
+        assert r["timed_redo_steps"] == timed.count("redo") and set(timed) <= {"commit", "redo", "skip"}
+    assert len(recs["trainer"]["per_step"]) == 1 + 2 + 1  # --warmup 1, --steps 2, and the step before the first stamp
 
 
 def test_named_settings_and_profile(tmp_path: Path) -> None:
