@@ -508,7 +508,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             # [Note: moving the tail to the host] in runtime/tail_move.py: before this forward allocates anything
             shrunk = shrink_tail(plan, self._planning_workload(workload), budget,
                                  numels=[p.numel() for p in self._ordered], element_size=2, config=self.config,
-                                 host_arena_numel=self._built.host_arena_numel)
+                                 host_arena_numel=self._built.host_arena_numel,
+                                 host_arena_capacity=self._built.host_arena_capacity)
             if shrunk is not None:
                 self._move_tail(shrunk, f"{what}, so that it fits")
                 ok = True

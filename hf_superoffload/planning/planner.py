@@ -904,15 +904,24 @@ def _as_moved(moved: OffloadPlan, config: SuperOffloadConfig) -> OffloadPlan:
         for n in moved.notes))
 
 
+def _move_to_host_transient(shrunk: OffloadPlan, host_arena_capacity: int | None) -> int:
+    """Host bytes a move to ``shrunk`` holds past its plan for a moment: one host arena regrown beside the old one
+    where the arenas cannot grow to its share in place ([Note: reserved room in the host arenas]), or one device
+    arena of the staying tail staged on the host ([Note: restaging the device arenas]), whichever is larger."""
+    in_place = host_arena_capacity is not None and shrunk.host_numel <= host_arena_capacity
+    return max(0 if in_place else 4 * shrunk.host_numel, 4 * shrunk.device_numel)
+
+
 def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile, *, numels: Sequence[int],
                 element_size: int, config: SuperOffloadConfig,
-                host_arena_numel: int | None = None) -> OffloadPlan | None:
+                host_arena_numel: int | None = None, host_arena_capacity: int | None = None) -> OffloadPlan | None:
     """[Note: moving the tail to the host] in runtime/tail_move.py: the plan with the fewest of ``plan``'s device
     buckets moved to the host with which the device holds ``workload`` (with the most kept layers beside it) and the
     host holds the moved state; ``None`` if even no device tail fits, or the host cannot take what must move. One
     process, stationary weights. ``host_arena_numel``: what the host arenas hold now, when a move to the device
     left them larger than ``plan``'s share ([Note: the host arenas keep their size]): the host is priced with
-    arenas of at least that size."""
+    arenas of at least that size. ``host_arena_capacity``: what they can grow to in place ([Note: reserved room in
+    the host arenas]); a share past it regrows one arena at a time beside the old one, which the host must hold."""
     plan_at = _plans_by_tail(plan, workload, profile, numels=numels, element_size=element_size, config=config)
     if plan_at is None:
         return None
@@ -927,8 +936,7 @@ def shrink_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfile,
         if host_arena_numel is not None and host_arena_numel > shrunk.host_numel:
             held = dataclasses.replace(held, host_numel=host_arena_numel)
         est = workload.estimate(held)
-        during = max(4 * shrunk.host_numel, 4 * shrunk.device_numel)  # one regrown arena, or one staged arena
-        if host is not None and est.host_peak_bytes + during > host:
+        if host is not None and est.host_peak_bytes + _move_to_host_transient(shrunk, host_arena_capacity) > host:
             return None
         return _as_moved(shrunk, config)
     return None

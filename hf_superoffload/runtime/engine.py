@@ -298,6 +298,12 @@ class OffloadEngine:
         return self.layout.host_arena_numel
 
     @property
+    def host_arena_capacity(self) -> int:
+        """Elements every host state arena can grow to in place ([Note: reserved room in the host arenas] in
+        runtime/tail_move.py)."""
+        return self.layout.host_arena_capacity
+
+    @property
     def pinned_bytes(self) -> int:
         """Page-locked host bytes: the layout's arenas and the host accumulation's buffers."""
         return self.layout.pinned_bytes + sum(b.nbytes for b in self.accumulation_buffers if b.pinned)

@@ -19,6 +19,17 @@ __all__ = ["HostBuffer"]
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages."""
+    return -(-nbytes // _PAGE) * _PAGE
+
+
+def _untouched_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of address space whose pages are first touched when written: a bare storage (``torch.empty``
+    fills every byte under ``torch.use_deterministic_algorithms``, which would make reserved room resident)."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage(nbytes))
+
+
 def _unregister(ptr: int) -> None:
     with contextlib.suppress(Exception):  # interpreter shutdown
         torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -44,32 +55,67 @@ class HostBuffer:
     tensor: torch.Tensor
     pinned: bool
 
-    def __init__(self, numel: int, dtype: torch.dtype, *, pin: bool, name: str) -> None:
-        numel = max(numel, 0)
+    def __init__(self, numel: int, dtype: torch.dtype, *, pin: bool, name: str, reserve: int = 0) -> None:
+        """``reserve``: elements of address space kept past ``numel`` that :meth:`grow` takes in place ([Note:
+        reserved room in the host arenas]); their pages stay untouched, so they cost no resident memory."""
+        numel, reserve = max(numel, 0), max(reserve, 0)
         self.pinned = False
         self.name = name
-        if not (pin and numel > 0):
+        self._pin, self._unpin = pin, None
+        self._raw: torch.Tensor | None = None
+        if not reserve and not (pin and numel > 0):
             self.tensor = torch.empty(numel, dtype=dtype)
+            self.capacity = numel
             return
-        # Register whole pages that belong to this buffer alone: a small allocation from the heap shares its
-        # pages with other objects, and two registrations of one page fail (or one's unregister unpins the other).
-        nbytes = numel * dtype.itemsize
-        span = -(-nbytes // _PAGE) * _PAGE
-        raw = torch.empty(span + _PAGE, dtype=torch.uint8)
-        off = -raw.data_ptr() % _PAGE
-        self._raw = raw  # owns the pages; the finalizer below runs before it is freed
-        self.tensor = raw[off:off + nbytes].view(dtype)
-        ptr = raw.data_ptr() + off
-        err = torch.cuda.cudart().cudaHostRegister(ptr, span, 0)
+        # Whole pages that belong to this buffer alone: a small allocation from the heap shares its pages with
+        # other objects, and two registrations of one page fail (or one's unregister unpins the other).
+        raw = None
+        if reserve:
+            with contextlib.suppress(RuntimeError):  # the host refused the address space: exact size, as without
+                raw = _untouched_bytes(_pages((numel + reserve) * dtype.itemsize) + _PAGE)
+        self.capacity = numel + reserve if raw is not None else numel
+        if raw is None:
+            raw = torch.empty(_pages(numel * dtype.itemsize) + _PAGE, dtype=torch.uint8)
+        self._raw, self._dtype = raw, dtype  # owns the pages; the finalizer below runs before they are freed
+        self._start = -raw.data_ptr() % _PAGE
+        self.tensor = self._view(numel)
+        if pin and numel > 0:
+            self._register(numel)
+
+    def grow(self, numel: int) -> bool:
+        """Take ``numel`` elements in place, the contents in front kept, when the reserved room holds them (a
+        pinned buffer's pages are registered again, whole: call it where no copy into or out of it is in flight);
+        ``False`` when it does not (nothing changes)."""
+        if numel <= self.tensor.numel():
+            return True
+        if self._raw is None or numel > self.capacity:
+            return False
+        if self._unpin is not None:
+            # one registration over the whole range: a copy that crossed from the old pages into the new ones
+            # would span two registrations
+            self._unpin()
+            self._unpin, self.pinned = None, False
+        self.tensor = self._view(numel)
+        if self._pin:
+            self._register(numel)
+        return True
+
+    def _view(self, numel: int) -> torch.Tensor:
+        assert self._raw is not None
+        return self._raw[self._start:self._start + numel * self._dtype.itemsize].view(self._dtype)
+
+    def _register(self, numel: int) -> None:
+        ptr, nbytes = self.tensor.data_ptr(), numel * self._dtype.itemsize
+        err = torch.cuda.cudart().cudaHostRegister(ptr, _pages(nbytes), 0)
         if int(err) != 0:
             raise RuntimeError(
-                f"could not page-lock {nbytes / 1024**3:.2f} GiB for {name} (cudaHostRegister error {int(err)}). "
-                "The host may limit locked memory (ulimit -l) or be short of RAM; "
+                f"could not page-lock {nbytes / 1024**3:.2f} GiB for {self.name} (cudaHostRegister error "
+                f"{int(err)}). The host may limit locked memory (ulimit -l) or be short of RAM; "
                 "set SuperOffloadConfig(pin_memory=False) to use pageable (slower) copies."
             )
         self.pinned = True
         # The finalizer runs before the storage is freed: it holds only the pointer.
-        weakref.finalize(self, _unregister, ptr)
+        self._unpin = weakref.finalize(self, _unregister, ptr)
 
     @property
     def nbytes(self) -> int:

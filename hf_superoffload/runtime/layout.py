@@ -144,7 +144,9 @@ class BucketLayout:
         self.cast_on_cpu = plan.cast_side is CastSide.CPU
         self.copies = copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
         self._pin = pin
-        self.arenas = {name: HostBuffer(n_host, dtype, pin=pinned, name=what)
+        # [Note: reserved room in the host arenas] in runtime/tail_move.py: a move to the host grows them in place
+        reserve = plan.device_numel if plan.world_size == 1 and plan.weight_mode is WeightMode.STATIONARY else 0
+        self.arenas = {name: HostBuffer(n_host, dtype, pin=pinned, name=what, reserve=reserve)
                        for name, (dtype, pinned, what) in self._host_arena_kinds().items()}
         # weight flow + data parallel: staging holds this rank's shard only; the streamed weights need every
         # rank's, so each rank keeps the whole bf16 weights of the host buckets ([Note: data parallel sharding])
@@ -256,10 +258,11 @@ class BucketLayout:
     # -- what a move of the tail changes (runtime/tail_move.py composes these) -------------------------------------
     def fit_host_arenas(self, plan: OffloadPlan) -> None:
         """Take ``plan``, whose host buckets are the current ones, more (a move to the host) or fewer (a move to the
-        device) of them, and bind the host buckets again. An arena too small for ``plan``'s ``host_numel`` is
-        reallocated at it with its contents in front, one arena at a time; one that holds it keeps its size and its
-        pages ([Note: the host arenas keep their size] in runtime/tail_move.py); one ``plan`` no longer needs, and
-        every one when no host bucket is left, is freed. Idle host buckets only."""
+        device) of them, and bind the host buckets again. An arena too small for ``plan``'s ``host_numel`` grows
+        into its reserved room ([Note: reserved room in the host arenas] in runtime/tail_move.py), or where that is
+        too small is reallocated at it with its contents in front, one arena at a time; one that holds it keeps its
+        size and its pages ([Note: the host arenas keep their size]); one ``plan`` no longer needs, and every one
+        when no host bucket is left, is freed. Idle host buckets only."""
         for b in self.host_buckets:
             b.drop_views()  # each old arena is freed as soon as its resized copy holds its contents
         before = self._host_arena_kinds()
@@ -270,7 +273,7 @@ class BucketLayout:
         for name, (dtype, pinned, what) in kinds.items():
             if not plan.host_numel:  # nothing stays on the host: freeing costs nothing, there is nothing to copy
                 self.arenas[name] = HostBuffer(0, dtype, pin=pinned, name=what)
-            elif name not in self.arenas or self.arenas[name].tensor.numel() < plan.host_numel:
+            elif name not in self.arenas or not self.arenas[name].grow(plan.host_numel):
                 self._regrow_host_arena(name, plan.host_numel, dtype, pinned, what)
         for b in self.host_buckets:
             self.bind_host(b)
@@ -289,6 +292,12 @@ class BucketLayout:
     def host_arena_numel(self) -> int:
         """Elements each host state arena holds: the plan's ``host_numel``, or more after a move to the device."""
         return self.arenas["master0"].tensor.numel()
+
+    @property
+    def host_arena_capacity(self) -> int:
+        """Elements every host state arena can grow to in place: the plan's share and the room reserved past it
+        ([Note: reserved room in the host arenas] in runtime/tail_move.py)."""
+        return min(self.arenas[name].capacity for name in self._host_arena_kinds())
 
     def _restage_device_arenas(self, numel: int, staying: Sequence[tuple[DeviceBucket, BucketSpec]]) -> None:
         """Reallocate the device arenas at ``numel`` elements, the ``staying`` buckets' state moved from their old

@@ -29,10 +29,10 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # for that tail size with those switches, so training on equals a run started with it from the same state, bit for
 # bit (not one started with it from the first step: before the move the tail's buckets stepped with the device
 # AdamW, which rounds differently from the CPU Adam). The move runs in the forward pre-hook, between steps, after
-# every upload; not under data parallelism or weight flow (the batch is refused as before). It briefly holds more
-# host memory than either plan: a host arena too small for the new host share is regrown (one at a time; after a
-# move to the device the arenas may already hold it, see below), and the device arenas are reallocated at their new
-# size ([Note: restaging the device arenas] below).
+# every upload; not under data parallelism or weight flow (the batch is refused as before). The host arenas grow
+# into the room reserved past them ([Note: reserved room in the host arenas] below; after a move to the device they
+# may already hold the new share), and the device arenas are reallocated at their new size ([Note: restaging the
+# device arenas] below).
 #
 # Under host accumulation ([Note: host accumulation] in docs/weight_flow.md) the move runs only at an optimizer
 # step's first micro-batch, where nothing is summed on the host yet: the accumulator's buffers hold no state then,
@@ -84,6 +84,21 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # ``host_numel`` elements of each arena (``BucketLayout.flat_state``); ``BucketLayout.host_arena_numel`` says what
 # the arenas hold; ``planner.shrink_tail`` prices a later move to the host with it, and the benchmarks predict host
 # memory from it.
+
+
+# [Note: reserved room in the host arenas]
+# A move to the host needs host arenas of the larger share. Regrowing one means a new arena beside the old one, its
+# pages touched (and page-locked, for the DMA-touched ones) and the old contents copied: on an H100 box the 8B
+# batch-8 snippet's calibration moved one 32 MB bucket (16M parameters) to the host, and its peak RSS was 96.7 GB
+# against the 82.6 GB its plan holds, one 4.35B-element fp32 arena held twice. So a process that can move its tail
+# (one process, stationary weights) allocates each host state arena with address space for every device bucket
+# past the host share (``HostBuffer(reserve=...)``): pages nobody has written are not resident, so the room costs
+# no RSS until a move writes the moved buckets' state into it, and the move grows each arena in place, its contents
+# where they were. A page-locked arena is registered again over its whole grown range (one registration: a bucket
+# whose copy crossed from the old pages into the new would span two), at the move's quiet point where no copy is in
+# flight. A host that refuses the address space gets arenas of the exact share, which a move regrows as before, and
+# ``planner.shrink_tail`` prices that regrowth only where the room does not hold the new share
+# (``BucketLayout.host_arena_capacity``).
 
 
 def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:

@@ -290,9 +290,21 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # [Note: the host arenas keep their size]: a move to the device reallocates them at the smaller share
         "tail_growth_reallocates_the_host_arenas", "hf_superoffload/runtime/layout.py",
-        "            elif name not in self.arenas or self.arenas[name].tensor.numel() < plan.host_numel:\n",
+        "            elif name not in self.arenas or not self.arenas[name].grow(plan.host_numel):\n",
         "            elif name not in self.arenas or self.arenas[name].tensor.numel() != plan.host_numel:\n",
         (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[inverse]",),
+    ),
+    Mutation(  # [Note: reserved room in the host arenas]: no room, so a move to the host regrows every arena
+        "tail_move_regrows_the_host_arenas", "hf_superoffload/runtime/layout.py",
+        "        reserve = plan.device_numel if plan.world_size == 1",
+        "        reserve = 0 if plan.world_size == 1",
+        (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[inverse-speculative]",),
+    ),
+    Mutation(  # a grown pinned buffer registered again over pages it still has registered
+        "pinned_growth_keeps_the_old_registration", "hf_superoffload/runtime/host_memory.py",
+        "            self._unpin()\n            self._unpin, self.pinned = None, False\n",
+        "            self.pinned = False\n",
+        ("tests/runtime/test_host_memory.py::test_a_pinned_buffer_grows_under_one_registration_of_the_whole_range",),
     ),
     Mutation(  # [Note: moving the tail to the host] under host accumulation: the accumulator keeps the old host share
         "tail_move_keeps_the_accumulation_buffers", "hf_superoffload/runtime/engine.py",

@@ -4,6 +4,7 @@ engine's small pinned buffers really are pinned (a pageable destination makes a 
 from __future__ import annotations
 
 import gc
+import sys
 
 import pytest
 import torch
@@ -69,6 +70,58 @@ def test_unpinned_buffer_is_plain_exact_memory() -> None:
     buf = HostBuffer(7, torch.bfloat16, pin=False, name="x")
     assert not buf.pinned and buf.tensor.shape == (7,) and buf.tensor.dtype == torch.bfloat16
     assert HostBuffer(0, torch.float32, pin=True, name="empty").tensor.numel() == 0
+
+
+def test_reserved_room_grows_in_place_with_the_contents_kept() -> None:
+    """[Note: reserved room in the host arenas]: ``grow`` takes the reserved room in place; past it, it refuses and
+    changes nothing (the caller regrows)."""
+    buf = HostBuffer(5, torch.float32, pin=False, name="a", reserve=7)
+    buf.tensor.copy_(torch.arange(5.0))
+    ptr = buf.tensor.data_ptr()
+    assert buf.capacity == 12 and buf.tensor.shape == (5,)
+    assert buf.grow(3) and buf.tensor.shape == (5,)  # a smaller share: nothing to do
+    assert buf.grow(12) and buf.tensor.data_ptr() == ptr and buf.tensor.shape == (12,)
+    assert buf.tensor[:5].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert not buf.grow(13) and buf.tensor.shape == (12,) and buf.tensor.data_ptr() == ptr
+    assert not HostBuffer(5, torch.float32, pin=False, name="exact").grow(6)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * host_memory._PAGE
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's /proc")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_reserved_room_is_address_space_not_resident_memory(deterministic: bool) -> None:
+    """A GiB reserved past a small buffer leaves the resident memory as it was, also where deterministic algorithms
+    make ``torch.empty`` fill what it allocates; the pages the buffer grows into become resident when written."""
+    before_flag = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        rss = _resident_bytes()
+        buf = HostBuffer(1024, torch.float32, pin=False, name="big room", reserve=2**28)
+        assert _resident_bytes() - rss < 64 * 2**20
+        assert buf.grow(2**26)
+        buf.tensor.fill_(1.0)  # 256 MiB written
+        assert _resident_bytes() - rss > 200 * 2**20
+    finally:
+        torch.use_deterministic_algorithms(before_flag)
+
+
+def test_a_pinned_buffer_grows_under_one_registration_of_the_whole_range(fake_cudart: _FakeCudart) -> None:
+    """Growing a page-locked buffer registers its whole grown range once (a copy across the old end would span two
+    registrations otherwise), only the used pages, and the registration still ends with the object."""
+    page = host_memory._PAGE
+    buf = HostBuffer(1000, torch.float32, pin=True, name="landing", reserve=5000)
+    ptr = buf.tensor.data_ptr()
+    assert buf.pinned and fake_cudart.registered == {ptr: -(-4000 // page) * page}
+    assert buf.grow(6000) and buf.pinned and buf.tensor.data_ptr() == ptr
+    assert fake_cudart.registered == {ptr: -(-24000 // page) * page}
+    assert [c[0] for c in fake_cudart.calls] == ["register", "unregister", "register"]
+    del buf
+    gc.collect()
+    assert fake_cudart.registered == {}
 
 
 @pytest.mark.cuda

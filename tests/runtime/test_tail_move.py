@@ -15,7 +15,13 @@ import torch
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.planning.memory_model import PlanLike, estimate
 from hf_superoffload.planning.plan import HostAccumulation, OffloadPlan, Placement
-from hf_superoffload.planning.planner import Workload, device_holds, make_plan, shrink_tail
+from hf_superoffload.planning.planner import (
+    Workload,
+    _move_to_host_transient,
+    device_holds,
+    make_plan,
+    shrink_tail,
+)
 from hf_superoffload.runtime import layout as layout_module
 from hf_superoffload.runtime import streams
 from hf_superoffload.runtime.tail_move import check_move
@@ -88,6 +94,7 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
     tail = len(opt.plan.device_buckets)
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail for the short batch"
     before = snapshot(model, opt)
+    ptrs = {n: a.tensor.data_ptr() for n, a in opt.engine.layout.arenas.items()}
     norms = _grad_norms(model, opt, data[3:])
     k = len(opt.plan.device_buckets)
     assert 0 < k < tail, "the long batch should move some, not all, device buckets to the host"
@@ -102,6 +109,9 @@ def test_training_after_a_move_equals_starting_with_the_smaller_tail(device_budg
     # what the engine really holds is what a run started with the smaller tail allocates
     ours, theirs = opt.engine.layout, ref.engine.layout
     assert {n: a.nbytes for n, a in ours.arenas.items()} == {n: a.nbytes for n, a in theirs.arenas.items()}
+    # [Note: reserved room in the host arenas]: every host arena grew in place, none was regrown beside itself
+    kept = ptrs.keys() & ours.arenas.keys()
+    assert "master0" in kept and {n: ours.arenas[n].tensor.data_ptr() for n in kept} == {n: ptrs[n] for n in kept}
     assert ours.device_state_bytes == theirs.device_state_bytes == 12 * opt.plan.device_numel
     opt.close()
     ref.close()
@@ -237,6 +247,12 @@ def test_the_host_is_priced_with_the_arenas_it_holds() -> None:
     assert same == shrunk
     assert shrink_tail(plan, long, profile, numels=numels, element_size=2, config=config,
                        host_arena_numel=10**9) is None, "a billion parameters' arenas do not fit 8 GiB of host"
+    # the moment of the move: one arena regrown beside the old one, unless the arenas grow in place ([Note:
+    # reserved room in the host arenas]), or one staged device arena
+    assert shrunk.host_numel > shrunk.device_numel
+    assert _move_to_host_transient(shrunk, None) == 4 * shrunk.host_numel
+    assert _move_to_host_transient(shrunk, shrunk.host_numel - 1) == 4 * shrunk.host_numel
+    assert _move_to_host_transient(shrunk, shrunk.host_numel) == 4 * shrunk.device_numel
 
 
 def test_the_staying_tail_waits_on_the_host_one_arena_at_a_time(device_budget, staging_watch) -> None:
@@ -398,6 +414,7 @@ def test_a_move_under_host_accumulation_equals_starting_with_the_smaller_tail(de
     assert opt.plan.host_accumulation.value == dtype, "the run accumulates on the host"
     assert 0 < tail < len(opt.plan.buckets), "the budget should leave a partial tail for the short batch"
     before = snapshot(model, opt)
+    ptrs = {n: a.tensor.data_ptr() for n, a in opt.engine.layout.arenas.items()}
     norms = _accumulated_norms(model, opt, data[3 * MICRO :])
     k = len(opt.plan.device_buckets)
     assert 0 < k < tail, "the long batch should move some, not all, device buckets to the host"
@@ -411,6 +428,9 @@ def test_a_move_under_host_accumulation_equals_starting_with_the_smaller_tail(de
     assert _same(weights_and_state(model, opt), weights_and_state(ref_model, ref))
     ours, theirs = opt.engine.layout, ref.engine.layout
     assert {n: a.nbytes for n, a in ours.arenas.items()} == {n: a.nbytes for n, a in theirs.arenas.items()}
+    # [Note: reserved room in the host arenas]: every host arena grew in place, none was regrown beside itself
+    kept = ptrs.keys() & ours.arenas.keys()
+    assert "master0" in kept and {n: ours.arenas[n].tensor.data_ptr() for n in kept} == {n: ptrs[n] for n in kept}
     sizes = [[b.nbytes for b in e.accumulation_buffers] for e in (opt.engine, ref.engine)]
     assert sizes[0] and sizes[0] == sizes[1], "the accumulation buffers are those of the smaller tail's run"
     assert opt.engine.pinned_bytes == ref.engine.pinned_bytes
