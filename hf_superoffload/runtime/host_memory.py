@@ -1,4 +1,4 @@
-"""Host buffers of exact size, page-locked only where DMA touches them.
+"""Host buffers of exact size, page-locked only where DMA touches them, with room to grow in place where asked.
 
 [Note: pinned memory budget]: torch's caching host allocator rounds every pinned request up to a power of
 two (a 43 GB arena would lock 64 GiB). We allocate ordinary memory and register exactly its pages with
@@ -50,10 +50,12 @@ class HostBuffer:
     Attributes:
         tensor: the flat 1-D CPU tensor; views of it are handed to buckets.
         pinned: whether its pages are registered with CUDA (DMA without a bounce buffer).
+        capacity: the elements :meth:`grow` can take in place (``numel`` and the reserved room).
     """
 
     tensor: torch.Tensor
     pinned: bool
+    capacity: int
 
     def __init__(self, numel: int, dtype: torch.dtype, *, pin: bool, name: str, reserve: int = 0) -> None:
         """``reserve``: elements of address space kept past ``numel`` that :meth:`grow` takes in place ([Note:

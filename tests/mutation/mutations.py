@@ -296,8 +296,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # [Note: reserved room in the host arenas]: no room, so a move to the host regrows every arena
         "tail_move_regrows_the_host_arenas", "hf_superoffload/runtime/layout.py",
-        "        reserve = plan.device_numel if plan.world_size == 1",
-        "        reserve = 0 if plan.world_size == 1",
+        "        return plan.device_numel if plan.world_size == 1",
+        "        return 0 if plan.world_size == 1",
         (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[inverse-speculative]",),
     ),
     Mutation(  # a grown pinned buffer registered again over pages it still has registered
