@@ -24,6 +24,16 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
 
 
+def _strict_overcommit() -> bool:
+    """Whether Linux charges address space as it is allocated (``vm.overcommit_memory=2``): reserved room would then
+    take from the commit limit what later allocations need, so none is reserved."""
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "2"
+    except OSError:
+        return False
+
+
 def _untouched_bytes(nbytes: int) -> torch.Tensor:
     """``nbytes`` of address space whose pages are first touched when written: a bare storage (``torch.empty``
     fills every byte under ``torch.use_deterministic_algorithms``, which would make reserved room resident)."""
@@ -72,7 +82,7 @@ class HostBuffer:
         # Whole pages that belong to this buffer alone: a small allocation from the heap shares its pages with
         # other objects, and two registrations of one page fail (or one's unregister unpins the other).
         raw = None
-        if reserve:
+        if reserve and not _strict_overcommit():
             with contextlib.suppress(RuntimeError):  # the host refused the address space: exact size, as without
                 raw = _untouched_bytes(_pages((numel + reserve) * dtype.itemsize) + _PAGE)
         self.capacity = numel + reserve if raw is not None else numel

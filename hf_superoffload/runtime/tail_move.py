@@ -90,15 +90,16 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 # A move to the host needs host arenas of the larger share. Regrowing one means a new arena beside the old one, its
 # pages touched (and page-locked, for the DMA-touched ones) and the old contents copied: on an H100 box the 8B
 # batch-8 snippet's calibration moved one 32 MB bucket (16M parameters) to the host, and its peak RSS was 96.7 GB
-# against the 82.6 GB its plan holds, one 4.35B-element fp32 arena held twice. So a process that can move its tail
-# (one process, stationary weights) allocates each host state arena with address space for every device bucket
-# past the host share (``HostBuffer(reserve=...)``): pages nobody has written are not resident, so the room costs
-# no RSS until a move writes the moved buckets' state into it, and the move grows each arena in place, its contents
-# where they were. A page-locked arena is registered again over its whole grown range (one registration: a bucket
-# whose copy crossed from the old pages into the new would span two), at the move's quiet point where no copy is in
-# flight. A host that refuses the address space gets arenas of the exact share, which a move regrows as before, and
-# ``planner.shrink_tail`` prices that regrowth only where the room does not hold the new share
-# (``BucketLayout.host_arena_capacity``).
+# against the 82.6 GB its plan holds, about one 4.35B-element fp32 arena (17 GB) more. So a process that can move
+# its tail (one process, stationary weights) allocates each host state arena with address space for every device
+# bucket past the host share (``HostBuffer(reserve=...)``): pages nobody has written are not resident, so the room
+# costs no RSS until a move writes the moved buckets' state into it, and the move grows each arena in place, its
+# contents where they were. A page-locked arena is registered again over its whole grown range (one registration:
+# a bucket whose copy crossed from the old pages into the new would span two), at the move's quiet point where no
+# copy is in flight. A host that refuses the address space, or charges it as allocated (``vm.overcommit_memory=2``,
+# where the room would take from the commit limit what later allocations need), gets arenas of the exact share,
+# which a move regrows as before; ``planner.shrink_tail`` prices that regrowth only where the room does not hold
+# the new share (``BucketLayout.host_arena_capacity``).
 
 
 def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:

@@ -86,6 +86,22 @@ def test_reserved_room_grows_in_place_with_the_contents_kept() -> None:
     assert not HostBuffer(5, torch.float32, pin=False, name="exact").grow(6)
 
 
+def test_no_room_is_reserved_where_address_space_is_charged_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under strict overcommit the room would take from the commit limit, and a host that refuses the address space
+    gets the exact share: either way an exact buffer that a move regrows."""
+    monkeypatch.setattr(host_memory, "_strict_overcommit", lambda: True)
+    buf = HostBuffer(5, torch.float32, pin=False, name="strict", reserve=7)
+    assert buf.capacity == 5 and buf.tensor.shape == (5,) and not buf.grow(6)
+    monkeypatch.setattr(host_memory, "_strict_overcommit", lambda: False)
+
+    def refuse(nbytes: int) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(host_memory, "_untouched_bytes", refuse)
+    buf = HostBuffer(5, torch.float32, pin=False, name="refused", reserve=7)
+    assert buf.capacity == 5 and buf.tensor.shape == (5,) and not buf.grow(6)
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * host_memory._PAGE
