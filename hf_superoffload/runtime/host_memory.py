@@ -102,6 +102,7 @@ class HostBuffer:
             return True
         if self._raw is None or numel > self.capacity:
             return False
+        before, was_pinned = self.tensor.numel(), self._unpin is not None
         if self._unpin is not None:
             # one registration over the whole range: a copy that crossed from the old pages into the new ones
             # would span two registrations
@@ -109,7 +110,13 @@ class HostBuffer:
             self._unpin, self.pinned = None, False
         self.tensor = self._view(numel)
         if self._pin:
-            self._register(numel)
+            try:
+                self._register(numel)
+            except RuntimeError:  # (ulimit -l) the buffer stays as it was, its registration too
+                self.tensor = self._view(before)
+                if was_pinned:
+                    self._register(before)
+                raise
         return True
 
     def _view(self, numel: int) -> torch.Tensor:

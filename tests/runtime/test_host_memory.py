@@ -140,6 +140,26 @@ def test_a_pinned_buffer_grows_under_one_registration_of_the_whole_range(fake_cu
     assert fake_cudart.registered == {}
 
 
+def test_a_pinned_buffer_that_cannot_lock_its_grown_range_stays_as_it_was(fake_cudart: _FakeCudart,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host refuses to lock the grown range (``ulimit -l``): the error names the fix, and the buffer keeps its
+    size, its contents and its registration."""
+    page = host_memory._PAGE
+    buf = HostBuffer(1000, torch.float32, pin=True, name="landing", reserve=5000)
+    buf.tensor.copy_(torch.arange(1000.0))
+    ptr, locked = buf.tensor.data_ptr(), fake_cudart.cudaHostRegister
+
+    def limited(p: int, nbytes: int, flags: int) -> int:
+        return 2 if nbytes > 4 * page else locked(p, nbytes, flags)  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(fake_cudart, "cudaHostRegister", limited)
+    with pytest.raises(RuntimeError, match="pin_memory=False"):
+        buf.grow(6000)
+    assert buf.pinned and buf.tensor.shape == (1000,) and buf.tensor.data_ptr() == ptr
+    assert torch.equal(buf.tensor, torch.arange(1000.0))
+    assert fake_cudart.registered == {ptr: -(-4000 // page) * page}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_engine_statistics_copy_does_not_block_the_host() -> None:
