@@ -195,6 +195,19 @@ class OffloadPlan:
     def device_buckets(self) -> tuple[BucketSpec, ...]:
         return self._by_placement()[1]
 
+    @property
+    def tail_movable(self) -> bool:
+        """Whether device buckets may move between the device and the host mid-run ([Note: moving the tail to the
+        host] in runtime/tail_move.py): one process, stationary weights."""
+        return self.world_size == 1 and self.weight_mode is WeightMode.STATIONARY
+
+    @property
+    def host_arena_room(self) -> int:
+        """Elements of untouched address space each host state arena keeps past ``host_numel``, which a move to the
+        host grows into ([Note: reserved room in the host arenas] in runtime/tail_move.py): the device tail's, where
+        it may move."""
+        return self.device_numel if self.tail_movable else 0
+
     def host_bytes(self) -> int:
         """Host RAM for optimizer state and the DMA buffers."""
         # p/m/v, then the bf16 landing, and bf16 staging with the CPU cast (the GPU cast uploads the fp32 master)

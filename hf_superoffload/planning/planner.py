@@ -871,7 +871,7 @@ def _plans_by_tail(plan: OffloadPlan, workload: Workload, profile: HardwareProfi
     """``k -> make_plan``'s plan for a tail of ``k`` buckets with ``plan``'s switches pinned (``None`` where the host
     cannot hold the rest, or the pinned plan would still change a switch the engine keeps); ``None`` itself when
     ``plan``'s tail cannot move (data parallel, weight flow, an unknown device budget)."""
-    if plan.world_size != 1 or plan.weight_mode is not WeightMode.STATIONARY or profile.device_free_bytes is None:
+    if not plan.tail_movable or profile.device_free_bytes is None:
         return None
     pinned = config.replace(
         bucket_size_mb=plan.bucket_size_mb,  # the same partition: the buckets keep their boundaries

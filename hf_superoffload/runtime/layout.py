@@ -144,7 +144,7 @@ class BucketLayout:
         self.cast_on_cpu = plan.cast_side is CastSide.CPU
         self.copies = copies = 2 if plan.rollback is Rollback.DOUBLE_BUFFER else 1
         self._pin = pin
-        self.arenas = {name: HostBuffer(n_host, dtype, pin=pinned, name=what, reserve=self._room())
+        self.arenas = {name: HostBuffer(n_host, dtype, pin=pinned, name=what, reserve=self.plan.host_arena_room)
                        for name, (dtype, pinned, what) in self._host_arena_kinds().items()}
         # weight flow + data parallel: staging holds this rank's shard only; the streamed weights need every
         # rank's, so each rank keeps the whole bf16 weights of the host buckets ([Note: data parallel sharding])
@@ -193,13 +193,6 @@ class BucketLayout:
             self.load_masters_from_params(self.host_buckets)
         if plan.weight_mode is not WeightMode.FLOW:
             self.allocate_device_state()
-
-    def _room(self) -> int:
-        """Elements of address space each host state arena keeps past the plan's share ([Note: reserved room in the
-        host arenas] in runtime/tail_move.py): the device tail's, where it can move to the host (one process,
-        stationary weights)."""
-        plan = self.plan
-        return plan.device_numel if plan.world_size == 1 and plan.weight_mode is WeightMode.STATIONARY else 0
 
     def _host_arena_kinds(self) -> dict[str, tuple[torch.dtype, bool, str]]:
         """Each host arena of ``host_numel`` elements the plan needs: (dtype, page-locked, what it holds).
@@ -286,7 +279,7 @@ class BucketLayout:
     def _regrow_host_arena(self, name: str, numel: int, dtype: torch.dtype, pinned: bool, what: str) -> None:
         """One arena at ``numel`` elements with the old one's contents in front (as many as it holds); the old one
         is freed on return (this frame holds the only other reference)."""
-        grown = HostBuffer(numel, dtype, pin=pinned, name=what, reserve=self._room())
+        grown = HostBuffer(numel, dtype, pin=pinned, name=what, reserve=self.plan.host_arena_room)
         old = self.arenas.get(name)
         if old is not None:
             n = min(numel, old.tensor.numel())

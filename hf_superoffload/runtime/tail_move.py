@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..planning.plan import OffloadPlan, Placement, WeightMode
+from ..planning.plan import OffloadPlan, Placement
 from .bucket import DeviceBucket, HostBucket
 from .layout import BucketLayout, check_plan
 
@@ -105,7 +105,7 @@ __all__ = ["check_move", "check_move_to_device", "move_to_device", "move_to_host
 def _check_movable(old: OffloadPlan, new: OffloadPlan, what: str, build: str) -> None:
     """What both moves need: one process, stationary weights, the same bucket boundaries and the engine's switches
     (host accumulation's mode among them; its landing ring follows the host shards)."""
-    if old.world_size != 1 or old.weight_mode is not WeightMode.STATIONARY:
+    if not old.tail_movable:
         raise ValueError(f"moving the device tail {what} needs one process and stationary weights")
     places = [(s.param_indices, s.numel) for s in old.buckets], [(s.param_indices, s.numel) for s in new.buckets]
     if places[0] != places[1]:

@@ -295,9 +295,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{GROW}::test_training_after_growth_equals_starting_with_the_larger_tail[inverse]",),
     ),
     Mutation(  # [Note: reserved room in the host arenas]: no room, so a move to the host regrows every arena
-        "tail_move_regrows_the_host_arenas", "hf_superoffload/runtime/layout.py",
-        "        return plan.device_numel if plan.world_size == 1",
-        "        return 0 if plan.world_size == 1",
+        "tail_move_regrows_the_host_arenas", "hf_superoffload/planning/plan.py",
+        "        return self.device_numel if self.tail_movable else 0",
+        "        return 0",
         (f"{MOVE}::test_training_after_a_move_equals_starting_with_the_smaller_tail[inverse-speculative]",),
     ),
     Mutation(  # a grown pinned buffer registered again over pages it still has registered

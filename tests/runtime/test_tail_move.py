@@ -230,6 +230,27 @@ def test_the_shrunk_plan_is_make_plans_for_that_tail(device_budget) -> None:
     assert shrink_tail(plan, too_long, profile, numels=numels, element_size=2, config=config) is None
 
 
+def test_only_a_one_process_stationary_tail_moves_and_keeps_room_for_it() -> None:
+    """``OffloadPlan.tail_movable``: one process, stationary weights. Only such a plan's host arenas keep room for
+    the device tail ([Note: reserved room in the host arenas]); the planner offers no move and the move check
+    refuses one for the others (weight flow, data parallelism)."""
+    model = tiny_llama(**MODEL)
+    profile = pretend_profile(_budget(model))
+    numels = [p.numel() for p in reversed(list(model.parameters()))]
+    short = Workload(model.config, BATCH, SHORT, grad_ckpt=False, chunked_loss=True)
+    long = dataclasses.replace(short, seq_len=LONG)
+    plan = make_plan(numels, element_size=2, config=SuperOffloadConfig(), profile=profile, workload=short)
+    assert plan.tail_movable and plan.device_numel and plan.host_arena_room == plan.device_numel
+    flow_config = SuperOffloadConfig(weight_placement="flow")
+    flow = make_plan(numels, element_size=2, config=flow_config, profile=profile, workload=short)
+    sharded = dataclasses.replace(plan, world_size=2)
+    for other, config in ((flow, flow_config), (sharded, SuperOffloadConfig())):
+        assert not other.tail_movable and other.host_arena_room == 0
+        assert shrink_tail(other, long, profile, numels=numels, element_size=2, config=config) is None
+        with pytest.raises(ValueError, match="one process and stationary weights"):
+            check_move(other, other)
+
+
 def test_the_host_is_priced_with_the_arenas_it_holds() -> None:
     """After a move to the device the host arenas keep their size ([Note: the host arenas keep their size]): a move
     back to the host is priced with what they hold, not with the new plan's share alone."""
