@@ -391,7 +391,8 @@ def _finish(rec: dict[str, Any], times: list[float], batch: int, accum: int, seq
 def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clipped: bool = True) -> dict[str, Any]:
     """The planner's predictions for the plan it made, priced with the rates the optimizer planned with on this GPU
     (this host's cached measurement, else the shipped profile of the same GPU model: [Note: known rates]), before
-    its calibration restated them; without either (the CPU, an unknown GPU) the H200 box's."""
+    its calibration restated them; without either (the CPU, an unknown GPU) the H200 box's. ``step_s_calibrated_rates``
+    prices the same plan with the restated rates, where the calibration ran."""
     from hf_superoffload.planning.hardware import HardwareProfile
     from hf_superoffload.planning.memory_model import PlanLike
     from hf_superoffload.planning.planner import Workload
@@ -407,7 +408,16 @@ def _predicted(opt: Any, model: Any, batch: int, seq: int, accum: int, *, clippe
     if rates.cpu_adam_gparams is None:
         rates = HardwareProfile.h200_pcie()
     step = workload.step_time(plan_like, rates, clipping_every_step=clipped, micro_batches=accum)
-    return {"rates": rates.name, "gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": host.host_expected_bytes / 1e9,
+    # the same plan priced with the rates its calibration restated (this instance's GEMM and CPU Adam): a plan the
+    # calibration chose under them is judged by what it was chosen with, beside the shipped rates' figure
+    timing = (opt.calibration or {}).get("timing") or {}
+    restated = (dataclasses.replace(rates, matmul_tflops=timing["matmul_tflops"],
+                                    cpu_adam_gparams=timing["cpu_adam_gparams"])
+                if timing.get("matmul_tflops") and timing.get("cpu_adam_gparams") else None)
+    step_cal = (None if restated is None else
+                workload.step_time(plan_like, restated, clipping_every_step=clipped, micro_batches=accum))
+    return {"rates": rates.name,
+            "step_s_calibrated_rates": None if step_cal is None else step_cal.step_s, "gpu_peak_gb": est.gpu_peak_bytes / 1e9, "host_rss_gb": host.host_expected_bytes / 1e9,
             "gpu_phases_gb": {phase: {k: round(v / 1e9, 3) for k, v in parts.items()}
                               for phase, parts in est.gpu_phases.items()},
             "step_s": None if step is None else step.step_s, "gpu_s": None if step is None else step.gpu_s,

@@ -76,3 +76,34 @@ def test_an_out_of_memory_row_says_at_which_step_and_with_which_plan(monkeypatch
     rec = defaults.run_one("snippet", "tiny", 2, 1, None, 32, 1, 2, "cpu", None, None, None)
     assert rec["status"] == "oom" and rec["oom_step"] == 1 and rec["error"].startswith("CUDA out of memory")
     assert "plan_summary" in rec and rec["plan_summary"] == rec["plan_summary"].strip() != ""
+
+
+def test_the_prediction_also_prices_the_plan_with_the_calibrated_rates() -> None:
+    """A plan the calibration chose under this instance's restated rates is also priced with them, beside the
+    shipped rates' figure: halving both rates makes that figure slower, and without a calibration it is absent."""
+    import importlib.util
+
+    import torch
+
+    from hf_superoffload import SuperOffloadOptimizer
+
+    spec = importlib.util.spec_from_file_location("defaults_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    defaults = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(defaults)
+    model = defaults._model("tiny", None, torch.device("cpu"), torch.bfloat16)
+    opt = SuperOffloadOptimizer(model, lr=1e-4, max_grad_norm=1.0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    shipped = defaults._predicted(opt, model, 2, 32, 1)
+    assert shipped["step_s_calibrated_rates"] is None
+    from hf_superoffload.planning.hardware import HardwareProfile
+
+    rates = opt.profile if opt.profile.cpu_adam_gparams is not None else HardwareProfile.h200_pcie()
+    opt.calibration = {"timing": {"matmul_tflops": rates.matmul_tflops / 2,
+                                  "cpu_adam_gparams": rates.cpu_adam_gparams / 2}}
+    cal = defaults._predicted(opt, model, 2, 32, 1)
+    assert cal["step_s"] == shipped["step_s"]  # the shipped rates' figure does not move
+    assert cal["step_s_calibrated_rates"] > shipped["step_s"]
+    opt.close()
