@@ -197,7 +197,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         infer = profile_read and not converted and self._infers_workload()
         if comm is not None:
             # a rank that plans now would never join the others' agreement at the first batch: all or none wait
-            infer = _agreed_max(comm, self.device, [not infer])[0] == 0
+            infer = _agreed_max(comm, [not infer])[0] == 0
         # a plan that cannot fit raises here, before the parameters are broadcast, converted or hooked
         plan = None if infer else self._make_plan(workload, profile)
         self._loss_installed = False
@@ -262,7 +262,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             # is matched; a rank whose batch shows no shape plans with the others').
             assert profile is not None
             shape, accumulates, ckpt, outside, profile = _agree_on_first_batch(
-                self._comm, self.device, shape, accumulates, ckpt, outside, profile)
+                self._comm, shape, accumulates, ckpt, outside, profile)
         workload = None
         if shape is not None:
             workload = Workload(self._model.config, shape[0], shape[1], grad_ckpt=ckpt, accumulation=accumulates,
@@ -613,6 +613,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._step_forwards, self._forwards = self._forwards, 0
         if self._trial is not None:
             self._trial_step(stats)
+        elif self._comm is not None and not self._calibrated and self._steps_taken == CALIBRATION_STEPS:
+            # data parallel plans once, moves nothing and calibrates nothing: the thread trial starts where the
+            # calibration would have run, at the same step on every rank
+            self._calibrated = True
+            self._start_thread_trial()
         if stats.verdict == StepVerdict.SKIP.value:
             self.skipped_steps += 1
             logger.warning("hf_superoffload: non-finite gradient, step skipped (%d so far)", self.skipped_steps)
@@ -625,13 +630,16 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return loss
 
     def _start_thread_trial(self) -> None:
-        """[Note: the thread trial] in planning/thread_trial.py, once the calibration has settled the plan: one
-        process with host buckets, the automatic thread count and a core it leaves to the training thread."""
-        plan, cores = self.plan, ops.affinity_cores()
-        if (self._comm is not None or not plan.host_numel or self.config.cpu_threads is not None
-                or plan.cpu_threads >= cores):
-            return
-        self._trial = ThreadTrial.after_calibration(self._steps_taken, plan.cpu_threads)
+        """[Note: the thread trial] in planning/thread_trial.py, once the calibration has settled the plan: host
+        buckets, the automatic thread count and a core it leaves to the training thread (of the rank's share of
+        the host's cores under data parallel, where every rank must be able to, as each step's samples are agreed)."""
+        plan = self.plan
+        cores = len(plan.cpu_affinity) if plan.cpu_affinity else ops.affinity_cores()
+        able = bool(plan.host_numel) and self.config.cpu_threads is None and plan.cpu_threads < cores
+        if self._comm is not None:  # all ranks reach this at the same step: they trial together or not at all
+            able = _agreed_max(self._comm, [not able])[0] == 0
+        if able:
+            self._trial = ThreadTrial.after_calibration(self._steps_taken, plan.cpu_threads)
 
     def _trial_step(self, stats: StepStats) -> None:
         trial = self._trial
@@ -641,6 +649,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                                  pass_adam_s=None if passed is None else passed.adam_s,
                                  pass_kind=None if passed is None else (passed.clipped, passed.undid),
                                  pass_threads=None if passed is None else passed.threads)
+        if self._comm is not None:
+            sample = _agreed_sample(self._comm, sample, trial)
         threads = trial.after_step(self._steps_taken, sample)
         if threads is not None and threads != self._built.plan.cpu_threads:
             self._built.set_cpu_threads(threads)
@@ -880,18 +890,39 @@ def _count_own_weights_as_free(profile: HardwareProfile, own: int, device: torch
     return dataclasses.replace(profile, device_free_bytes=profile.device_free_bytes + own + max(0, cache))
 
 
-def _agreed_max(comm: ShardGroup, device: torch.device, values: list[int]) -> list[int]:
-    """The element-wise maximum of ``values`` over the ranks of ``comm`` (one all-reduce)."""
+def _agreed_max(comm: ShardGroup, values: list[int]) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``comm`` (one all-reduce on its control group, from
+    the training thread, never interleaved with the engine's collectives)."""
     import torch.distributed as dist
 
-    on = device if dist.get_backend(comm.group) != "gloo" else torch.device("cpu")
-    t = torch.tensor(values, dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.group)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm.control)
     return [int(v) for v in t.tolist()]
 
 
+def _agreed_sample(comm: ShardGroup, sample: IterationSample, trial: ThreadTrial) -> IterationSample:
+    """[Note: the thread trial] under data parallel: the slowest rank's iteration and host pass (the collectives
+    make every rank wait for it), a pass no rank may lack, the kind of pass any rank had, and the trial count only
+    where every rank's pass ran at it, so that every rank feeds its trial the same sample and reaches the same
+    verdict at the same step. The verdict and the micro-batches are the same on every rank already (one global
+    norm, one loop)."""
+    us = 1e6
+    kind = sample.pass_kind or (False, False)
+    lacks, slowest_s, slowest_pass, clipped, undid, off_trial = _agreed_max(comm, [
+        sample.pass_adam_s is None, round(sample.iteration_s * us),
+        -1 if sample.pass_adam_s is None else round(sample.pass_adam_s * us), kind[0], kind[1],
+        sample.pass_threads != trial.trial,
+    ])
+    if lacks:
+        return dataclasses.replace(sample, iteration_s=slowest_s / us, pass_adam_s=None, pass_kind=None,
+                                   pass_threads=None)
+    return dataclasses.replace(sample, iteration_s=slowest_s / us, pass_adam_s=slowest_pass / us,
+                               pass_kind=(bool(clipped), bool(undid)),
+                               pass_threads=trial.planned if off_trial else trial.trial)
+
+
 def _agree_on_first_batch(
-    comm: ShardGroup, device: torch.device, shape: tuple[int, int] | None, accumulates: bool, ckpt: bool,
+    comm: ShardGroup, shape: tuple[int, int] | None, accumulates: bool, ckpt: bool,
     outside: bool, profile: HardwareProfile,
 ) -> tuple[tuple[int, int] | None, bool, bool, bool, HardwareProfile]:
     """What every rank plans with ([Note: workload from the first batch]): the largest batch and sequence of the
@@ -899,7 +930,7 @@ def _agree_on_first_batch(
     loss outside the model if any rank has them, and the smallest free device and host memory."""
     unknown = -(2**62)  # a memory size no rank reported: loses every maximum
     free, host = profile.device_free_bytes, profile.host_available_bytes
-    agreed = _agreed_max(comm, device, [
+    agreed = _agreed_max(comm, [
         shape is not None, *(shape or (0, 0)), accumulates, ckpt, outside,
         unknown if free is None else -free, unknown if host is None else -host,
     ])

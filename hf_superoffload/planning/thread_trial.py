@@ -4,8 +4,9 @@
 The plan gives the CPU Adam every core of the process's affinity mask but one, which it leaves to the thread that
 feeds the GPU. Whether that core is better spent on the Adam depends on the host, and no profile field predicts it:
 on the H100 box all 16 cores ran the 3.6B all-host row 3% faster than 15, on the H200 box 10-22% slower
-(docs/benchmarks.md). So the optimizer measures it once the calibration has settled the plan (one process, host
-buckets, the thread count not set by the user, a core left to try):
+(docs/benchmarks.md). So the optimizer measures it once the calibration has settled the plan (host buckets, the
+thread count not set by the user, a core left to try; under data parallel, of the rank's share of the host's
+cores, and on every rank or none):
 
 * the baseline: the first ``SAMPLES`` iterations after the calibration's move, all of each at the planned count
   (the pass of the step before and the speculation of its own step);
@@ -20,6 +21,14 @@ buckets, the thread count not set by the user, a core left to try):
   that differ (clipping that stops firing turns redos into commits, a skipped step) compare nothing: the planned
   count comes back and the trial begins again, up to ``ATTEMPTS`` times (on the H100 box two of five rows changed
   verdict inside their first trial).
+
+Under data parallel the ranks share each step (the collectives make every rank wait for the slowest), so each
+step's sample is agreed before any rank's trial takes it: the slowest rank's iteration and host pass, no pass if
+a rank lacks one, the trial count only where every rank's pass ran at it (one all-reduce on the optimizer's gloo
+control group, from the training thread: the gatherer thread is all-gathering on the engine's group then). Every
+rank's trial then reaches the same verdict at the same step. A rank that judged its own pass alone could keep the
+planned count while another took one more: a step no faster for the rank that gave its core away. Data parallel
+calibrates nothing, so its trial starts after step ``CALIBRATION_STEPS``, where the calibration would have run.
 
 The CPU Adam is elementwise and its sums of squares are cut at fixed offsets whatever the thread count
 ([Note: fixed-order sums] in cpu_ext): the trial changes the speed, never the values.

@@ -30,6 +30,9 @@ class ShardGroup:
 
     Attributes:
         group: the optimizer's private process group (the same ranks as the user's).
+        control: a second private group, gloo, for the training thread's small agreements while the engine's
+            threads use ``group`` (the thread trial's samples after ``step()``, when the gatherer is all-gathering:
+            two threads issuing on one group would interleave differently on different ranks).
         world_size, rank: of this process in ``group``.
         grad_divisor: gradients are summed over ``group`` and divided by this (the number of data-parallel
             replicas: ``world_size``, or ``world_size / sequence_parallel_size`` when sequence-parallel ranks
@@ -40,6 +43,7 @@ class ShardGroup:
     world_size: int
     rank: int
     grad_divisor: float
+    control: Any
 
     @classmethod
     def from_environment(cls, group: Any = None, grad_divisor: float | None = None) -> ShardGroup | None:
@@ -55,8 +59,10 @@ class ShardGroup:
         divisor = float(world if grad_divisor is None else grad_divisor)
         if not divisor > 0:
             raise ValueError(f"gradient_divisor={grad_divisor!r} is invalid: use the number of data-parallel replicas")
-        private = dist.new_group(ranks=dist.get_process_group_ranks(group or dist.group.WORLD))
-        return cls(private, world, dist.get_rank(private), divisor)
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        private = dist.new_group(ranks=ranks)
+        control = dist.new_group(ranks=ranks, backend="gloo")
+        return cls(private, world, dist.get_rank(private), divisor, control)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, *, async_op: bool = False) -> Any:
         """``shard := sum over ranks of full[rank * n : (rank + 1) * n]``."""

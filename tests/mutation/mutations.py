@@ -332,4 +332,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if threads is not None and trial.chosen is None:\n",
         (f"{TRIAL}::test_the_faster_thread_count_stays[slower]",),
     ),
+    Mutation(  # [Note: the thread trial] under data parallel: each rank judges its own samples
+        "thread_trial_ranks_judge_alone", "hf_superoffload/optimizer.py",
+        "            sample = _agreed_sample(self._comm, sample, trial)\n",
+        "            pass\n",
+        ("tests/distributed/test_data_parallel_thread_trial.py::test_the_ranks_trial_together_and_agree[mixed-3]",),
+    ),
 )
