@@ -195,7 +195,7 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
                 times.append(wall)
             if system in OURS and (st := opt.last_step_stats) is not None:
                 per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
-                    "cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict",
+                    "cpu_s", "wait_s", "gpu_idle_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict",
                     "master_deferred_buckets")},
                     "pass_adam_s": st.host_pass.adam_s if st.host_pass is not None else 0.0,
                     "pass_threads": st.host_pass.threads if st.host_pass is not None else None})
@@ -292,7 +292,7 @@ def _describe(rec: dict[str, Any], opt: Any, model: Any, batch: int, seq: int, a
                    "bucket_size_mb": plan.bucket_size_mb, "host_buckets": len(plan.host_buckets),
                    "workload_inferred": opt.workload is not None, "summary": plan.summary()}
     st = opt.last_step_stats
-    rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "pass_s", "commit_s", "iteration_s",
+    rec["last_step"] = {k: getattr(st, k) for k in ("cpu_s", "wait_s", "gpu_idle_s", "pass_s", "commit_s", "iteration_s",
                                                     "speculated_buckets", "wasted_buckets", "verdict")}
     rec["clipped_steps"] = opt.clipped_steps
     # clipping that fired in the timed steps pauses speculation: predict the schedule the timed steps had (on some

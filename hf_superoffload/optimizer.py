@@ -468,7 +468,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                 or stats.verdict == StepVerdict.SKIP.value):
             return None
         # the passes of the two steps before the last one, each complete by the step after it: the faster counts
-        candidates = [MeasuredStep(stats.iteration_s, stats.wait_s, passed.adam_s if passed is not None else 0.0,
+        candidates = [MeasuredStep(stats.iteration_s, stats.gpu_idle_s, passed.adam_s if passed is not None else 0.0,
                                    clipped=stats.verdict == StepVerdict.REDO.value,
                                    undid=passed is not None and passed.undid,
                                    micro_batches=max(1, self._step_forwards),

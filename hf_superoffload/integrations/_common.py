@@ -314,6 +314,7 @@ class TelemetryWindow:
         self._sum.pass_s += st.pass_s
         self._sum.master_deferred_buckets += st.master_deferred_buckets
         self._sum.wait_s += st.wait_s
+        self._sum.gpu_idle_s += st.gpu_idle_s
         self._sum.iteration_s += st.iteration_s
         self._sum.d2h_bytes += st.d2h_bytes
         self._sum.h2d_bytes += st.h2d_bytes
@@ -329,6 +330,7 @@ class TelemetryWindow:
         n = max(self.steps, 1)
         s = self._sum
         mean = StepStats(cpu_s=s.cpu_s / n, commit_s=s.commit_s / n, pass_s=s.pass_s / n, wait_s=s.wait_s / n,
+                         gpu_idle_s=s.gpu_idle_s / n,
                          d2h_bytes=round(s.d2h_bytes / n), h2d_bytes=round(s.h2d_bytes / n),
                          clip_coef=self._clip / n if self.steps else 1.0,
                          master_deferred_buckets=round(s.master_deferred_buckets / n))

@@ -26,7 +26,7 @@ What it changes in Trainer (transformers 5.17-5.24; every other behaviour is Tra
   ``train()``. (During training, each layer's next forward waits for its own weights; code that reads
   ``param.data`` directly in a callback should call ``trainer.superoffload_optimizer.synchronize()`` first.)
 - ``log``: training log lines get the offload telemetry averaged over the logging window
-  (``superoffload/cpu_adam_s``, ``gpu_wait_s``, ``overlap``, ``link_gb``, ``clip_coef``, ``speculative``, ...)
+  (``superoffload/cpu_adam_s``, ``gpu_wait_s``, ``gpu_idle_s``, ``overlap``, ``link_gb``, ``clip_coef``, ``speculative``, ...)
   plus skipped/clipped step counts and the redo rate, so every ``report_to`` integration receives them.
   The plan summary is shown once on the main process when the plan is made (at the first training forward):
   through the stdlib logger ``hf_superoffload`` when logging is configured to show its INFO records, else printed

@@ -8,8 +8,9 @@ Once the first ``CALIBRATION_STEPS`` steps have run, the optimizer hands the las
 which compares it with what the roofline (``step_time.py``) predicted (the same plan and workload, clipping as the
 step's verdict says) and restates the two rates by the ratio of predicted to measured seconds:
 
-* the GPU: the step's busy time, its wall time less the time the training thread waited for host buckets and the
-  device tail's AdamW, against the predicted compute of its micro-batches. Only where the roofline says the
+* the GPU: the step's busy time, its wall time less the time the GPU sat idle waiting for host buckets ([Note: idle
+  inside a wait] in runtime/telemetry.py) and the device tail's AdamW, against the predicted compute of its
+  micro-batches. Only where the roofline says the
   micro-batches are compute-bound (with the link or host memory binding them, the ratio would say nothing of the
   GEMMs);
 * the CPU: the worker's Adam seconds of one step's whole host pass (``StepStats.host_pass``: the passes of the
@@ -57,7 +58,8 @@ class MeasuredStep:
     iteration_s: float
     """Wall seconds from the previous ``step()`` to this one: every micro-batch and the step."""
     wait_s: float
-    """Seconds the training thread blocked on host buckets."""
+    """Seconds the GPU sat idle waiting for host buckets (``StepStats.gpu_idle_s``: [Note: idle inside a wait] in
+    runtime/telemetry.py; not the training thread's waits, through which the GPU runs queued work)."""
     cpu_s: float
     """The worker's Adam seconds of one step's whole host pass (``PassRecord.adam_s``); 0: none was measured."""
     clipped: bool

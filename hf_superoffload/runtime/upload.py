@@ -160,10 +160,22 @@ class Uploads:
             return
         worker = self._worker
         if not b.ready.is_set():
+            # [Note: idle inside a wait] in telemetry.py: the GPU runs what was queued before the wait. A wait that
+            # orders no stream (a host read of the weights) keeps no GPU waiting: it counts no idle time there
+            cuda = self.layout.device.type == "cuda"
+            timed = cuda and for_stream
+            if timed:
+                begun = torch.cuda.Event(enable_timing=True)
+                begun.record(torch.cuda.current_stream(self.layout.device))
             t0 = time.perf_counter()
             with torch.profiler.record_function("superoffload::wait_cpu"):
                 finished = b.ready.wait(self._timeout_s)
-            self._telemetry.add(wait_s=time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
+            if timed:
+                ended = torch.cuda.Event(enable_timing=True)
+                ended.record(torch.cuda.current_stream(self.layout.device))
+                self._telemetry.mark_gpu_wait(begun, ended)
+            self._telemetry.add(wait_s=waited, gpu_idle_s=0.0 if cuda else waited)
             worker.raise_if_failed()
             if not finished:
                 raise TimeoutError(

@@ -81,3 +81,35 @@ def test_the_telemetry_window_averages_commits_passes_and_the_master_share() -> 
     assert logs["superoffload/pass_s"] == pytest.approx(0.4)
     assert logs["superoffload/master_deferred_buckets"] == 3.0
     assert logs["superoffload/cpu_adam_s"] == pytest.approx(0.5)
+
+
+class _Mark:
+    """A CUDA timing event as ``Telemetry`` reads it: done or not, and milliseconds since another."""
+
+    def __init__(self, at_ms: float, done: bool = True) -> None:
+        self.at_ms, self.done = at_ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, other: _Mark) -> float:
+        return other.at_ms - self.at_ms
+
+
+def test_the_gpu_idle_gap_of_a_wait_counts_once_the_gpu_has_passed_it() -> None:
+    """[Note: idle inside a wait]: each wait's gap between its two events is idle time, counted at the ``step()``
+    after the GPU passed the wait's end; a wait the GPU has not reached yet counts in a later iteration."""
+    from hf_superoffload.runtime.telemetry import Telemetry
+
+    t = Telemetry()
+    t.add(wait_s=0.9)
+    t.mark_gpu_wait(_Mark(100.0), _Mark(350.0))  # idle 250 ms
+    pending = _Mark(600.0, done=False)
+    t.mark_gpu_wait(_Mark(590.0), pending)  # the GPU is still short of this wait's end
+    first = t.take()
+    assert first.wait_s == 0.9 and first.gpu_idle_s == pytest.approx(0.25)
+    pending.done = True
+    second = t.take()
+    assert second.wait_s == 0.0 and second.gpu_idle_s == pytest.approx(0.01)
+    assert t.take().gpu_idle_s == 0.0  # counted once
+    assert first.overlap == 1.0  # no CPU Adam seconds in this iteration: nothing to hide

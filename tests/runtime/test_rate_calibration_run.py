@@ -20,6 +20,7 @@ from hf_superoffload.planning.calibration import (
     calibrate_from_passes,
 )
 from hf_superoffload.planning.planner import CALIBRATION_STEPS
+from hf_superoffload.runtime.telemetry import StepStats, Telemetry
 from hf_superoffload.testing import pretend_profile, tiny_llama, train_steps
 
 GiB = 1024**3
@@ -49,6 +50,26 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
         return calibrate_from_passes(*args, candidates=candidates, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(optimizer_module, "calibrate_from_passes", spy)
+    # the calibration takes the GPU's idle time inside the waits, not the waits ([Note: idle inside a wait]): on the
+    # CPU the two are equal, so here the idle time is made half the wait to tell them apart
+    take = Telemetry.take
+    from hf_superoffload.runtime import host_pass
+
+    adam = host_pass.ops.cpu_adamw_step_
+
+    def slow_adam(*args: object, **kwargs: object) -> None:  # the next forward waits for the pass
+        time.sleep(0.005)
+        adam(*args, **kwargs)
+
+    monkeypatch.setattr(host_pass.ops, "cpu_adamw_step_", slow_adam)
+
+    def half_idle(self: Telemetry) -> StepStats:
+        st = take(self)
+        assert st.gpu_idle_s == st.wait_s  # on the CPU nothing runs ahead of the training thread
+        st.gpu_idle_s = st.wait_s / 2
+        return st
+
+    monkeypatch.setattr(Telemetry, "take", half_idle)
     with caplog.at_level(logging.INFO, logger="hf_superoffload"):
         steps = train_steps(model, opt, data, accumulation=accum)
     assert opt.calibration is not None
@@ -67,7 +88,8 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     assert w is not None
     two = [steps[CALIBRATION_STEPS - 2].stats.host_pass, passed]
     assert all(p is not None and p.adam_s > 0 for p in two)
-    measured = [MeasuredStep(last.iteration_s, last.wait_s, p.adam_s, clipped=last.verdict == "redo", undid=p.undid,
+    assert last.wait_s > 0 and last.gpu_idle_s == last.wait_s / 2
+    measured = [MeasuredStep(last.iteration_s, last.gpu_idle_s, p.adam_s, clipped=last.verdict == "redo", undid=p.undid,
                              micro_batches=accum, pass_clipped=p.clipped) for p in two if p is not None]
     expect = calibrate_from_passes(profile, plan=opt.plan, workload=w, candidates=measured)
     assert expect is not None
