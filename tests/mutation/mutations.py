@@ -332,6 +332,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if threads is not None and trial.chosen is None:\n",
         (f"{TRIAL}::test_the_faster_thread_count_stays[slower]",),
     ),
+    Mutation(  # [Note: idle inside a wait]: the calibration counts the training thread's waits as GPU idle time
+        "calibration_counts_the_threads_waits_as_idle", "hf_superoffload/optimizer.py",
+        "candidates = [MeasuredStep(stats.iteration_s, stats.gpu_idle_s,",
+        "candidates = [MeasuredStep(stats.iteration_s, stats.wait_s,",
+        ("tests/runtime/test_rate_calibration_run.py::test_the_first_steps_restate_the_rates_and_say_so[1]",),
+    ),
     Mutation(  # [Note: the thread trial] under data parallel: each rank judges its own samples
         "thread_trial_ranks_judge_alone", "hf_superoffload/optimizer.py",
         "            sample = _agreed_sample(self._comm, sample, trial)\n",
