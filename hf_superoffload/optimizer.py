@@ -188,6 +188,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
         # the whole host passes of the last two steps before the calibration ([Note: calibrating the rates])
         self._passes: tuple[PassRecord | None, ...] = ()
+        # the last two steps before the calibration: (step number, stats, micro-batches)
+        self._recent: tuple[tuple[int, StepStats, int], ...] = ()
         self._trial: ThreadTrial | None = None  # [Note: the thread trial] in planning/thread_trial.py
         self.calibration: dict[str, Any] | None = None
         """What the calibration measured and changed (kept layers and device buckets, before and after, and how
@@ -461,17 +463,21 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         return moved, took
 
     def _calibrate_rates(self) -> dict[str, Any] | None:
-        """[Note: calibrating the rates] in planning/calibration.py: the last step against the roofline; the device
-        budget takes the restated rates, so every later choice prices with what this machine measured."""
-        stats, w, budget = self._built.stats if self._built is not None else None, self._fitted, self._budget
-        if (stats is None or w is None or budget is None or self._comm is not None or stats.iteration_s <= 0
-                or stats.verdict == StepVerdict.SKIP.value):
+        """[Note: calibrating the rates] in planning/calibration.py: one of the last two steps against the roofline;
+        the device budget takes the restated rates, so every later choice prices with what this machine measured."""
+        w, budget = self._fitted, self._budget
+        steps = [r for r in self._recent if r[1].iteration_s > 0 and r[1].verdict != StepVerdict.SKIP.value]
+        if w is None or budget is None or self._comm is not None or not steps:
             return None
+        # of the last two steps the one whose GPU was busy the shortest: a step runs slower than the GPU can, never
+        # faster (on an H100 box one of the 3.6B snippet's steps ran 1.087 s beside 0.96 s and restated the GEMM
+        # rate x0.84); the verdict does not change the GPU's part, so steps of either verdict compare
+        number, stats, micro = min(steps, key=lambda r: r[1].iteration_s - r[1].gpu_idle_s)
         # the passes of the two steps before the last one, each complete by the step after it: the faster counts
         candidates = [MeasuredStep(stats.iteration_s, stats.gpu_idle_s, passed.adam_s if passed is not None else 0.0,
                                    clipped=stats.verdict == StepVerdict.REDO.value,
                                    undid=passed is not None and passed.undid,
-                                   micro_batches=max(1, self._step_forwards),
+                                   micro_batches=micro,
                                    pass_clipped=passed is not None and passed.clipped)
                       for passed in self._passes]
         w = self._planning_workload(w)
@@ -483,9 +489,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         factors = ", ".join(f"{name} rate x{f:.2f}" for name, f in (("GEMM", cal.gemm_factor),
                                                                      ("CPU Adam", cal.cpu_factor)) if f is not None)
         logger.info("hf_superoffload: step %d took %.3f s over %d micro-batch(es), %.3f s predicted; %s%s",
-                    self._steps_taken, cal.measured_step_s, candidates[0].micro_batches, cal.predicted_step_s,
+                    number, cal.measured_step_s, micro, cal.predicted_step_s,
                     factors or "rates kept", "".join(f"; {n}" for n in cal.notes))
-        return {**cal.as_record(), "micro_batches": candidates[0].micro_batches}
+        return {**cal.as_record(), "micro_batches": micro, "step": number}
 
     def _fit(self, workload: Workload, what: str) -> tuple[bool, str]:
         """Make the plan hold ``workload`` on the device budget: as it is, with fewer kept layers, or with device
@@ -611,6 +617,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if not self._calibrated:
             self._passes = (*self._passes[-1:], stats.host_pass)
         self._step_forwards, self._forwards = self._forwards, 0
+        if not self._calibrated:
+            self._recent = (*self._recent[-1:], (self._steps_taken, stats, max(1, self._step_forwards)))
         if self._trial is not None:
             self._trial_step(stats)
         elif self._comm is not None and not self._calibrated and self._steps_taken == CALIBRATION_STEPS:

@@ -4,7 +4,8 @@
 The plan made at the first batch prices its choices with the profile's rates: the GEMM rate of the GPU and the CPU
 Adam rate of the host. On a GPU the optimizer reads them from this host's cached measurement or, failing that, from
 the shipped profile of the same GPU model ([Note: known rates] in hardware.py), whose host may be another machine.
-Once the first ``CALIBRATION_STEPS`` steps have run, the optimizer hands the last of them to :func:`calibrate_rates`,
+Once the first ``CALIBRATION_STEPS`` steps have run, the optimizer hands the faster of the last two (the one whose
+GPU was busy the shorter time: a step runs slower than the GPU can, never faster) to :func:`calibrate_rates`,
 which compares it with what the roofline (``step_time.py``) predicted (the same plan and workload, clipping as the
 step's verdict says) and restates the two rates by the ratio of predicted to measured seconds:
 

@@ -338,6 +338,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "candidates = [MeasuredStep(stats.iteration_s, stats.wait_s,",
         ("tests/runtime/test_rate_calibration_run.py::test_the_first_steps_restate_the_rates_and_say_so[1]",),
     ),
+    Mutation(  # [Note: calibrating the rates]: the last step is measured, however slow
+        "calibration_measures_the_last_step_however_slow", "hf_superoffload/optimizer.py",
+        "        number, stats, micro = min(steps, key=lambda r: r[1].iteration_s - r[1].gpu_idle_s)\n",
+        "        number, stats, micro = steps[-1]\n",
+        ("tests/runtime/test_rate_calibration_run.py::test_of_the_last_two_steps_the_faster_is_measured",),
+    ),
     Mutation(  # [Note: the thread trial] under data parallel: each rank judges its own samples
         "thread_trial_ranks_judge_alone", "hf_superoffload/optimizer.py",
         "            sample = _agreed_sample(self._comm, sample, trial)\n",
