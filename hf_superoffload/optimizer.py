@@ -43,7 +43,6 @@ from .planning.thread_trial import IterationSample, ThreadTrial
 from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
-from .runtime.telemetry import PassRecord
 from .runtime.validation import GroupHypers, SpeculationGovernor, StepVerdict
 from .state import engine_state_dict, load_engine_state, validate_engine_state
 
@@ -186,9 +185,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         self._steps_taken = 0
         self._forwards = self._step_forwards = 0  # training forwards since the last step, and in it
         self._calibrated = False  # [Note: calibration from the measured peak] in planning/planner.py
-        # the whole host passes of the last two steps before the calibration ([Note: calibrating the rates])
-        self._passes: tuple[PassRecord | None, ...] = ()
-        # the last two steps before the calibration: (step number, stats, micro-batches)
+        # the last two steps before the calibration: (step number, stats, micro-batches); their stats carry the
+        # whole host passes the rate calibration reads ([Note: calibrating the rates])
         self._recent: tuple[tuple[int, StepStats, int], ...] = ()
         self._trial: ThreadTrial | None = None  # [Note: the thread trial] in planning/thread_trial.py
         self.calibration: dict[str, Any] | None = None
@@ -479,7 +477,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
                                    undid=passed is not None and passed.undid,
                                    micro_batches=micro,
                                    pass_clipped=passed is not None and passed.clipped)
-                      for passed in self._passes]
+                      for passed in (r[1].host_pass for r in self._recent)]
         w = self._planning_workload(w)
         cal = calibrate_from_passes(budget, plan=self.plan, workload=w, candidates=candidates)
         if cal is None:
@@ -614,8 +612,6 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             raise
         self.last_grad_norm = stats.grad_norm
         self._steps_taken += 1
-        if not self._calibrated:
-            self._passes = (*self._passes[-1:], stats.host_pass)
         self._step_forwards, self._forwards = self._forwards, 0
         if not self._calibrated:
             self._recent = (*self._recent[-1:], (self._steps_taken, stats, max(1, self._step_forwards)))

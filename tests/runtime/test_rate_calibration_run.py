@@ -28,6 +28,18 @@ GiB = 1024**3
 BATCH, SEQ = 2, 24
 
 
+def _calibrating(monkeypatch: pytest.MonkeyPatch) -> tuple[hardware.HardwareProfile, torch.nn.Module,
+                                                          SuperOffloadOptimizer]:
+    """A tiny model whose every optimizer state is on the host, on a machine said to have an H200's rates.
+    Speculation off, so a measured step undid nothing whatever the worker's timing."""
+    profile = pretend_profile(64 * GiB, rates_of="h200_pcie")
+    monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
+    model = tiny_llama(seed=3, num_hidden_layers=2)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
+                                config=SuperOffloadConfig(gpu_resident_buckets=0, speculation=False))
+    return profile, model, opt
+
+
 @pytest.mark.parametrize("accum", [1, 2])
 def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: pytest.MonkeyPatch,
                                                       caplog: pytest.LogCaptureFixture) -> None:
@@ -35,11 +47,7 @@ def test_the_first_steps_restate_the_rates_and_say_so(accum: int, monkeypatch: p
     by clipping leaves the CPU rate uncalibrated). One micro-batch per step: both rates are off by more than the clamp. Two: the recorded step counts both, and
     at H200 rates this tiny model's micro-batches are bound by host accumulation's link and adds, not the GEMMs,
     so the GEMM rate is kept."""
-    profile = pretend_profile(64 * GiB, rates_of="h200_pcie")
-    monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
-    model = tiny_llama(seed=3, num_hidden_layers=2)
-    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
-                                config=SuperOffloadConfig(gpu_resident_buckets=0, speculation=False))
+    profile, model, opt = _calibrating(monkeypatch)
     g = torch.Generator().manual_seed(11)
     data = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range((CALIBRATION_STEPS + 1) * accum)]
     told: list[str] = []
@@ -179,11 +187,7 @@ def test_a_pass_is_timed_whole_its_speculative_share_included(monkeypatch: pytes
 def test_of_the_last_two_steps_the_faster_is_measured(slow: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step runs slower than the GPU can, never faster: one of the two made slow (the training thread busy
     before its ``step()``), the calibration measures the other."""
-    profile = pretend_profile(64 * GiB, rates_of="h200_pcie")
-    monkeypatch.setattr(hardware.HardwareProfile, "read", classmethod(lambda cls, device: profile))
-    model = tiny_llama(seed=3, num_hidden_layers=2)
-    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False,
-                                config=SuperOffloadConfig(gpu_resident_buckets=0, speculation=False))
+    _, model, opt = _calibrating(monkeypatch)
     g = torch.Generator().manual_seed(11)
     iterations = {}
     for step in range(1, CALIBRATION_STEPS + 2):
