@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import resource
@@ -85,6 +84,39 @@ def settings_config(settings: dict[str, Any], base: Any = None) -> Any:
     base = base or SuperOffloadConfig()
     ov = dataclasses.replace(base.overrides, **{k: v for k, v in settings.items() if k in over})
     return dataclasses.replace(base, overrides=ov, **{k: v for k, v in settings.items() if k in top})
+
+
+class Timing:
+    """Which steps are timed, one rule for the snippet's loop and the Trainer's callback: past the warm-up, once the
+    optimizer has settled ([Note: the thread trial]: a trial that compared nothing runs again) and the iteration
+    after it, which may hold a pass at the trial count, is past; never later than ``most_steps - steps``. A step
+    timed during the trial runs at another thread count."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        from hf_superoffload.planning.thread_trial import ATTEMPTS, TRIAL_STEPS
+
+        self.warmup, self.steps = warmup, steps
+        self.last_warmup = warmup + (ATTEMPTS - 1) * TRIAL_STEPS
+        self.most_steps = self.last_warmup + steps
+        self.settled_at: int | None = None
+        self.times: list[float] = []
+        self.per_step: list[dict[str, Any]] = []
+
+    def record(self, k: int, wall: float, opt: Any) -> bool:
+        """Step ``k`` (from 0) took ``wall`` seconds, GPU drained; ``opt`` is ours (else a baseline's ``None``).
+        Returns whether the timed steps are complete."""
+        if self.settled_at is None and (opt is None or opt.settled):
+            self.settled_at = k
+        if k >= self.warmup and ((self.settled_at is not None and k >= self.settled_at + 2) or k >= self.last_warmup):
+            self.times.append(wall)
+        if opt is not None and (st := opt.last_step_stats) is not None:
+            self.per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
+                "cpu_s", "wait_s", "gpu_idle_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict",
+                "master_deferred_buckets")},
+                "pass_adam_s": st.host_pass.adam_s if st.host_pass is not None else 0.0,
+                "pass_threads": st.host_pass.threads if st.host_pass is not None else None,
+                "settled": opt.settled})
+        return len(self.times) == self.steps
 
 
 def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None, seq: int, warmup: int,
@@ -174,39 +206,23 @@ def run_one(system: str, preset: str, batch: int, accum: int, layers: int | None
         if cuda:
             torch.cuda.synchronize(device)
 
-    times = []
-    per_step: list[dict[str, Any]] = []  # every step's own stats, warm-up included: what the calibration saw
-    rec["per_step"] = per_step
-    from hf_superoffload.planning.thread_trial import ATTEMPTS, TRIAL_STEPS
-
-    k, settled_at = 0, None
-    # ours: timed once the optimizer has settled ([Note: the thread trial]: a trial that compared nothing runs
-    # again) and the iteration after it, which may hold a pass at the trial count, is past; never later than this
-    last_warmup = warmup + (ATTEMPTS - 1) * TRIAL_STEPS
+    timing = Timing(warmup, steps)
+    rec["per_step"] = timing.per_step  # every step's own stats, warm-up included: what the calibration saw
+    k = 0
     try:
-        for k in range(last_warmup + steps):
+        for k in range(timing.most_steps):
             t = time.perf_counter()
             step()
             sync()
-            wall = time.perf_counter() - t
-            if settled_at is None and (system not in OURS or opt.settled):
-                settled_at = k
-            if k >= warmup and ((settled_at is not None and k >= settled_at + 2) or k >= last_warmup):
-                times.append(wall)
-            if system in OURS and (st := opt.last_step_stats) is not None:
-                per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
-                    "cpu_s", "wait_s", "gpu_idle_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict",
-                    "master_deferred_buckets")},
-                    "pass_adam_s": st.host_pass.adam_s if st.host_pass is not None else 0.0,
-                    "pass_threads": st.host_pass.threads if st.host_pass is not None else None})
-            if len(times) == steps:
+            if timing.record(k, time.perf_counter() - t, opt if system in OURS else None):
                 rec["warmup_steps"] = k + 1 - steps
+                rec["settled_step"] = timing.settled_at
                 break
     except torch.OutOfMemoryError as e:
         _record_oom(rec, e, device, opt if system in OURS else None)
         rec["oom_step"] = k
         return rec
-    _finish(rec, times, batch, accum, seq, n, cfg, device)
+    _finish(rec, timing.times, batch, accum, seq, n, cfg, device)
     if system in OURS:
         _describe(rec, opt, model, batch, seq, accum)
         if cuda:  # one more step, phase by phase (each phase waits for the GPU): where the time and memory go
@@ -320,38 +336,46 @@ def _run_trainer(rec: dict[str, Any], model: Any, batches: list[Any], batch: int
     from hf_superoffload import SuperOffloadArguments, SuperOffloadTrainer
 
     rows = [{"input_ids": ids[i].cpu(), "labels": ids[i].cpu()} for ids in batches for i in range(ids.shape[0])]
+    timing = Timing(warmup, steps)
+    rec["per_step"] = timing.per_step
+    built: list[Any] = []  # the trainer, once made: its optimizer's state per step
     stamps: list[float] = []
-    built: list[Any] = []  # the trainer, once made: its optimizer's verdict per step
+
+    def stamp() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        stamps.append(time.perf_counter())
+        return stamps[-1] - stamps[-2] if len(stamps) > 1 else 0.0
 
     class Stamp(TrainerCallback):  # type: ignore[misc]
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            stamps.append(time.perf_counter())
-            st = built[0].superoffload_optimizer.last_step_stats
-            # the timed steps' verdicts: _describe predicts the schedule they had (redos or commits)
-            rec["per_step"].append({"wall_s": stamps[-1] - stamps[-2] if len(stamps) > 1 else 0.0,
-                                    "verdict": None if st is None else st.verdict})
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            stamp()
+
+        def on_step_end(self, _args: Any, state: Any, control: Any, **__: Any) -> Any:
+            # the wall time since the last optimizer step, the Trainer's own work between steps included
+            if timing.record(state.global_step - 1, stamp(), built[0].superoffload_optimizer):
+                rec["warmup_steps"] = state.global_step - steps
+                rec["settled_step"] = timing.settled_at
+                control.should_training_stop = True
+            return control
 
     with tempfile.TemporaryDirectory() as out:
         args = SuperOffloadArguments(output_dir=out, bf16=True, max_grad_norm=CLIP, learning_rate=LR,
                                      weight_decay=0.1, adam_beta2=0.95, per_device_train_batch_size=batch,
-                                     gradient_accumulation_steps=accum, max_steps=warmup + steps + 1,
+                                     gradient_accumulation_steps=accum, max_steps=timing.most_steps,
                                      lr_scheduler_type="constant", save_strategy="no",
                                      report_to=[], dataloader_drop_last=True, disable_tqdm=True,
                                      use_cpu=device.type != "cuda")
-        trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=rows * (warmup + steps + 2),
+        trainer = SuperOffloadTrainer(model=model, args=args, train_dataset=rows * (timing.most_steps + 1),
                                       callbacks=[Stamp()])
         built.append(trainer)
-        rec["per_step"] = []
         try:
             trainer.train()
         except torch.OutOfMemoryError as e:
             _record_oom(rec, e, device, trainer.superoffload_optimizer)
-            rec["oom_step"] = len(stamps)
+            rec["oom_step"] = len(timing.per_step)
             return rec
-        times = [b - a for a, b in itertools.pairwise(stamps)][warmup:]
-        _finish(rec, times, batch, accum, seq, n, model.config, device)
+        _finish(rec, timing.times, batch, accum, seq, n, model.config, device)
         _describe(rec, trainer.superoffload_optimizer, model, batch, seq, accum)
         trainer.superoffload_optimizer.close()
     return rec

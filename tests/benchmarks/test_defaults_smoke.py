@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hf_superoffload.planning.thread_trial import ATTEMPTS, TRIAL_STEPS
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "defaults.py"
 
 
@@ -25,14 +27,22 @@ def test_snippet_and_trainer_rows_record_their_plans(tmp_path: Path) -> None:
         assert r["step_s"]["n"] == 2 and r["step_s"]["min"] <= r["step_s"]["median"] <= r["step_s"]["max"]
         assert r["plan"]["host_params"] + r["plan"]["device_params"] > 0
         assert r["last_step"]["verdict"] in ("commit", "redo", "skip")
-    # every step of the snippet's loop, the timed ones too, is in its per-step record
-    assert len(recs["snippet"]["per_step"]) == recs["snippet"]["warmup_steps"] + 2
+    # every step of the snippet's loop and of the Trainer, the timed ones too, is in its per-step record, timed by
+    # the same rule (past the warm-up and the optimizer's settling)
+    for r in recs.values():
+        assert len(r["per_step"]) == r["warmup_steps"] + 2 and r["warmup_steps"] >= 1
+        # none timed before the step after the one that settled the optimizer (the thread trial runs its steps at
+        # another thread count), unless it had not settled by the last warm-up step
+        settled = [k for k, p in enumerate(r["per_step"]) if p["settled"]]
+        assert r["settled_step"] == (settled[0] if settled else None)
+        last_warmup = 1 + (ATTEMPTS - 1) * TRIAL_STEPS
+        assert r["warmup_steps"] == (min(last_warmup, max(1, settled[0] + 2)) if settled else last_warmup), r
+        assert all(p["iteration_s"] > 0 for p in r["per_step"][1:])
     # the prediction is for the schedule of the timed steps: clipped when most of them redid the step
     # (the Trainer's too: one verdict per optimizer step, the timed ones last)
     for r in recs.values():
         timed = [p["verdict"] for p in r["per_step"][-2:]]
         assert r["timed_redo_steps"] == timed.count("redo") and set(timed) <= {"commit", "redo", "skip"}
-    assert len(recs["trainer"]["per_step"]) == 1 + 2 + 1  # --warmup 1, --steps 2, and the step before the first stamp
 
 
 def test_named_settings_and_profile(tmp_path: Path) -> None:
