@@ -112,7 +112,7 @@ class Timing:
         if opt is not None and (st := opt.last_step_stats) is not None:
             self.per_step.append({"wall_s": wall, **{f: getattr(st, f) for f in (
                 "cpu_s", "wait_s", "gpu_idle_s", "pass_s", "commit_s", "iteration_s", "wasted_buckets", "verdict",
-                "master_deferred_buckets")},
+                "master_deferred_buckets", "moment_deferred_buckets")},
                 "pass_adam_s": st.host_pass.adam_s if st.host_pass is not None else 0.0,
                 "pass_threads": st.host_pass.threads if st.host_pass is not None else None,
                 "settled": opt.settled})

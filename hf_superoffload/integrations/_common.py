@@ -313,6 +313,7 @@ class TelemetryWindow:
         self._sum.commit_s += st.commit_s
         self._sum.pass_s += st.pass_s
         self._sum.master_deferred_buckets += st.master_deferred_buckets
+        self._sum.moment_deferred_buckets += st.moment_deferred_buckets
         self._sum.wait_s += st.wait_s
         self._sum.gpu_idle_s += st.gpu_idle_s
         self._sum.iteration_s += st.iteration_s
@@ -333,7 +334,8 @@ class TelemetryWindow:
                          gpu_idle_s=s.gpu_idle_s / n,
                          d2h_bytes=round(s.d2h_bytes / n), h2d_bytes=round(s.h2d_bytes / n),
                          clip_coef=self._clip / n if self.steps else 1.0,
-                         master_deferred_buckets=round(s.master_deferred_buckets / n))
+                         master_deferred_buckets=round(s.master_deferred_buckets / n),
+                         moment_deferred_buckets=round(s.moment_deferred_buckets / n))
         logs = mean.as_log(prefix)
         logs[f"{prefix}speculative"] = round(self._spec / n, 4)
         logs[f"{prefix}iteration_s"] = round(s.iteration_s / n, 4)

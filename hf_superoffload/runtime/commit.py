@@ -20,7 +20,7 @@ from ..planning.plan import MasterDeferral, OffloadPlan
 from .bucket import HostBucket
 from .cpu_worker import CpuWorker, WorkerError
 from .layout import BucketLayout
-from .master_deferral import COMMIT_BYTES, DeferralObservation, next_share
+from .master_deferral import COMMIT_BYTES, DeferralObservation, DeferralSplit, next_split
 from .telemetry import Telemetry
 
 __all__ = ["MomentCommits"]
@@ -37,11 +37,14 @@ class MomentCommits:
         enabled: the plan defers the moment stores (``plan.defer_moments``); everything here is a no-op without.
         master_count: this step's share: the first ``master_count`` host buckets leave the fp32 master to the
             commit too (all of them, none, or a share moved each step).
+        moment_count: the first ``moment_count`` host buckets leave their moments to the commit (every one but
+            where the adaptive split gave some back: [Note: adaptive moment deferral] in master_deferral.py).
     """
 
     layout: BucketLayout
     enabled: bool
     master_count: int
+    moment_count: int
     _mode: MasterDeferral
     _worker: CpuWorker
     _telemetry: Telemetry
@@ -66,6 +69,7 @@ class MomentCommits:
         self._lock = threading.Lock()
         self._shards = [b.spec.shard for b in layout.host_buckets]
         self.master_count = len(layout.host_buckets) if self._mode is MasterDeferral.ALL else plan.master_buckets
+        self.moment_count = len(layout.host_buckets)
         self._clock = [0.0, 0.0]
         self._rate = 0.0
         self._done_at = None
@@ -81,6 +85,7 @@ class MomentCommits:
         them), and the deferred stores follow the new plan (nothing is pending: the engine committed it before the
         move)."""
         plan = self._plan
+        all_moments = self.moment_count >= len(self._shards)
         self._shards = [b.spec.shard for b in self.layout.host_buckets]
         if self._mode is not plan.defer_master:
             self._mode, self.master_count = plan.defer_master, plan.master_buckets
@@ -89,8 +94,14 @@ class MomentCommits:
             self.master_count = len(self._shards)
         elif self._mode is MasterDeferral.SHARE:
             self.master_count = plan.master_buckets
-        else:
-            self.master_count = min(self.master_count, len(self._shards))
+        # an adaptive split keeps its place on the line, within the buckets now on the host
+        n = len(self._shards)
+        self.moment_count = min(self.moment_count, n) if self.adaptive and not all_moments else n
+        self.master_count = min(self.master_count, n) if self.moment_count == n else 0
+
+    def defers_moments(self, b: HostBucket) -> bool:
+        """Whether ``b``'s verdict-known pass of this step leaves its moments to the commit."""
+        return self.enabled and self.layout.host_rank[b.index] < self.moment_count
 
     def defers_master(self, b: HostBucket) -> bool:
         """Whether ``b``'s verdict-known pass of this step leaves the fp32 master to the commit."""
@@ -195,7 +206,8 @@ class MomentCommits:
         return sum(b.pending is not None for b in self.layout.host_buckets)
 
     def adapt_share(self) -> None:
-        """[Note: adaptive master deferral]: move the share of master-deferring buckets before this step's pass,
+        """[Note: adaptive master deferral], [Note: adaptive moment deferral]: move the split of deferring buckets
+        before this step's pass,
         from the commit work still pending now and how early the last commits finished."""
         now = time.perf_counter()
         pending_bytes = 0.0
@@ -211,5 +223,6 @@ class MomentCommits:
             self._rate = seconds / nbytes
         # slack counts only after commits that did something (a speculative step's empty chain says nothing)
         slack = now - done_at if (done_at is not None and nbytes > 0 and not pending_bytes) else 0.0
-        self.master_count = next_share(self._shards, self.master_count,
-                                       DeferralObservation(pending_bytes, slack, self._rate))
+        split = next_split(self._shards, DeferralSplit(self.moment_count, self.master_count),
+                           DeferralObservation(pending_bytes, slack, self._rate))
+        self.moment_count, self.master_count = split.moments, split.masters

@@ -387,6 +387,7 @@ class OffloadEngine:
         self.stats = self.telemetry.end_iteration(
             verdict=verdict, speculative=ctx.speculative, grad_divisor=self._div,
             master_deferred_buckets=self.commits.master_count if self.commits.enabled else 0,
+            moment_deferred_buckets=self.commits.moment_count if self.commits.enabled else 0,
             host_pass=passed)
         self.flush.reset()
         self.hooks.learn_unhooked_reads()

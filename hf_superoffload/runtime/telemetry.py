@@ -69,6 +69,10 @@ class StepStats:
     master_deferred_buckets: int = 0
     """The share in force for this step: how many host buckets' verdict-known passes leave the fp32 master to the
     commit ([Note: adaptive master deferral]; 0 without deferred moments)."""
+    moment_deferred_buckets: int = 0
+    """How many host buckets' verdict-known passes of this step leave their moments to the commit (every host
+    bucket with deferred moments, fewer where the adaptive split gave some back: [Note: adaptive moment deferral];
+    0 without deferred moments)."""
     pass_s: float = 0.0
     """Wall seconds of the host pass that ran in this iteration: from the previous ``step()``'s verdict until the CPU
     worker had finished every host bucket of that step (pending commits it had to store first, undo and redo, Adam,
@@ -95,6 +99,7 @@ class StepStats:
             f"{prefix}clip_coef": round(self.clip_coef, 6),
             f"{prefix}speculative": float(self.speculative),
             f"{prefix}master_deferred_buckets": float(self.master_deferred_buckets),
+            f"{prefix}moment_deferred_buckets": float(self.moment_deferred_buckets),
             f"{prefix}pass_s": round(self.pass_s, 4),
         }
 
@@ -166,12 +171,14 @@ class Telemetry:
         return taken
 
     def end_iteration(self, *, verdict: Verdict, speculative: bool, grad_divisor: float,
-                      master_deferred_buckets: int, host_pass: PassRecord | None) -> StepStats:
+                      master_deferred_buckets: int, moment_deferred_buckets: int,
+                      host_pass: PassRecord | None) -> StepStats:
         """The iteration's :class:`StepStats` at its ``step()``: the counters (``take``) and the verdict's numbers."""
         now = time.perf_counter()
         st = self.take()
         st.grad_norm, st.verdict, st.speculative = verdict.grad_norm, verdict.kind.value, speculative
         st.master_deferred_buckets, st.host_pass = master_deferred_buckets, host_pass
+        st.moment_deferred_buckets = moment_deferred_buckets
         st.pass_s = host_pass.wall_s if host_pass is not None else 0.0
         st.clip_coef, st.iteration_s = verdict.grad_scale * grad_divisor, now - self._last_step_t
         self._last_step_t = now

@@ -22,7 +22,8 @@ from hf_superoffload.testing import ReferenceAdamW, tiny_llama
 
 STEPS, ACCUM, LR = 20, 2, 1e-3
 TELEMETRY = ("cpu_adam_s", "gpu_wait_s", "overlap", "link_gb", "clip_coef", "speculative", "skipped_steps",
-             "clipped_steps", "redo_rate", "pass_s", "moment_commit_s", "master_deferred_buckets")
+             "clipped_steps", "redo_rate", "pass_s", "moment_commit_s", "master_deferred_buckets",
+             "moment_deferred_buckets")
 
 
 class RefOptimizer(torch.optim.Optimizer):

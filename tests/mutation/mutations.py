@@ -350,4 +350,17 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass\n",
         ("tests/distributed/test_data_parallel_thread_trial.py::test_the_ranks_trial_together_and_agree[mixed-3]",),
     ),
+    Mutation(  # [Note: adaptive moment deferral]: pending work gives back masters only
+        "split_never_gives_back_moments", "hf_superoffload/runtime/master_deferral.py",
+        "        while excess > 0 and moments > 0:\n",
+        "        while excess > 0 and masters > 0:\n",
+        ("tests/runtime/test_adaptive_master.py::test_work_pending_at_every_verdict_gives_back_the_moments_too",
+         "tests/unit/test_master_deferral.py::test_below_no_master_pending_work_gives_back_the_last_buckets_moments"),
+    ),
+    Mutation(  # [Note: adaptive moment deferral]: every verdict-known pass defers its moments whatever the split
+        "pass_ignores_the_moment_split", "hf_superoffload/runtime/host_pass.py",
+        "            defer = self._commits.defers_moments(b)\n",
+        "            defer = self._commits.enabled\n",
+        ("tests/runtime/test_adaptive_master.py::test_work_pending_at_every_verdict_gives_back_the_moments_too",),
+    ),
 )

@@ -18,6 +18,7 @@ import hf_superoffload.runtime.commit as commit_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.plan import MasterDeferral
+from hf_superoffload.runtime.master_deferral import DeferralObservation, DeferralSplit
 from hf_superoffload.testing import tiny_llama
 
 LR = 1e-3
@@ -49,23 +50,47 @@ def state(model: torch.nn.Module, opt: SuperOffloadOptimizer) -> dict[str, torch
     return out
 
 
-def test_a_share_moving_every_step_is_bitwise_the_run_without_deferred_stores(monkeypatch: pytest.MonkeyPatch):
+def test_a_split_moving_every_step_is_bitwise_the_run_without_deferred_stores(monkeypatch: pytest.MonkeyPatch):
+    """Masters and moments alike ([Note: adaptive moment deferral]): a bucket that stores its moments in the pass
+    one step and leaves them to the commit the next gives the same bits."""
     model, opt = build()
     assert opt.plan.defer_master is MasterDeferral.ADAPTIVE
     n = len(opt.engine.host_buckets)
     assert n >= 4
-    shares = itertools.cycle([0, 1, n // 2, n, 2, n - 1])
-    monkeypatch.setattr(commit_module, "next_share", lambda numels, count, obs: next(shares))
+    splits = [(n, 0), (n, 1), (n, n // 2), (n, n), (1, 0), (n, 2), (0, 0), (n - 1, 0), (n // 2, 0), (n, n - 1)]
+    cycle = itertools.cycle(splits)
+    monkeypatch.setattr(commit_module, "next_split", lambda numels, split, obs: DeferralSplit(*next(cycle)))
     eager_model, eager = build(overrides=PlannerOverrides(defer_moments=False))
     seen = []
-    for ids in batches(12):
+    for ids in batches(2 * len(splits)):
         step(model, opt, ids)
         step(eager_model, eager, ids)
-        seen.append(opt.last_step_stats.master_deferred_buckets)
-    assert seen == [0, 1, n // 2, n, 2, n - 1] * 2  # the share in force at each step, as the rule set it
+        st = opt.last_step_stats
+        seen.append((st.moment_deferred_buckets, st.master_deferred_buckets))
+    assert seen == splits * 2  # the split in force at each step, as the rule set it
     a, b = state(model, opt), state(eager_model, eager)
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def test_work_pending_at_every_verdict_gives_back_the_moments_too(monkeypatch: pytest.MonkeyPatch):
+    """[Note: adaptive moment deferral]: below a master share of none, pending commit work gives back the last
+    buckets' moments: their passes store them and owe nothing (here all of them: far more pending than they hold)."""
+    pending = DeferralObservation
+
+    def always_pending(pending_bytes: float, slack_s: float, rate: float) -> DeferralObservation:
+        return pending(1e12, 0.0, rate)
+
+    monkeypatch.setattr(commit_module, "DeferralObservation", always_pending)
+    model, opt = build()
+    n = len(opt.engine.host_buckets)
+    seen, commits = [], []
+    for ids in batches(4):
+        step(model, opt, ids)
+        seen.append(opt.last_step_stats.moment_deferred_buckets)
+        commits.append(opt.last_step_stats.commit_s)
+    # the first verdict gives every bucket's moments back: no pass of the run owes a commit
+    assert n > 0 and seen == [0] * 4 and commits == [0.0] * 4 and opt.engine.commits.pending == 0
 
 
 def test_commits_that_finish_early_grow_the_share_to_every_bucket():

@@ -70,16 +70,18 @@ def test_no_pass_follows_a_skipped_step() -> None:
     assert stats[3].pass_s > 0
 
 
-def test_the_telemetry_window_averages_commits_passes_and_the_master_share() -> None:
+def test_the_telemetry_window_averages_commits_passes_and_the_split() -> None:
     window = TelemetryWindow()
     for k in range(4):
-        window.add(StepStats(cpu_s=0.5, commit_s=0.2 + 0.1 * k, pass_s=0.4, wait_s=0.1, master_deferred_buckets=2 * k))
+        window.add(StepStats(cpu_s=0.5, commit_s=0.2 + 0.1 * k, pass_s=0.4, wait_s=0.1, master_deferred_buckets=2 * k,
+                             moment_deferred_buckets=10 - k))
     stats, opt = run(1)
     logs = window.as_log(opt)
     opt.close()
     assert logs["superoffload/moment_commit_s"] == pytest.approx(0.35)
     assert logs["superoffload/pass_s"] == pytest.approx(0.4)
     assert logs["superoffload/master_deferred_buckets"] == 3.0
+    assert logs["superoffload/moment_deferred_buckets"] == 8.0  # the mean of 10, 9, 8, 7, rounded half to even
     assert logs["superoffload/cpu_adam_s"] == pytest.approx(0.5)
 
 
