@@ -19,8 +19,9 @@ moments too (28 B/param, nothing owed). Deferred moments run in two regimes on t
   for the verdict, their passes owe more commits (0.65 s a step) and the next backward starts behind again:
   1.27-1.40 s a step, the GPU idle 0.2-0.3 s of each waiting for the host pass.
 
-Three of five runs of the row (snippet and Trainer alike) stayed in the second; a share of masters could not leave
-it, since none was already deferred (a probe of every master for two steps changed nothing: the commits grow). The
+Three of five runs of the row stayed in the second (two of them probing every master for a step or two, which
+changed nothing: the commits grow), the two others left it when a step of slack moved the master share; a master
+share cannot leave it by itself, since none is deferred there. The
 moments are the commits that sustain it, so pending work at the verdict now gives them back too, the last
 buckets first (the idle chain stores commits in arrival order: the last ones are the ones still pending), and
 slack adds them back before any master. Storing them in the pass costs 8 B/param more on the critical path for
