@@ -24,7 +24,8 @@ changed nothing: the commits grow), the two others left it when a step of slack 
 share cannot leave it by itself, since none is deferred there. The
 moments are the commits that sustain it, so pending work at the verdict now gives them back too, the last
 buckets first (the idle chain stores commits in arrival order: the last ones are the ones still pending), and
-slack adds them back before any master. Storing them in the pass costs 8 B/param more on the critical path for
+slack adds them back before any master. The first bucket always defers its moments: slack is measured only after
+commits that did something, so with none left deferred nothing could bring them back. Storing them in the pass costs 8 B/param more on the critical path for
 the buckets given back; any split gives the same bits (the commit stores what the fused pass would).
 """
 
@@ -33,12 +34,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["COMMIT_BYTES", "MASTER_EXTRA_BYTES", "DeferralObservation", "DeferralSplit", "next_split"]
+__all__ = ["COMMIT_BYTES", "MASTER_EXTRA_BYTES", "MOMENTS_KEPT", "DeferralObservation", "DeferralSplit",
+           "next_split"]
 
 COMMIT_BYTES = {False: 18, True: 26}
 """Host bytes per parameter a commit moves: moments only (False) or the whole step again (True)."""
 MASTER_EXTRA_BYTES = COMMIT_BYTES[True] - COMMIT_BYTES[False]
 """What deferring one parameter's master adds to its commit (and it saves 4 B on the critical pass)."""
+MOMENTS_KEPT = 1
+"""Buckets that always defer their moments ([Note: adaptive moment deferral]): their commits keep the rate and the
+slack measured, without which buckets given back could never come back."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +85,7 @@ def next_split(numels: Sequence[int], split: DeferralSplit, obs: DeferralObserva
     last bucket's moments only once no master is deferred).
 
     Pending work gives back slots until their commit bytes cover it (8 B/param a master, 18 B/param the moments;
-    any pending work at least one slot); slack adds the whole slots whose commit bytes fit in ``gain`` times the
+    any pending work at least one slot; never the first ``MOMENTS_KEPT`` buckets' moments); slack adds the whole slots whose commit bytes fit in ``gain`` times the
     slack at the measured rate (the gain damps the estimate; a slot that does not fit whole is not added, so the
     split settles instead of oscillating).
     """
@@ -89,7 +94,7 @@ def next_split(numels: Sequence[int], split: DeferralSplit, obs: DeferralObserva
     moments, masters = split.moments, split.masters
     if obs.pending_bytes > 0:
         excess = obs.pending_bytes
-        while excess > 0 and moments > 0:
+        while excess > 0 and moments > min(MOMENTS_KEPT, n):
             if masters:
                 masters -= 1
                 excess -= numels[masters] * MASTER_EXTRA_BYTES

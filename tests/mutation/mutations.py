@@ -352,15 +352,24 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # [Note: adaptive moment deferral]: pending work gives back masters only
         "split_never_gives_back_moments", "hf_superoffload/runtime/master_deferral.py",
-        "        while excess > 0 and moments > 0:\n",
+        "        while excess > 0 and moments > min(MOMENTS_KEPT, n):\n",
         "        while excess > 0 and masters > 0:\n",
-        ("tests/runtime/test_adaptive_master.py::test_work_pending_at_every_verdict_gives_back_the_moments_too",
+        ("tests/runtime/test_adaptive_master.py::"
+         "test_work_pending_at_the_verdicts_gives_back_the_moments_and_slack_brings_them_back",
          "tests/unit/test_master_deferral.py::test_below_no_master_pending_work_gives_back_the_last_buckets_moments"),
     ),
     Mutation(  # [Note: adaptive moment deferral]: every verdict-known pass defers its moments whatever the split
         "pass_ignores_the_moment_split", "hf_superoffload/runtime/host_pass.py",
         "            defer = self._commits.defers_moments(b)\n",
         "            defer = self._commits.enabled\n",
-        ("tests/runtime/test_adaptive_master.py::test_work_pending_at_every_verdict_gives_back_the_moments_too",),
+        ("tests/runtime/test_adaptive_master.py::"
+         "test_work_pending_at_the_verdicts_gives_back_the_moments_and_slack_brings_them_back",),
+    ),
+    Mutation(  # [Note: adaptive moment deferral]: every bucket's moments may be given back, none measures slack
+        "split_gives_back_every_moment", "hf_superoffload/runtime/master_deferral.py",
+        "        while excess > 0 and moments > min(MOMENTS_KEPT, n):\n",
+        "        while excess > 0 and moments > 0:\n",
+        ("tests/runtime/test_adaptive_master.py::"
+         "test_work_pending_at_the_verdicts_gives_back_the_moments_and_slack_brings_them_back",),
     ),
 )

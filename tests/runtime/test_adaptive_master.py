@@ -18,7 +18,8 @@ import hf_superoffload.runtime.commit as commit_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.plan import MasterDeferral
-from hf_superoffload.runtime.master_deferral import DeferralObservation, DeferralSplit
+from hf_superoffload.runtime.host_pass import HostPass
+from hf_superoffload.runtime.master_deferral import MOMENTS_KEPT, DeferralObservation, DeferralSplit
 from hf_superoffload.testing import tiny_llama
 
 LR = 1e-3
@@ -73,24 +74,49 @@ def test_a_split_moving_every_step_is_bitwise_the_run_without_deferred_stores(mo
         assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
-def test_work_pending_at_every_verdict_gives_back_the_moments_too(monkeypatch: pytest.MonkeyPatch):
+def test_work_pending_at_the_verdicts_gives_back_the_moments_and_slack_brings_them_back(
+        monkeypatch: pytest.MonkeyPatch):
     """[Note: adaptive moment deferral]: below a master share of none, pending commit work gives back the last
-    buckets' moments: their passes store them and owe nothing (here all of them: far more pending than they hold)."""
+    buckets' moments: their passes store them and owe nothing (here all but the first bucket's, kept so that its
+    commits keep the slack measured: far more is pending than they hold). Then commits that finish early bring the
+    moments back, and the masters after them."""
     pending = DeferralObservation
+    forced = {"verdicts": 3}
 
-    def always_pending(pending_bytes: float, slack_s: float, rate: float) -> DeferralObservation:
-        return pending(1e12, 0.0, rate)
+    def observed(pending_bytes: float, slack_s: float, rate: float) -> DeferralObservation:
+        if forced["verdicts"]:
+            forced["verdicts"] -= 1
+            return pending(1e12, 0.0, rate)
+        return pending(pending_bytes, slack_s, rate)
 
-    monkeypatch.setattr(commit_module, "DeferralObservation", always_pending)
+    monkeypatch.setattr(commit_module, "DeferralObservation", observed)
+    owed: list[int] = []  # the share rank of every bucket whose pass left a store to the commit
+    owe = HostPass._owe
+
+    def record(self: HostPass, b: Any, *args: Any, **kwargs: Any) -> None:
+        owed.append(self.layout.host_rank[b.index])
+        owe(self, b, *args, **kwargs)
+
+    monkeypatch.setattr(HostPass, "_owe", record)
     model, opt = build()
     n = len(opt.engine.host_buckets)
-    seen, commits = [], []
-    for ids in batches(4):
+    seen = []
+    for ids in batches(3):
         step(model, opt, ids)
-        seen.append(opt.last_step_stats.moment_deferred_buckets)
-        commits.append(opt.last_step_stats.commit_s)
-    # the first verdict gives every bucket's moments back: no pass of the run owes a commit
-    assert n > 0 and seen == [0] * 4 and commits == [0.0] * 4 and opt.engine.commits.pending == 0
+        st = opt.last_step_stats
+        seen.append((st.moment_deferred_buckets, st.master_deferred_buckets))
+    opt.synchronize()
+    assert n > MOMENTS_KEPT and seen == [(MOMENTS_KEPT, 0)] * 3
+    assert owed and set(owed) == set(range(MOMENTS_KEPT)), owed  # only the kept buckets' passes owe commits
+    for ids in batches(24)[3:]:
+        step(model, opt, ids)
+        opt.synchronize()  # the commits finish long before the next verdict: slack
+        st = opt.last_step_stats
+        seen.append((st.moment_deferred_buckets, st.master_deferred_buckets))
+        if seen[-1] == (n, n):
+            break
+    assert seen[-1] == (n, n), seen
+    assert seen == sorted(seen), f"slack only grows the split: {seen}"
 
 
 def test_commits_that_finish_early_grow_the_share_to_every_bucket():
@@ -109,9 +135,11 @@ def test_commits_that_finish_early_grow_the_share_to_every_bucket():
     assert opt.last_step_stats.as_log()["superoffload/master_deferred_buckets"] == n
 
 
-def test_commits_still_pending_at_the_verdict_keep_the_share_at_none():
+def test_commits_never_done_early_keep_the_share_at_none():
     model, opt = build()
-    opt.engine.commit_when_idle = False  # every commit waits for the bucket's next task: pending at each verdict
+    # every commit waits for the bucket's next task (its first in the next backward): no idle chain ever ends, so no
+    # slack is measured and no master is deferred (work still pending at a verdict may give moments back)
+    opt.engine.commit_when_idle = False
     for ids in batches(6):
         step(model, opt, ids)
     assert opt.engine.commits.master_count == 0

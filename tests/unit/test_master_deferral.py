@@ -9,6 +9,7 @@ from hf_superoffload.planning.planner import share_count
 from hf_superoffload.runtime.master_deferral import (
     COMMIT_BYTES,
     MASTER_EXTRA_BYTES,
+    MOMENTS_KEPT,
     DeferralObservation,
     DeferralSplit,
     next_split,
@@ -42,8 +43,12 @@ def test_below_no_master_pending_work_gives_back_the_last_buckets_moments():
     assert next_split(NUMELS, split(N), obs(pending=last + 1)) == split(N - 2)
     # masters first, then moments, along one line
     assert next_split(NUMELS, split(N, 1), obs(pending=NUMELS[0] * MASTER_EXTRA_BYTES + 1)) == split(N - 1)
-    assert next_split(NUMELS, split(N, 2), obs(pending=1e12)) == split(0)  # never below nothing deferred
-    assert next_split(NUMELS, split(0), obs(pending=1e12, slack=5.0)) == split(0)
+    # never the first bucket's moments: its commits keep the slack measured
+    assert MOMENTS_KEPT == 1
+    assert next_split(NUMELS, split(N, 2), obs(pending=1e12)) == split(1)
+    assert next_split(NUMELS, split(1), obs(pending=1e12, slack=5.0)) == split(1)
+    assert next_split(NUMELS, split(0), obs(pending=1e12)) == split(0)  # a split below it is left there
+    assert next_split([], split(0), obs(pending=1e12)) == split(0)
 
 
 def test_slack_adds_only_whole_slots_that_fit_half_of_it_moments_before_masters():
