@@ -548,9 +548,16 @@ def _switch_candidates(config: SuperOffloadConfig, workload: Workload | None, pr
 def _moment_stores_searched(config: SuperOffloadConfig) -> bool:
     """Whether the plan search weighs the fused pass against deferred moment stores: ``defer_moments="auto"``
     and no setting that asks for deferred stores (a deferred master, deferred speculation)."""
+    return config.overrides.defer_moments == "auto" and _needs_deferred_stores(config) is None
+
+
+def _needs_deferred_stores(config: SuperOffloadConfig) -> str | None:
+    """The setting that needs deferred moment stores (a deferred master, deferred speculation), as the user wrote
+    it, or ``None``."""
     ov = config.overrides
-    return (ov.defer_moments == "auto" and ov.defer_master is not True and not isinstance(ov.defer_master, float)
-            and ov.deferred_speculation is not True)
+    if ov.defer_master is True or isinstance(ov.defer_master, float):
+        return f"defer_master={ov.defer_master!r}"
+    return "deferred_speculation=True" if ov.deferred_speculation is True else None
 
 
 _NOTE_PREFIXES = {"weight_placement": ("weights:",),
@@ -1113,10 +1120,10 @@ def _make_plan(
         base += 12 * host_numel
     defer, defer_note = _defer_moments(config, weight_mode, accumulation, world_size, host_numel, base, room)
     notes.append(defer_note)
-    master, master_note = _defer_master(config, defer, cast_side)
+    master, master_note = _defer_master(config, defer, cast_side, host_numel)
     if master_note:
         notes.append(master_note)
-    deferred_spec, spec_note = _deferred_speculation(config, rollback, defer, cast_side)
+    deferred_spec, spec_note = _deferred_speculation(config, rollback, defer, cast_side, host_numel)
     if spec_note:
         notes.append(spec_note)
 
@@ -1216,11 +1223,12 @@ def share_count(numels: Sequence[int], fraction: float) -> int:
     return count
 
 
-def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide) -> tuple[MasterDeferral, str]:
+def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide,
+                  host_numel: int) -> tuple[MasterDeferral, str]:
     """[Note: adaptive master deferral]: whether verdict-known passes may leave the fp32 master to the commit."""
     usable = defer and cast_side is CastSide.CPU
     dm = config.overrides.defer_master
-    if dm is True or isinstance(dm, float):
+    if (dm is True or isinstance(dm, float)) and host_numel:  # no host buckets: no pass to defer anything
         if not usable:
             raise PlanError(f"defer_master={dm!r} needs deferred moment stores (defer_moments on) and the CPU cast "
                             f"(cast_side='cpu'); this plan has defer_moments={defer}, cast_side={cast_side.value!r}: "
@@ -1238,12 +1246,12 @@ def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide) 
 
 
 def _deferred_speculation(config: SuperOffloadConfig, rollback: Rollback, defer: bool,
-                          cast_side: CastSide) -> tuple[bool, str]:
+                          cast_side: CastSide, host_numel: int) -> tuple[bool, str]:
     """[Note: deferred speculation]: whether the inverse rollback's speculative passes write the bf16 weights only
     (exact skip and redo, a whole-step commit per committed speculative step) instead of undoing algebraically."""
     usable = config.speculation and rollback is Rollback.INVERSE and defer and cast_side is CastSide.CPU
     want = config.overrides.deferred_speculation
-    if want is True and not usable:
+    if want is True and not usable and host_numel:  # no host buckets: nothing speculates on the host
         raise PlanError("PlannerOverrides(deferred_speculation=True) needs speculation, the inverse rollback, "
                         f"deferred moment stores and the CPU cast; this plan has speculation={config.speculation}, "
                         f"rollback={rollback.value!r}, defer_moments={defer}, cast_side={cast_side.value!r}: use "
@@ -1273,15 +1281,21 @@ def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, accumula
         why_not = "weight flow"
     elif not host_numel:
         why_not = "no host buckets"
-    if config.overrides.defer_moments is True:
+    # a setting that needs deferred stores constrains "auto" as defer_moments=True does: a candidate that cannot
+    # defer is refused (the plan search moves on), one short of host RAM is a host-room error (the tail grows)
+    asked = "defer_moments=True" if config.overrides.defer_moments is True else _needs_deferred_stores(config)
+    if asked is not None and config.overrides.defer_moments is not False and host_numel:  # none: nothing to defer
+        fix = ("use 'auto' or False" if config.overrides.defer_moments is True
+               else f"set {asked.split('=')[0]}='auto' or False")
         if why_not is not None:
-            raise PlanError(f"PlannerOverrides(defer_moments=True) is not supported here ({why_not}): use 'auto' "
-                            "or False")
+            raise PlanError(f"PlannerOverrides({asked}) is not supported here ({why_not}"
+                            f"{'' if config.overrides.defer_moments is True else ': it needs deferred moment stores'})"
+                            f": {fix}")
         if room is not None and base + extra > room:
-            raise PlanError(f"defer_moments=True needs {(base + extra) / gib:.1f} GiB of host RAM (a second landing "
-                            f"arena of {extra / gib:.1f} GiB) but {room / gib:.1f} GiB is left for the arenas; use "
-                            "defer_moments='auto' or False")
-        return True, f"deferred moment stores: on, +{extra / gib:.2f} GiB pinned landing (configured)"
+            raise _HostRoomError(f"{asked} needs {(base + extra) / gib:.1f} GiB of host RAM (a second landing arena "
+                                 f"of {extra / gib:.1f} GiB for deferred moment stores) but {room / gib:.1f} GiB "
+                                 f"is left for the arenas; keep more parameters on the GPU, or {fix}")
+        return True, f"deferred moment stores: on, +{extra / gib:.2f} GiB pinned landing (configured: {asked})"
     if config.overrides.defer_moments is False:
         return False, "deferred moment stores: off (configured)"
     if why_not is not None:

@@ -344,3 +344,21 @@ def test_grad_accum_prices_every_micro_batch(capsys):
     printed = re.search(r"predicted GPU memory: ([\d.]+) GiB required", out)
     assert sized and printed and sized.group(1) == printed.group(1), out
     assert "accumulated_gradients" in out
+
+
+def test_a_setting_that_needs_deferred_stores_constrains_the_search(capsys):
+    """A user-set field is a constraint on the plan search, not an end to it: ``defer_master=True`` at 8B on an H100
+    box (whose host cannot hold every state and a second landing arena) keeps the deferred moment stores on and
+    sizes the tail for them; where they cannot be (streamed weights sum gradients on the host) it is refused with
+    the reason and the fix."""
+    argv = ("--model", "8b", "--batch-size", "4", "--seq-len", "2048", "--grad-ckpt", "--profile", "h100")
+    rc, data = plan_json(capsys, *argv, "--offload-config", '{"overrides": {"defer_master": true}}')
+    notes = "\n".join(data["plan"]["notes"])
+    assert rc == EXIT_FITS, data["reason"]
+    assert "deferred moment stores: on" in notes and "(configured: defer_master=True)" in notes
+    assert "deferred master stores: every host bucket (configured)" in notes
+    rc, out, _ = plan(capsys, *argv, "--offload-config",
+                      '{"weight_placement": "flow", "overrides": {"defer_master": true}}')
+    assert rc == EXIT_DOES_NOT_FIT
+    assert "PlannerOverrides(defer_master=True) is not supported here" in out
+    assert "it needs deferred moment stores): set defer_master='auto' or False" in out
