@@ -1298,6 +1298,8 @@ def _defer_moments(config: SuperOffloadConfig, weight_mode: WeightMode, accumula
         return True, f"deferred moment stores: on, +{extra / gib:.2f} GiB pinned landing (configured: {asked})"
     if config.overrides.defer_moments is False:
         return False, "deferred moment stores: off (configured)"
+    if asked is not None:  # what asked for them has nothing to act on
+        return False, f"deferred moment stores: off (no host buckets; {asked} has nothing to defer)"
     if why_not is not None:
         return False, f"deferred moment stores: off (auto: {why_not})"
     if room is not None and base + extra > room:

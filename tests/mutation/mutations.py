@@ -372,4 +372,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/runtime/test_adaptive_master.py::"
          "test_work_pending_at_the_verdicts_gives_back_the_moments_and_slack_brings_them_back",),
     ),
+    Mutation(  # a user-set field that needs deferred stores ends the plan search instead of constraining it
+        "deferred_stores_setting_not_a_constraint", "hf_superoffload/planning/planner.py",
+        '    asked = "defer_moments=True" if config.overrides.defer_moments is True else _needs_deferred_stores(config)\n',
+        '    asked = "defer_moments=True" if config.overrides.defer_moments is True else None\n',
+        ("tests/unit/test_plan_cli.py::test_a_setting_that_needs_deferred_stores_constrains_the_search",),
+    ),
 )

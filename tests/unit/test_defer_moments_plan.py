@@ -334,3 +334,15 @@ def test_the_roofline_prices_the_master_share_of_the_pass_and_its_commit():
     assert fused.master_share == 0.0 and verdict_pass_bytes(fused) == (28, 0)
     with pytest.raises(ValueError, match="master_share"):
         PlanLike(master_share=1.5)
+
+
+@pytest.mark.parametrize("setting", [{"defer_moments": True}, {"defer_master": True}, {"defer_master": 0.5},
+                                     {"deferred_speculation": True}])
+def test_with_no_host_buckets_a_deferral_setting_has_nothing_to_act_on(setting):
+    """Every optimizer state on the device: no pass runs on the host, so a setting that asks for deferred stores is
+    neither applied nor refused, and the plan says why."""
+    p = plan(SuperOffloadConfig(gpu_resident_buckets=10**6).with_overrides(**setting))
+    assert p.host_numel == 0 and not p.defer_moments and p.defer_master is MasterDeferral.OFF
+    assert not p.deferred_speculation
+    (name, value), = setting.items()
+    assert f"deferred moment stores: off (no host buckets; {name}={value!r} has nothing to defer)" in p.notes
