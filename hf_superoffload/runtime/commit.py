@@ -35,16 +35,15 @@ class MomentCommits:
 
     Attributes:
         enabled: the plan defers the moment stores (``plan.defer_moments``); everything here is a no-op without.
-        master_count: this step's share: the first ``master_count`` host buckets leave the fp32 master to the
-            commit too (all of them, none, or a share moved each step).
-        moment_count: the first ``moment_count`` host buckets leave their moments to the commit (every one but
-            where the adaptive split gave some back: [Note: adaptive moment deferral] in master_deferral.py).
+        split: this step's split: the first ``split.moments`` host buckets leave their moments to the commit
+            (every one but where the adaptive split gave some back: [Note: adaptive moment deferral] in
+            master_deferral.py), the first ``split.masters`` the fp32 master too (all of them, none, or a share
+            moved each step). One frozen value, replaced whole: a worker reads both counts of one split.
     """
 
     layout: BucketLayout
     enabled: bool
-    master_count: int
-    moment_count: int
+    split: DeferralSplit
     _mode: MasterDeferral
     _worker: CpuWorker
     _telemetry: Telemetry
@@ -68,8 +67,8 @@ class MomentCommits:
         self._mark_inconsistent = mark_inconsistent
         self._lock = threading.Lock()
         self._shards = [b.spec.shard for b in layout.host_buckets]
-        self.master_count = len(layout.host_buckets) if self._mode is MasterDeferral.ALL else plan.master_buckets
-        self.moment_count = len(layout.host_buckets)
+        n = len(layout.host_buckets)
+        self.split = DeferralSplit(n, n if self._mode is MasterDeferral.ALL else plan.master_buckets)
         self._clock = [0.0, 0.0]
         self._rate = 0.0
         self._done_at = None
@@ -85,27 +84,36 @@ class MomentCommits:
         them), and the deferred stores follow the new plan (nothing is pending: the engine committed it before the
         move)."""
         plan = self._plan
-        all_moments = self.moment_count >= len(self._shards)
+        moments, masters = self.split.moments, self.split.masters
+        all_moments = moments >= len(self._shards)
         self._shards = [b.spec.shard for b in self.layout.host_buckets]
+        n = len(self._shards)
         if self._mode is not plan.defer_master:
-            self._mode, self.master_count = plan.defer_master, plan.master_buckets
+            self._mode, masters = plan.defer_master, plan.master_buckets
         self.enabled = plan.defer_moments
         if self._mode is MasterDeferral.ALL:
-            self.master_count = len(self._shards)
+            masters = n
         elif self._mode is MasterDeferral.SHARE:
-            self.master_count = plan.master_buckets
+            masters = plan.master_buckets
         # an adaptive split keeps its place on the line, within the buckets now on the host
-        n = len(self._shards)
-        self.moment_count = min(self.moment_count, n) if self.adaptive and not all_moments else n
-        self.master_count = min(self.master_count, n) if self.moment_count == n else 0
+        moments = min(moments, n) if self.adaptive and not all_moments else n
+        self.split = DeferralSplit(moments, min(masters, n) if moments == n else 0)
 
-    def defers_moments(self, b: HostBucket) -> bool:
-        """Whether ``b``'s verdict-known pass of this step leaves its moments to the commit."""
-        return self.enabled and self.layout.host_rank[b.index] < self.moment_count
+    @property
+    def master_count(self) -> int:
+        return self.split.masters
 
-    def defers_master(self, b: HostBucket) -> bool:
-        """Whether ``b``'s verdict-known pass of this step leaves the fp32 master to the commit."""
-        return self.enabled and self.layout.host_rank[b.index] < self.master_count
+    @property
+    def moment_count(self) -> int:
+        return self.split.moments
+
+    def defers(self, b: HostBucket) -> tuple[bool, bool]:
+        """Whether ``b``'s verdict-known pass of this step leaves its moments, and the fp32 master too, to the
+        commit (one read of the split)."""
+        if not self.enabled:
+            return False, False
+        split, rank = self.split, self.layout.host_rank[b.index]
+        return rank < split.moments, rank < split.masters
 
     @property
     def adaptive(self) -> bool:
@@ -223,6 +231,4 @@ class MomentCommits:
             self._rate = seconds / nbytes
         # slack counts only after commits that did something (a speculative step's empty chain says nothing)
         slack = now - done_at if (done_at is not None and nbytes > 0 and not pending_bytes) else 0.0
-        split = next_split(self._shards, DeferralSplit(self.moment_count, self.master_count),
-                           DeferralObservation(pending_bytes, slack, self._rate))
-        self.moment_count, self.master_count = split.moments, split.masters
+        self.split = next_split(self._shards, self.split, DeferralObservation(pending_bytes, slack, self._rate))

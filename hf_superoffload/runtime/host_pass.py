@@ -376,8 +376,7 @@ class HostPass:
                 self._undo(b, ctx)
             # the verdict is known: with deferred moments this pass stores p and the bf16 weights only (with
             # deferred master stores the bf16 weights only)
-            defer = self._commits.defers_moments(b)
-            late_master = defer and self._commits.defers_master(b)
+            defer, late_master = self._commits.defers(b)
             self._cpu_step(b, ctx, verdict.hypers, verdict.grad_scale, store_moments=not defer,
                            store_master=not late_master)
             if defer:

@@ -359,9 +359,9 @@ MUTATIONS: tuple[Mutation, ...] = (
          "tests/unit/test_master_deferral.py::test_below_no_master_pending_work_gives_back_the_last_buckets_moments"),
     ),
     Mutation(  # [Note: adaptive moment deferral]: every verdict-known pass defers its moments whatever the split
-        "pass_ignores_the_moment_split", "hf_superoffload/runtime/host_pass.py",
-        "            defer = self._commits.defers_moments(b)\n",
-        "            defer = self._commits.enabled\n",
+        "pass_ignores_the_moment_split", "hf_superoffload/runtime/commit.py",
+        "        return rank < split.moments, rank < split.masters\n",
+        "        return True, rank < split.masters\n",
         ("tests/runtime/test_adaptive_master.py::"
          "test_work_pending_at_the_verdicts_gives_back_the_moments_and_slack_brings_them_back",),
     ),
