@@ -18,6 +18,7 @@ that sum, so older versions of this package read them.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import zlib
@@ -46,7 +47,7 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
         raise RuntimeError("the optimizer state is inconsistent: a validated step was only partly applied (the CPU "
                            "worker failed, or step() was interrupted). Resume from the last checkpoint.")
     flat = engine.flat_state()
-    arenas = {"host": dict(flat["host"]),
+    arenas = {"host": {k: _exact_storage(v) for k, v in flat["host"].items()},
               "device": {k: v.detach().to("cpu", copy=True) for k, v in flat["device"].items()}}
     sharded = engine.comm is not None
     return {
@@ -63,6 +64,25 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
         "counters": dict(counters),
         "governor": engine.governor.state_dict(),
     }
+
+
+def _exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a contiguous CPU tensor) on a storage of exactly its bytes, sharing its memory and keeping it alive.
+
+    ``torch.save`` writes a view's whole storage, and a host arena is a view: its storage also holds the page
+    padding around it (whatever the heap left there: bytes of other objects of this process) and the room reserved
+    for a tail move ([Note: reserved room in the host arenas] in ``runtime/tail_move.py``, address space for every
+    device bucket). Saved as a view, each checkpoint would carry both: more file and load-time RAM than the state,
+    and stray bytes in the file."""
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() == nbytes:
+        return t
+    if nbytes == 0:
+        return torch.empty(0, dtype=t.dtype)
+    assert t.device.type == "cpu" and t.is_contiguous()
+    window = (ctypes.c_char * nbytes).from_address(t.data_ptr())
+    window.owner = t  # type: ignore[attr-defined]  # the returned tensor keeps the window, the window the pages
+    return torch.frombuffer(window, dtype=t.dtype)
 
 
 def refuse_stock_accelerate_wrapper(method: str, depth: int = 8) -> None:

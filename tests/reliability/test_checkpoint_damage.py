@@ -37,7 +37,7 @@ def _damaged(checkpoint: Path, dst: Path, damage: str) -> Path:
     elif damage == "bit_flip":
         # flip the exponent bits of one exp_avg element: the zip container has no checksum torch verifies
         arena = torch.load(f, map_location="cpu", weights_only=True)["superoffload"]["host"]["exp_avg"]
-        at = raw.find(arena.numpy().tobytes()[:256])
+        at = raw.find(arena.numpy().tobytes())  # the whole arena: a prefix may also occur elsewhere
         assert at > 0
         b = bytearray(raw)
         b[at + 4 * 100 + 3] ^= 0x40

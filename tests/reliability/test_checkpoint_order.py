@@ -34,8 +34,8 @@ def test_two_swapped_blocks_in_the_file_are_detected_naming_file_arena_and_param
     raw = f.read_bytes()
     arena = torch.load(f, map_location="cpu", weights_only=True)["superoffload"]["host"]["exp_avg"]
     data = arena.numpy().tobytes()
-    at = raw.find(data[:256])
-    assert at > 0 and raw[at : at + len(data)] == data
+    at = raw.find(data)  # the whole arena: a prefix may also occur elsewhere
+    assert at > 0
     block = 4 * 64  # two 64-element blocks swap places
     a, b = raw[at : at + block], raw[at + block : at + 2 * block]
     assert a != b

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import time
+import weakref
 
 import pytest
 import torch
@@ -86,6 +88,39 @@ def test_nan_step_is_skipped_bit_exactly(rollback, where):
     # training goes on normally afterwards
     train(model, opt, data(2, seed=3))
     assert not opt.step_was_skipped
+
+
+def test_saved_host_arenas_carry_their_own_bytes_only():
+    """``torch.save`` writes a view's whole storage, and a host arena is a view of a buffer that also holds page
+    padding (whatever the heap left there) and the room reserved for a tail move. The state dict's host arenas sit
+    on storages of exactly their bytes, share the live arenas' memory (no copy of the host state), keep it alive
+    past the optimizer, and the saved file is the state plus a few KiB of layout."""
+    model = tiny_llama()
+    opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=1.0, config=CFG)
+    assert opt.plan.host_arena_room > 0  # the premise: the arenas keep room past the host share
+    train(model, opt, data(2))
+    live = opt.engine.flat_state()["host"]
+    sd = opt.state_dict()["superoffload"]
+    for k, t in sd["host"].items():
+        assert live[k].untyped_storage().nbytes() > t.numel() * t.element_size()
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"host/{k} carries extra bytes"
+        assert t.data_ptr() == live[k].data_ptr()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    state = sum(t.numel() * t.element_size() for side in ("host", "device") for t in sd[side].values())
+    room = 3 * opt.plan.host_arena_room * 4
+    assert len(buf.getvalue()) - state < min(room, 16 << 10)
+    expected = {k: t.clone() for k, t in sd["host"].items()}
+    storages = [weakref.ref(t.untyped_storage()) for t in live.values()]
+    opt.close()
+    del opt, live
+    gc.collect()
+    assert all(s() is not None for s in storages), "the state dict does not keep the arenas' memory alive"
+    for k, t in sd["host"].items():
+        assert torch.equal(t, expected[k])
+    back = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    for k, t in back["host"].items():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size() and torch.equal(t, expected[k])
 
 
 @pytest.mark.parametrize("same_plan", [True, False])
