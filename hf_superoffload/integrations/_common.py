@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import suppress
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -150,8 +151,11 @@ def read_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: s
 
 
 def _load_state_file(path: str) -> dict[str, Any]:
+    """The saved state, its tensors mapped from the file (``mmap=True``), not read into anonymous memory: a resume
+    holds the live host arenas already, and a second copy of the state in RAM (96 GB at 8B) would not fit beside
+    them; mapped pages are the page cache's, which the kernel can drop (and ranks reading the same shards share)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
         raise ValueError(f"cannot read the optimizer checkpoint {path}: the file is truncated or damaged "
                          f"({type(e).__name__}). Resume from an earlier checkpoint.") from e
@@ -297,30 +301,28 @@ def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
 
 
 class TelemetryWindow:
-    """Averages per-step offload telemetry over the steps since the last log line."""
+    """Averages per-step offload telemetry over the steps since the last log line.
+
+    Every numeric counter of :class:`StepStats` is summed by one loop (a counter added there is averaged here
+    without an edit); the gradient norm and the clip coefficient are not plain sums, ``speculative`` becomes a
+    share."""
+
+    _SUMMED: tuple[str, ...] = tuple(f.name for f in fields(StepStats)
+                                     if f.type in ("float", "int", float, int) and f.name not in ("grad_norm", "clip_coef"))
+    _COUNTS: frozenset[str] = frozenset(f.name for f in fields(StepStats) if f.type in ("int", int))
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
-        self._sum = StepStats()
+        self._sums = dict.fromkeys(self._SUMMED, 0.0)
         self._spec = 0
         self._clip = 0.0
         self.steps = 0
 
     def add(self, st: StepStats) -> None:
-        self._sum.cpu_s += st.cpu_s
-        self._sum.commit_s += st.commit_s
-        self._sum.pass_s += st.pass_s
-        self._sum.master_deferred_buckets += st.master_deferred_buckets
-        self._sum.moment_deferred_buckets += st.moment_deferred_buckets
-        self._sum.wait_s += st.wait_s
-        self._sum.gpu_idle_s += st.gpu_idle_s
-        self._sum.iteration_s += st.iteration_s
-        self._sum.d2h_bytes += st.d2h_bytes
-        self._sum.h2d_bytes += st.h2d_bytes
-        self._sum.speculated_buckets += st.speculated_buckets
-        self._sum.wasted_buckets += st.wasted_buckets
+        for name in self._SUMMED:
+            self._sums[name] += getattr(st, name)
         self._spec += int(st.speculative)
         self._clip += st.clip_coef if math.isfinite(st.clip_coef) else 1.0
         self.steps += 1
@@ -329,17 +331,13 @@ class TelemetryWindow:
         """Window means of ``StepStats.as_log()`` (``speculative`` becomes the share of speculative steps)
         plus run totals: skipped and clipped steps and the redo rate. Resets the window."""
         n = max(self.steps, 1)
-        s = self._sum
-        mean = StepStats(cpu_s=s.cpu_s / n, commit_s=s.commit_s / n, pass_s=s.pass_s / n, wait_s=s.wait_s / n,
-                         gpu_idle_s=s.gpu_idle_s / n,
-                         d2h_bytes=round(s.d2h_bytes / n), h2d_bytes=round(s.h2d_bytes / n),
-                         clip_coef=self._clip / n if self.steps else 1.0,
-                         master_deferred_buckets=round(s.master_deferred_buckets / n),
-                         moment_deferred_buckets=round(s.moment_deferred_buckets / n))
+        means = {name: total / n for name, total in self._sums.items()}
+        mean = StepStats(**{name: round(v) if name in self._COUNTS else v for name, v in means.items()},
+                         clip_coef=self._clip / n if self.steps else 1.0)
         logs = mean.as_log(prefix)
         logs[f"{prefix}speculative"] = round(self._spec / n, 4)
-        logs[f"{prefix}iteration_s"] = round(s.iteration_s / n, 4)
-        logs[f"{prefix}wasted_buckets"] = round(s.wasted_buckets / n, 3)
+        logs[f"{prefix}iteration_s"] = round(means["iteration_s"], 4)
+        logs[f"{prefix}wasted_buckets"] = round(means["wasted_buckets"], 3)
         logs[f"{prefix}skipped_steps"] = float(optimizer.skipped_steps)
         logs[f"{prefix}clipped_steps"] = float(optimizer.clipped_steps)
         logs[f"{prefix}redo_rate"] = round(float(optimizer.engine.governor.redo_rate), 4)

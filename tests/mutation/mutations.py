@@ -378,4 +378,28 @@ MUTATIONS: tuple[Mutation, ...] = (
         '    asked = "defer_moments=True" if config.overrides.defer_moments is True else None\n',
         ("tests/unit/test_plan_cli.py::test_a_setting_that_needs_deferred_stores_constrains_the_search",),
     ),
+    Mutation(  # a checkpoint saves each host arena's whole buffer: page padding and the tail move's room
+        "checkpoint_saves_the_arena_buffer", "hf_superoffload/state.py",
+        '    arenas = {"host": {k: _exact_storage(v) for k, v in flat["host"].items()},\n',
+        '    arenas = {"host": dict(flat["host"]),\n',
+        ("tests/runtime/test_skip_and_state.py::test_saved_host_arenas_carry_their_own_bytes_only",),
+    ),
+    Mutation(  # the state dict's arenas alias memory nobody keeps alive once the optimizer is gone
+        "saved_arena_memory_not_kept_alive", "hf_superoffload/state.py",
+        "    window.owner = t  # type: ignore[attr-defined]",
+        "    pass  # type: ignore[attr-defined]",
+        ("tests/runtime/test_skip_and_state.py::test_saved_host_arenas_carry_their_own_bytes_only",),
+    ),
+    Mutation(  # a resume reads the whole state into RAM beside the live arenas
+        "resume_reads_the_state_into_ram", "hf_superoffload/integrations/_common.py",
+        'return torch.load(path, map_location="cpu", weights_only=True, mmap=True)',
+        'return torch.load(path, map_location="cpu", weights_only=True)',
+        ("tests/reliability/test_resume_memory.py::test_the_optimizer_file_is_mapped_not_read_into_anonymous_memory",),
+    ),
+    Mutation(  # the log window averages only some of the step's counters
+        "telemetry_window_drops_the_counts", "hf_superoffload/integrations/_common.py",
+        'if f.type in ("float", "int", float, int) and f.name not in ("grad_norm", "clip_coef"))',
+        'if f.type in ("float", float) and f.name not in ("grad_norm", "clip_coef"))',
+        ("tests/runtime/test_pass_telemetry.py::test_a_window_of_one_step_logs_that_step",),
+    ),
 )

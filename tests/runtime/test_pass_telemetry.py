@@ -85,6 +85,23 @@ def test_the_telemetry_window_averages_commits_passes_and_the_split() -> None:
     assert logs["superoffload/cpu_adam_s"] == pytest.approx(0.5)
 
 
+def test_a_window_of_one_step_logs_that_step() -> None:
+    """Every counter the window averages comes out of a one-step window as the step itself logs it."""
+    from dataclasses import fields
+
+    values = {f.name: (k + 1) * (3 if f.type == "int" else 0.125) for k, f in enumerate(fields(StepStats))
+              if f.type in ("int", "float") and f.name != "grad_norm"}
+    step = StepStats(**values, speculative=True)
+    window = TelemetryWindow()
+    window.add(step)
+    stats, opt = run(1)
+    logs = window.as_log(opt)
+    opt.close()
+    assert logs | step.as_log() == logs  # every key of the step's own log, with its value
+    assert logs["superoffload/iteration_s"] == step.iteration_s
+    assert logs["superoffload/wasted_buckets"] == step.wasted_buckets
+
+
 class _Mark:
     """A CUDA timing event as ``Telemetry`` reads it: done or not, and milliseconds since another."""
 
