@@ -269,7 +269,7 @@ class OffloadPlan:
 _MASTER_SUMMARY = {
     MasterDeferral.OFF: "",
     MasterDeferral.ALL: "; master weights too",
-    MasterDeferral.ADAPTIVE: "; master weights too for an adaptive share of the buckets",
+    MasterDeferral.ADAPTIVE: "; master weights too for an adaptive share of the buckets (the moments' share adapts too)",
     MasterDeferral.SHARE: "; master weights too for a fixed share of the buckets",  # (the count: in the notes)
 }
 

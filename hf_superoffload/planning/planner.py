@@ -1241,7 +1241,9 @@ def _defer_master(config: SuperOffloadConfig, defer: bool, cast_side: CastSide,
     if config.overrides.defer_master == "auto" and usable:
         return MasterDeferral.ADAPTIVE, ("deferred master stores: adaptive (auto): each step the engine gives the "
                                          "16 B/param pass to as many host buckets as the idle-time commits (26 "
-                                         "instead of 18 B/param) measured to fit, starting from none")
+                                         "instead of 18 B/param) measured to fit, starting from none; below none, "
+                                         "commits still pending at a verdict give the last buckets' moment stores "
+                                         "back to their passes (28 B/param, nothing owed)")
     return MasterDeferral.OFF, ""
 
 
