@@ -159,11 +159,11 @@ def _read_state(folder: str) -> dict[str, Any]:
 def _masters(sd: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every trained parameter's master by model name, checked against the arenas' checksums first."""
     from .planning.plan import Placement
-    from .state import FORMAT, _check_integrity
+    from .state import _READABLE, _check_integrity, _read
 
-    if sd.get("format") != FORMAT:
-        raise ExportError(f"unknown optimizer state format {sd.get('format')!r} (expected {FORMAT!r}): export it with "
-                          "the hf_superoffload version that wrote it")
+    if sd.get("format") not in _READABLE:
+        raise ExportError(f"unknown optimizer state format {sd.get('format')!r} (this version reads "
+                          f"{' and '.join(_READABLE)}): export it with the hf_superoffload version that wrote it")
     names = sd.get("names")
     if not names:
         raise ExportError("this optimizer state was written before parameter names were saved: resume it with this "
@@ -178,7 +178,7 @@ def _masters(sd: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, numel, shape, (pl, off) in zip(names, sd["numels"], sd["shapes"], sd["locations"]):
         side = "host" if Placement(pl) is Placement.HOST else "device"
-        flat = sd[side]["master"][off : off + numel]
+        flat = _read(sd[side]["master"], off, off + numel)
         # a clone: the exported tensor must not keep the whole arena alive (safetensors writes each one's storage)
         out[name] = flat.view(shape).to(dtype, copy=True)
     return out

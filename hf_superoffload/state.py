@@ -9,6 +9,12 @@ Data parallel: each rank saves its own shard of every bucket, with the bucket la
 loads into the same rank of the same layout. :func:`consolidate_state_dicts` merges every rank's shard into
 one single-process state, which loads into any world size (each rank takes its slices).
 
+Device arenas are saved in pieces of at most 256 MiB (``_PIECE_ELEMS``), each on a storage of exactly its bytes
+that aliases the live GPU arena: ``torch.save`` copies one storage to the host at a time while it writes, so a
+checkpoint needs one piece of host RAM beside the host state, not the whole device state (80 GiB at 14B on an
+H200, which the host RAM the plan fills cannot give). Host arenas are saved whole, aliased too (``_exact_storage``).
+Readers take an arena as one tensor (format v1, and what ``consolidate_state_dicts`` returns) or as its pieces.
+
 Integrity: each arena carries order-sensitive checksums (:func:`_checksum`, CRC32 per 16 MiB: a flipped bit or two
 swapped blocks are detected, naming the arena and the parameters in the damaged range) and is refused on load if it
 holds a NaN/inf (naming the parameter). Checkpoints
@@ -18,7 +24,6 @@ that sum, so older versions of this package read them.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import zlib
@@ -32,7 +37,9 @@ from .runtime.engine import OffloadEngine
 
 __all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engine_state", "validate_engine_state"]
 
-FORMAT = "hf_superoffload.optimizer.v1"
+FORMAT = "hf_superoffload.optimizer.v2"
+_READABLE = (FORMAT, "hf_superoffload.optimizer.v1")  # v1: every arena one tensor, the device ones host copies
+_PIECE_ELEMS = 1 << 26  # elements per saved piece of a device arena (256 MiB of fp32)
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CRC_BYTES = 16 << 20  # one CRC32 per 16 MiB of an arena: the damaged range is located to that resolution
 _CHUNK = 1 << 22  # elements per pass of the finiteness check: bounds its temporary to 4 MiB
@@ -47,8 +54,11 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
         raise RuntimeError("the optimizer state is inconsistent: a validated step was only partly applied (the CPU "
                            "worker failed, or step() was interrupted). Resume from the last checkpoint.")
     flat = engine.flat_state()
-    arenas = {"host": {k: _exact_storage(v) for k, v in flat["host"].items()},
-              "device": {k: v.detach().to("cpu", copy=True) for k, v in flat["device"].items()}}
+    arenas: dict[str, dict[str, Saved]] = {
+        "host": {k: _exact_storage(v) for k, v in flat["host"].items()},
+        "device": {k: [_exact_storage(v[at : at + _PIECE_ELEMS]) for at in range(0, v.numel(), _PIECE_ELEMS)]
+                   for k, v in flat["device"].items()},
+    }
     sharded = engine.comm is not None
     return {
         "format": FORMAT,
@@ -67,22 +77,52 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
 
 
 def _exact_storage(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (a contiguous CPU tensor) on a storage of exactly its bytes, sharing its memory and keeping it alive.
+    """``t`` (contiguous, CPU or GPU) on a storage of exactly its bytes, sharing its memory and keeping it alive.
 
     ``torch.save`` writes a view's whole storage, and a host arena is a view: its storage also holds the page
     padding around it (whatever the heap left there: bytes of other objects of this process) and the room reserved
     for a tail move ([Note: reserved room in the host arenas] in ``runtime/tail_move.py``, address space for every
     device bucket). Saved as a view, each checkpoint would carry both: more file and load-time RAM than the state,
-    and stray bytes in the file."""
-    nbytes = t.numel() * t.element_size()
-    if t.untyped_storage().nbytes() == nbytes:
+    and stray bytes in the file. A piece of a device arena is a view of the whole arena, which ``torch.save`` would
+    copy to the host in one go. DLPack hands the same memory over with the view's extent as the storage."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
-    if nbytes == 0:
-        return torch.empty(0, dtype=t.dtype)
-    assert t.device.type == "cpu" and t.is_contiguous()
-    window = (ctypes.c_char * nbytes).from_address(t.data_ptr())
-    window.owner = t  # type: ignore[attr-defined]  # the returned tensor keeps the window, the window the pages
-    return torch.frombuffer(window, dtype=t.dtype)
+    return torch.from_dlpack(t.detach().contiguous())
+
+
+Saved = torch.Tensor | list[torch.Tensor]
+"""An arena as a state dict holds it: one flat tensor, or its flat pieces in order."""
+
+
+def _pieces(x: Saved) -> list[torch.Tensor]:
+    return list(x) if isinstance(x, list | tuple) else [x]
+
+
+def _numel(x: Saved) -> int:
+    return sum(t.numel() for t in _pieces(x))
+
+
+def _read(x: Saved, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of arena ``x``: a view where one piece holds them, else a copy of the span."""
+    parts, at = [], 0
+    for t in _pieces(x):
+        lo, hi = max(start - at, 0), min(end - at, t.numel())
+        if lo < hi:
+            parts.append(t[lo:hi])
+        at += t.numel()
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p.cpu() for p in parts]) if parts else torch.zeros(0)
+
+
+def _copy_into(dst: torch.Tensor, x: Saved, start: int) -> None:
+    """``dst`` := elements ``[start, start + dst.numel())`` of arena ``x``, piece by piece (no copy of the span)."""
+    at = 0
+    for t in _pieces(x):
+        lo, hi = max(start - at, 0), min(start + dst.numel() - at, t.numel())
+        if lo < hi:
+            dst[at + lo - start : at + hi - start].copy_(t[lo:hi])
+        at += t.numel()
 
 
 def refuse_stock_accelerate_wrapper(method: str, depth: int = 8) -> None:
@@ -137,26 +177,45 @@ def param_names(engine: OffloadEngine) -> list[str]:
     return [by_id.get(id(p), f"parameter {i}") for i, p in enumerate(engine.params)]
 
 
-def _manifest(arenas: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, Any]]:
+def _manifest(arenas: dict[str, dict[str, Saved]]) -> dict[str, dict[str, Any]]:
     """Per arena: size, dtype, the order-sensitive ``checksum`` (verified on load) and the plain ``digest`` that
     versions before the checksum verify (kept so they can still read these checkpoints)."""
-    return {f"{side}/{k}": {"numel": t.numel(), "dtype": str(t.dtype), "digest": _digest(t), "checksum": _checksum(t)}
-            for side, d in arenas.items() for k, t in d.items()}
+    return {f"{side}/{k}": {"numel": _numel(x), "dtype": str(torch.float32), "digest": _digest(x),
+                            "checksum": _checksum(x)}
+            for side, d in arenas.items() for k, x in d.items()}
 
 
-def _checksum(t: torch.Tensor) -> dict[str, Any]:
-    """Order-sensitive checksums of an arena's bytes: the CRC32 of each 16 MiB piece, in order. A flipped bit
-    changes one; two blocks that swap places change those of the pieces they sit in (a plain sum of the words
-    cannot see a swap). zlib's CRC32 runs at several GB/s per core and releases the GIL, so the pieces are
-    checksummed on a few threads."""
-    data = memoryview(t.detach().reshape(-1).cpu().view(torch.uint8).numpy())
-    pieces = [data[at : at + _CRC_BYTES] for at in range(0, len(data), _CRC_BYTES)]
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(pieces)))) as pool:
-        crcs = list(pool.map(zlib.crc32, pieces))
+def _checksum(x: Saved) -> dict[str, Any]:
+    """Order-sensitive checksums of an arena's bytes: the CRC32 of each 16 MiB window, in order. A flipped bit
+    changes one; two blocks that swap places change those of the windows they sit in (a plain sum of the words
+    cannot see a swap). zlib's CRC32 runs at several GB/s per core and releases the GIL, so the windows are
+    checksummed on a few threads. The windows run across the saved pieces (a window that straddles two continues
+    its CRC into the next), so the list is the one of the whole arena; a GPU piece is read to the host one at a
+    time."""
+    crcs: list[int] = []
+    carry: tuple[int, int] | None = None  # (CRC so far, bytes) of the window the previous piece began
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        for t in _pieces(x):
+            data = memoryview(t.detach().reshape(-1).cpu().view(torch.uint8).numpy())
+            at = 0
+            if carry is not None:
+                at = min(_CRC_BYTES - carry[1], len(data))
+                carry = (zlib.crc32(data[:at], carry[0]), carry[1] + at)
+                if carry[1] < _CRC_BYTES:
+                    continue
+                crcs.append(carry[0])
+                carry = None
+            windows = [data[i : i + _CRC_BYTES] for i in range(at, len(data), _CRC_BYTES)]
+            if windows and len(windows[-1]) < _CRC_BYTES:
+                last = windows.pop()
+                carry = (zlib.crc32(last), len(last))
+            crcs += pool.map(zlib.crc32, windows)
+    if carry is not None:
+        crcs.append(carry[0])
     return {"algorithm": "crc32", "piece_bytes": _CRC_BYTES, "crcs": crcs}
 
 
-def _check_integrity(side: str, kind: str, t: torch.Tensor, entry: dict[str, Any] | None, sd: dict[str, Any],
+def _check_integrity(side: str, kind: str, t: Saved, entry: dict[str, Any] | None, sd: dict[str, Any],
                      names: list[str]) -> None:
     """The arena's checksum (the order-sensitive one, or the plain sum of checkpoints written before it), then its
     values: a NaN/inf master or moment would make every later step non-finite, skipped forever."""
@@ -168,12 +227,12 @@ def _check_integrity(side: str, kind: str, t: torch.Tensor, entry: dict[str, Any
                              f"read {_digest(t)}); the file is damaged")
     at = _first_non_finite(t)
     if at is not None:
-        raise ValueError(f"optimizer checkpoint {side}/{kind} holds a non-finite value ({float(t[at])}) at element {at} "
+        raise ValueError(f"optimizer checkpoint {side}/{kind} holds a non-finite value ({float(_read(t, at, at + 1))}) at element {at} "
                          f"({_owner(sd, side, at, names)}): the run that saved it had already diverged (or the file "
                          "is damaged); resume from an earlier checkpoint")
 
 
-def _verify_checksum(side: str, kind: str, t: torch.Tensor, saved: Any, sd: dict[str, Any], names: list[str]) -> None:
+def _verify_checksum(side: str, kind: str, t: Saved, saved: Any, sd: dict[str, Any], names: list[str]) -> None:
     if not isinstance(saved, dict) or saved.get("algorithm") != "crc32" or saved.get("piece_bytes") != _CRC_BYTES:
         raise ValueError(f"optimizer checkpoint {side}/{kind} has a checksum this version cannot verify ({saved!r:.80}); "
                          "load it with the hf_superoffload version that wrote it")
@@ -181,19 +240,22 @@ def _verify_checksum(side: str, kind: str, t: torch.Tensor, saved: Any, sd: dict
     bad = [k for k, (a, b) in enumerate(zip(saved["crcs"], read)) if a != b]
     if bad or len(saved["crcs"]) != len(read):
         k = bad[0] if bad else min(len(read), len(saved["crcs"]))
-        per = _CRC_BYTES // t.element_size()
-        first, last = k * per, min((k + 1) * per, t.numel()) - 1
+        per = _CRC_BYTES // 4  # float32
+        first, last = k * per, min((k + 1) * per, _numel(t)) - 1
         owners = list(dict.fromkeys(_owner(sd, side, at, names) for at in (first, last)))
         raise ValueError(f"optimizer checkpoint {side}/{kind} fails its checksum in elements {first}..{last} "
                          f"({' to '.join(owners)}; {len(bad)} of {len(read)} pieces differ): its bytes were changed "
                          "or reordered; the file is damaged")
 
 
-def _first_non_finite(t: torch.Tensor) -> int | None:
-    for start in range(0, t.numel(), _CHUNK):
-        bad = ~torch.isfinite(t[start : start + _CHUNK])
-        if bool(bad.any()):
-            return start + int(bad.nonzero()[0, 0])
+def _first_non_finite(x: Saved) -> int | None:
+    offset = 0
+    for t in _pieces(x):
+        for start in range(0, t.numel(), _CHUNK):
+            bad = ~torch.isfinite(t[start : start + _CHUNK])
+            if bool(bad.any()):
+                return offset + start + int(bad.nonzero()[0, 0])
+        offset += t.numel()
     return None
 
 
@@ -216,19 +278,23 @@ def _owner(sd: dict[str, Any], side: str, at: int, names: list[str]) -> str:
     return "no parameter"
 
 
-def _digest(t: torch.Tensor) -> int:
+def _digest(x: Saved) -> int:
     """Checksum of an arena's bytes: its 32-bit words summed in int64 (any single flipped bit changes it).
     One multi-threaded pass at memory bandwidth: seconds for a 70B-parameter host state."""
-    words = t.detach().reshape(-1).view(torch.int32)
     chunk = 1 << 24  # sum(dtype=int64) casts its input first: bound that copy to 128 MiB
-    return int(sum(int(words[i : i + chunk].sum(dtype=torch.int64)) for i in range(0, words.numel(), chunk)))
+    total = 0
+    for t in _pieces(x):
+        words = t.detach().reshape(-1).view(torch.int32)
+        total += sum(int(words[i : i + chunk].sum(dtype=torch.int64)) for i in range(0, words.numel(), chunk))
+    return int(total)
 
 
 def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
     """Everything ``load_engine_state`` relies on, checked before anything is copied."""
-    if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+    if not isinstance(sd, dict) or sd.get("format") not in _READABLE:
         found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
-        raise ValueError(f"unknown optimizer state format {found!r}; expected {FORMAT!r}")
+        raise ValueError(f"unknown optimizer state format {found!r}; this version reads {' and '.join(_READABLE)} "
+                         "(a newer hf_superoffload wrote it: load it with that version)")
     for key in ("numels", "shapes", "locations", "param_steps", "host", "device"):
         if key not in sd:
             raise ValueError(f"optimizer checkpoint has no {key!r} entry; the file is damaged")
@@ -266,19 +332,27 @@ def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
             t = sd[side].get(kind)
             if t is None:
                 raise ValueError(f"optimizer checkpoint is missing {side}/{kind}; the file is damaged")
-            if t.dtype != torch.float32 or t.dim() != 1:
-                raise ValueError(f"optimizer checkpoint {side}/{kind} is {t.dtype} of shape {list(t.shape)}, expected "
-                                 "a flat torch.float32 tensor; the file is damaged")
-            if t.numel() < need[side]:
+            _check_flat(side, kind, t)
+            n = _numel(t)
+            if n < need[side]:
                 i, off = next((i, off) for i, (pl, off) in enumerate(sd["locations"])
                               if ("host" if Placement(pl) is Placement.HOST else "device") == side
-                              and off + numels[i] > t.numel())
-                raise ValueError(f"optimizer checkpoint {side}/{kind} is truncated ({t.numel()} elements, parameter "
+                              and off + numels[i] > n)
+                raise ValueError(f"optimizer checkpoint {side}/{kind} is truncated ({n} elements, parameter "
                                  f"{names[i]} needs {off + numels[i]})")
-            if t.numel() != need[side]:
-                raise ValueError(f"optimizer checkpoint {side}/{kind} has {t.numel()} elements but its layout needs "
+            if n != need[side]:
+                raise ValueError(f"optimizer checkpoint {side}/{kind} has {n} elements but its layout needs "
                                  f"{need[side]}; the file is damaged")
             _check_integrity(side, kind, t, None if manifest is None else manifest.get(f"{side}/{kind}", {}), sd, names)
+
+
+def _check_flat(side: str, kind: str, x: Any) -> None:
+    """An arena is a flat float32 tensor or a list of them (its pieces)."""
+    for t in _pieces(x):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1:
+            got = f"{t.dtype} of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"optimizer checkpoint {side}/{kind} is {got}, expected flat torch.float32 tensors; "
+                             "the file is damaged")
 
 
 def _validate_shard(engine: OffloadEngine, sd: dict[str, Any], names: list[str]) -> None:
@@ -303,10 +377,13 @@ def _validate_shard(engine: OffloadEngine, sd: dict[str, Any], names: list[str])
     for side in ("host", "device"):
         for kind in _KINDS:
             t = sd[side].get(kind)
-            if t is None or t.dtype != torch.float32 or t.dim() != 1 or t.numel() != need[side]:
-                got = "missing" if t is None else f"{t.dtype} of shape {list(t.shape)}"
-                raise ValueError(f"optimizer checkpoint {side}/{kind} is {got}, expected {need[side]} float32 "
+            if t is None:
+                raise ValueError(f"optimizer checkpoint {side}/{kind} is missing, expected {need[side]} float32 "
                                  "elements; the file is damaged")
+            _check_flat(side, kind, t)
+            if _numel(t) != need[side]:
+                raise ValueError(f"optimizer checkpoint {side}/{kind} has {_numel(t)} elements, expected "
+                                 f"{need[side]} float32 elements; the file is damaged")
             _check_integrity(side, kind, t, manifest.get(f"{side}/{kind}"), sd, names)
 
 
@@ -330,7 +407,7 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     for b in layouts[0]["buckets"]:
         side, n, shard, off = b["placement"], b["numel"], b["shard"], b["offset"]
         for kind in _KINDS:
-            parts = [by_rank[r][side][kind][off : off + shard] for r in range(world)]
+            parts = [_read(by_rank[r][side][kind], off, off + shard).cpu() for r in range(world)]
             merged[side][kind].append(torch.cat(parts)[:n])
         at = sizes[side]
         for i in b["params"]:
@@ -359,15 +436,15 @@ def load_engine_state(engine: OffloadEngine, sd: dict[str, Any], *, validate: bo
         if sd.get("sharding"):  # the same rank of the same layout: arena for arena
             for side in ("host", "device"):
                 for kind in _KINDS:
-                    ours[side][kind].copy_(sd[side][kind])
+                    _copy_into(ours[side][kind], sd[side][kind], 0)
         else:
             for i, (pl_value, off) in enumerate(sd["locations"]):
                 src_side = "host" if Placement(pl_value) is Placement.HOST else "device"
                 for pl, dst_off, start, end in engine.param_pieces(i):  # the whole parameter on one process
                     dst_side = "host" if pl is Placement.HOST else "device"
                     for kind in _KINDS:
-                        src = sd[src_side][kind]
-                        ours[dst_side][kind][dst_off : dst_off + end - start].copy_(src[off + start : off + end])
+                        _copy_into(ours[dst_side][kind][dst_off : dst_off + end - start], sd[src_side][kind],
+                                   off + start)
         engine.param_steps = [int(s) for s in sd["param_steps"].tolist()]
     if sd.get("governor") is not None:  # speculation decisions resume where they were (results are identical either way)
         engine.governor.load_state_dict(sd["governor"])

@@ -235,12 +235,14 @@ def save_outputs(out_dir: str, model: Any, tokenizer: Any, opt: Any, metrics: di
     path.mkdir(parents=True, exist_ok=True)
     from transformers.utils import logging as hf_logging
 
+    from ..integrations._common import MODEL_SHARD_SIZE
+
     opt.synchronize()
     was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a shard bar in a non-terminal log is noise (\r); the lines below say it
     try:
         with opt.materialized():  # in weight-flow mode the weights live on the host between uses
-            model.save_pretrained(path)
+            model.save_pretrained(path, max_shard_size=MODEL_SHARD_SIZE)  # [Note: bounded model shards]
     finally:
         if was_on:
             hf_logging.enable_progress_bar()

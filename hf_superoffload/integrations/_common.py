@@ -40,6 +40,7 @@ from ..runtime.engine import StepStats
 
 __all__ = [
     "COMPLETE_MARKER",
+    "MODEL_SHARD_SIZE",
     "SuperOffloadAcceleratedOptimizer",
     "TelemetryWindow",
     "atomic_torch_save",
@@ -298,6 +299,16 @@ def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
             os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+# [Note: bounded model shards]
+# ``save_pretrained`` writes shards of up to 50 GB, and safetensors copies every GPU tensor of a shard to the host
+# before it writes any: the whole model at once (16 GB in bf16 at 8B, 29.5 GB at 14B). The plan leaves the host a
+# few GiB beside the optimizer state (113 GiB of the H200 box's 128 at 14B), so a checkpoint would end the run there,
+# and the final save would lose the trained model. Our model saves (the Trainer's checkpoints and ``save_model``,
+# ``hf-superoffload train``'s output) write shards of at most ``MODEL_SHARD_SIZE``: one shard's copy at a time.
+# ``from_pretrained`` reads them as it reads any sharded model.
+MODEL_SHARD_SIZE = "2GB"
 
 
 class TelemetryWindow:

@@ -65,10 +65,12 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers import ProgressCallback, Trainer, TrainerCallback
+from transformers import PreTrainedModel, ProgressCallback, Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_pt_utils import reissue_pt_warnings
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -76,6 +78,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..optimizer import SuperOffloadOptimizer
 from ..planning.plan import OffloadPlan
 from ._common import (
+    MODEL_SHARD_SIZE,
     SuperOffloadAcceleratedOptimizer,
     TelemetryWindow,
     atomic_torch_save,
@@ -115,6 +118,26 @@ def _workload_from_args(model: Any, args: Any) -> Any:
                     sequence_parallel=sp, loss_chunk_tokens=CHUNK_TOKENS if sp > 1 else None,
                     mlp_tile_tokens=args.tiled_mlp_tokens or None,
                     keep_attention=ckpt and args.keep_attention_checkpointing)
+
+
+@contextmanager
+def bounded_model_shards(model: Any) -> Iterator[None]:
+    """While it lasts, ``model.save_pretrained`` writes shards of at most ``MODEL_SHARD_SIZE`` unless the caller
+    names a size ([Note: bounded model shards]); other models (a PEFT wrapper writes its adapters) are left alone."""
+    if not isinstance(model, PreTrainedModel) or "save_pretrained" in vars(model):
+        yield
+        return
+    save = model.save_pretrained
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("max_shard_size", MODEL_SHARD_SIZE)
+        return save(*args, **kwargs)
+
+    model.save_pretrained = bounded  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del model.save_pretrained
 
 
 class SuperOffloadTrainer(Trainer):
@@ -237,7 +260,8 @@ class SuperOffloadTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self._superoffload is not None:
             self._superoffload.synchronize()  # the device weights of the last step are final
-        super().save_model(output_dir, _internal_call=_internal_call)
+        with bounded_model_shards(self.accelerator.unwrap_model(self.model)):
+            super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._superoffload is None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload import state as st
 from hf_superoffload.state import consolidate_state_dicts
 from hf_superoffload.testing import ReferenceAdamW, rounding_floor_ratio, tiny_llama
 
@@ -100,7 +101,8 @@ def state_by_name(model, state) -> dict[str, tuple[dict[str, torch.Tensor], int]
     out = {}
     for i, p in enumerate(ordered):
         side, off = state["locations"][i]
-        kinds = {k: state[side][k][off : off + p.numel()].view(p.shape) for k in ("master", "exp_avg", "exp_avg_sq")}
+        kinds = {k: st._read(state[side][k], off, off + p.numel()).view(p.shape)
+                 for k in ("master", "exp_avg", "exp_avg_sq")}
         out[names[id(p)]] = (kinds, int(state["param_steps"][i]))
     return out
 

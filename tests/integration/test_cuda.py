@@ -81,3 +81,39 @@ def test_accelerate_launch_single_gpu_config(tmp_path: Path) -> None:
                          timeout=600)
     assert res.returncode == 0, res.stderr[-5000:]
     assert "done at step 5" in res.stdout + res.stderr
+
+
+def test_device_state_is_saved_in_gpu_pieces_and_resumes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The state dict's device arenas are pieces aliasing the GPU arenas (``torch.save`` copies one to the host at
+    a time), not host copies; the saved file resumes into another optimizer bit for bit."""
+    from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+    from hf_superoffload import state as st
+    from hf_superoffload.integrations._common import _load_state_file
+
+    monkeypatch.setattr(st, "_PIECE_ELEMS", 1 << 15)
+    cfg = SuperOffloadConfig(bucket_size_mb=0.5, gpu_resident_buckets=4)
+    model = tiny_llama(seed=0, hidden_size=256, intermediate_size=512, num_hidden_layers=4, device="cuda")
+    opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=1.0, config=cfg)
+    ids = torch.randint(0, 128, (2, 16), device="cuda")
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    live = opt.engine.flat_state()["device"]
+    sd = opt.state_dict()
+    for k, pieces in sd["superoffload"]["device"].items():
+        assert len(pieces) > 1 and all(t.device.type == "cuda" for t in pieces)
+        for j, t in enumerate(pieces):
+            assert t.untyped_storage().nbytes() == t.numel() * 4 and t.data_ptr() == live[k][j << 15 :].data_ptr()
+    torch.save(sd, tmp_path / "optimizer.pt")
+    state = _load_state_file(str(tmp_path / "optimizer.pt"))
+    assert all(t.device.type == "cpu" for x in state["superoffload"]["device"].values() for t in x)
+    other = tiny_llama(seed=5, hidden_size=256, intermediate_size=512, num_hidden_layers=4, device="cuda")
+    other.load_state_dict(model.state_dict())
+    resumed = SuperOffloadOptimizer(other, lr=1e-3, max_grad_norm=1.0, config=cfg)
+    resumed.load_state_dict(state)
+    for side, d in resumed.engine.flat_state().items():
+        for k, t in d.items():
+            assert torch.equal(t.cpu(), torch.cat([p.cpu() for p in st._pieces(sd["superoffload"][side][k])])), k
+    opt.close()
+    resumed.close()

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_superoffload import SuperOffloadArguments, SuperOffloadTrainer, export_checkpoint
+from hf_superoffload import state as st
 from hf_superoffload.cli import main
 from hf_superoffload.testing import tiny_llama
 
@@ -114,7 +115,7 @@ def _split_into_rank_shards(sd: dict[str, Any], world: int) -> list[dict[str, An
         buckets.append({"params": [i], "numel": n, "shard": shard, "placement": side, "offset": sizes[side]})
         sizes[side] += shard
         for k in kinds:
-            whole = torch.cat([sd[side][k][off : off + n], torch.zeros(shard * world - n)])
+            whole = torch.cat([st._read(sd[side][k], off, off + n), torch.zeros(shard * world - n)])
             for r in range(world):
                 parts[r][side][k].append(whole[r * shard : (r + 1) * shard])
     shards = []
@@ -161,6 +162,6 @@ def test_cli_train_with_save_state_exports_its_masters(tmp_path: Path, capsys: A
     trained = dict(AutoModelForCausalLM.from_pretrained(run, dtype=torch.bfloat16).named_parameters())
     assert len(sd["names"]) == len(trained)
     for name, numel, shape, (side, off) in zip(sd["names"], sd["numels"], sd["shapes"], sd["locations"]):
-        master = sd[side]["master"][off : off + numel].view(shape)
+        master = st._read(sd[side]["master"], off, off + numel).view(shape)
         assert torch.equal(exported[name].detach(), master), name
         assert torch.equal(trained[name].detach(), master.to(torch.bfloat16)), name

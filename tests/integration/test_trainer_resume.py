@@ -47,7 +47,7 @@ def test_resume_from_checkpoint_is_bit_identical(hf: Any, tmp_path: Any) -> None
 
     # optimizer.pt is our host state dict, loadable with weights_only=True
     state = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=True)
-    assert state["superoffload"]["format"] == "hf_superoffload.optimizer.v1"
+    assert state["superoffload"]["format"] == "hf_superoffload.optimizer.v2"
     # the saved bf16 weights are bf16(master) of that step
     saved = load_file(ckpt / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in saved.values())
@@ -78,3 +78,28 @@ def test_training_args_bin_round_trips(hf: Any, tmp_path: Any) -> None:
                                                         "superoffload_speculation", "superoffload_cpu_threads")}))
     (parsed,) = HfArgumentParser(SuperOffloadArguments).parse_json_file(str(json_file))
     assert parsed.to_superoffload_config() == args.to_superoffload_config()
+
+
+def test_model_saves_are_written_in_bounded_shards(hf: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    """[Note: bounded model shards]: safetensors copies every GPU tensor of a shard to the host before it writes,
+    and ``save_pretrained``'s shards hold up to 50 GB; the Trainer's checkpoints and final save write shards of at
+    most ``MODEL_SHARD_SIZE`` (made small here), which ``from_pretrained`` reads back."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_superoffload.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "MODEL_SHARD_SIZE", "40KB")
+    kw = hf.train_kwargs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    trainer = SuperOffloadTrainer(model=tiny_llama(seed=0), args=SuperOffloadArguments(**kw, **hf.SMALL_BUCKETS),
+                                  train_dataset=hf.TokenDataset(8))
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    assert "save_pretrained" not in vars(trainer.model)  # the model's own method again
+    weights = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    for folder in (tmp_path / "checkpoint-2", tmp_path / "final"):
+        shards = sorted(folder.glob("model-*.safetensors"))
+        assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file(), sorted(os.listdir(folder))
+        assert max(f.stat().st_size for f in shards) <= 40_000 + 8_192  # the bound, plus each file's header
+        loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        for n, p in loaded.named_parameters():
+            assert torch.equal(p, weights[n].to(torch.bfloat16)), n

@@ -92,7 +92,7 @@ def test_non_finite_values_in_a_saved_state_are_refused_naming_the_parameter(rel
     names = so["names"]
     name = next(n for n in names if _locate(opt, n)[0] == where and _locate(opt, n)[2] > 3)
     side, off, _ = _locate(opt, name)
-    so[side][kind][off + 3] = value
+    st._read(so[side][kind], off + 3, off + 4).fill_(value)  # one element: a view of its piece
     so["manifest"] = st._manifest({s: so[s] for s in ("host", "device")})  # saved as it was: checksums agree
     other = tiny_llama(seed=3)
     new = rel.optimizer(other)
@@ -122,8 +122,11 @@ def test_size_mismatch_names_the_first_differing_parameter(rel: Any) -> None:
 
 
 def _old_format(sd: dict[str, Any]) -> None:
-    """As written before the order-sensitive checksum and the names existed."""
+    """As written before the order-sensitive checksum and the names existed (format v1: each device arena one host
+    tensor, not its pieces)."""
     so = sd["superoffload"]
+    so["format"] = "hf_superoffload.optimizer.v1"
+    so["device"] = {k: torch.cat(st._pieces(x)).clone() for k, x in so["device"].items()}
     del so["names"]
     for entry in so["manifest"].values():
         del entry["checksum"]

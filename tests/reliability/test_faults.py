@@ -104,7 +104,7 @@ def test_close_stops_the_worker_of_a_healthy_optimizer(rel: Any) -> None:
         t.join(timeout=10)
         assert not t.is_alive()
     # after close the state can still be read (for a final save)
-    assert opt.state_dict()["superoffload"]["format"] == "hf_superoffload.optimizer.v1"
+    assert opt.state_dict()["superoffload"]["format"] == "hf_superoffload.optimizer.v2"
 
 
 def test_close_right_after_step_finishes_that_step_without_hanging(rel: Any, monkeypatch: Any) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload import ops as ops_module
+from hf_superoffload import state as st
 from hf_superoffload.runtime.cpu_worker import WorkerError
 from hf_superoffload.testing import tiny_llama
 
@@ -90,41 +91,55 @@ def test_nan_step_is_skipped_bit_exactly(rollback, where):
     assert not opt.step_was_skipped
 
 
-def test_saved_host_arenas_carry_their_own_bytes_only():
-    """``torch.save`` writes a view's whole storage, and a host arena is a view of a buffer that also holds page
-    padding (whatever the heap left there) and the room reserved for a tail move. The state dict's host arenas sit
-    on storages of exactly their bytes, share the live arenas' memory (no copy of the host state), keep it alive
-    past the optimizer, and the saved file is the state plus a few KiB of layout."""
+def test_saved_arenas_carry_their_own_bytes_only(monkeypatch):
+    """``torch.save`` writes a view's whole storage. A host arena is a view of a buffer that also holds page padding
+    (whatever the heap left there) and the room reserved for a tail move; a device arena is saved in pieces so that
+    ``torch.save`` copies one to the host at a time (not the whole device state beside the host state). Each saved
+    arena or piece sits on a storage of exactly its bytes aliasing the live arena (no copy), keeps that memory
+    alive past the optimizer, and the file is the state plus a few KiB of layout."""
+    monkeypatch.setattr(st, "_PIECE_ELEMS", 1000)
     model = tiny_llama()
     opt = SuperOffloadOptimizer(model, lr=1e-3, max_grad_norm=1.0, config=CFG)
-    assert opt.plan.host_arena_room > 0  # the premise: the arenas keep room past the host share
+    assert opt.plan.host_arena_room > 0 and opt.plan.device_numel > 2000  # the premises: room, several pieces
     train(model, opt, data(2))
-    live = opt.engine.flat_state()["host"]
+    live = opt.engine.flat_state()
     sd = opt.state_dict()["superoffload"]
     for k, t in sd["host"].items():
-        assert live[k].untyped_storage().nbytes() > t.numel() * t.element_size()
+        assert live["host"][k].untyped_storage().nbytes() > t.numel() * t.element_size()
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"host/{k} carries extra bytes"
-        assert t.data_ptr() == live[k].data_ptr()
+        assert t.data_ptr() == live["host"][k].data_ptr()
+    for k, pieces in sd["device"].items():
+        assert [t.numel() for t in pieces] == [min(1000, opt.plan.device_numel - at)
+                                               for at in range(0, opt.plan.device_numel, 1000)]
+        for j, t in enumerate(pieces):
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), f"device/{k} piece {j}"
+            assert t.data_ptr() == live["device"][k][1000 * j :].data_ptr()
     buf = io.BytesIO()
     torch.save(sd, buf)
-    state = sum(t.numel() * t.element_size() for side in ("host", "device") for t in sd[side].values())
-    room = 3 * opt.plan.host_arena_room * 4
-    assert len(buf.getvalue()) - state < min(room, 16 << 10)
-    expected = {k: t.clone() for k, t in sd["host"].items()}
-    storages = [weakref.ref(t.untyped_storage()) for t in live.values()]
+    state = sum(st._numel(x) * 4 for side in ("host", "device") for x in sd[side].values())
+    assert len(buf.getvalue()) - state < min(3 * opt.plan.host_arena_room * 4, 64 << 10)
+    expected = {side: {k: torch.cat(st._pieces(x)).clone() for k, x in sd[side].items()} for side in ("host", "device")}
+    storages = [weakref.ref(t.untyped_storage()) for d in live.values() for t in d.values()]
     opt.close()
     del opt, live
     gc.collect()
     assert all(s() is not None for s in storages), "the state dict does not keep the arenas' memory alive"
-    for k, t in sd["host"].items():
-        assert torch.equal(t, expected[k])
     back = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
-    for k, t in back["host"].items():
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size() and torch.equal(t, expected[k])
+    for side in ("host", "device"):
+        for k, x in back[side].items():
+            assert torch.equal(torch.cat(st._pieces(sd[side][k])), expected[side][k])
+            assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in st._pieces(x))
+            assert torch.equal(torch.cat(st._pieces(x)), expected[side][k])
 
 
+@pytest.mark.parametrize("pieces", [False, True])
 @pytest.mark.parametrize("same_plan", [True, False])
-def test_state_dict_round_trip_resumes_bit_identically(same_plan):
+def test_state_dict_round_trip_resumes_bit_identically(same_plan, pieces, monkeypatch):
+    """With ``pieces``, the device arenas are saved in pieces of 777 elements (boundaries inside parameters) and
+    checksummed in windows of 300 elements (windows straddling pieces)."""
+    if pieces:
+        monkeypatch.setattr(st, "_PIECE_ELEMS", 777)
+        monkeypatch.setattr(st, "_CRC_BYTES", 4 * 300)
     batches = data(8)
     model_a = tiny_llama()
     opt_a = SuperOffloadOptimizer(model_a, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=CFG)
@@ -134,7 +149,13 @@ def test_state_dict_round_trip_resumes_bit_identically(same_plan):
     opt_b = SuperOffloadOptimizer(model_b, lr=1e-3, weight_decay=0.1, max_grad_norm=1.0, config=CFG)
     train(model_b, opt_b, batches[:4])
     buf = io.BytesIO()
-    torch.save({"model": model_b.state_dict(), "opt": opt_b.state_dict()}, buf)
+    saved = opt_b.state_dict()
+    for side in ("host", "device"):  # the windows run across the pieces: the arena's own checksums
+        for k, x in saved["superoffload"][side].items():
+            whole = torch.cat(st._pieces(x)).clone()
+            assert st._checksum(whole) == saved["superoffload"]["manifest"][f"{side}/{k}"]["checksum"]
+    assert len(saved["superoffload"]["device"]["master"]) == (-(-opt_b.plan.device_numel // 777) if pieces else 1)
+    torch.save({"model": model_b.state_dict(), "opt": saved}, buf)
     opt_b.close()
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)

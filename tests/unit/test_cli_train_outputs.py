@@ -46,6 +46,9 @@ def test_a_model_folder_is_fine_tuned_and_saved(tmp_path: Path, monkeypatch: pyt
         return seen["model"], tok
 
     monkeypatch.setattr(train_job, "resolve_model", keep)
+    from hf_superoffload.integrations import _common
+
+    monkeypatch.setattr(_common, "MODEL_SHARD_SIZE", "120KB")  # [Note: bounded model shards], made small
     assert main(["train", "--model", str(folder), "--steps", "30", "--examples", "300", "--lr", "2e-3",
                  "--output-dir", str(out), *SMALL]) == 0
     stdout = capsys.readouterr().out
@@ -57,7 +60,9 @@ def test_a_model_folder_is_fine_tuned_and_saved(tmp_path: Path, monkeypatch: pyt
     for name, p in saved.named_parameters():
         assert p.dtype == torch.bfloat16 and torch.equal(p, trained[name].detach()), name
     assert not torch.equal(saved.lm_head.weight, initial.lm_head.weight)  # it did train
-    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").exists() and (out / "tokenizer.json").exists()
+    assert max(f.stat().st_size for f in shards) <= 120_000 + 8_192  # the bound, plus each file's header
 
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps"] == 30 and len(m["losses"]) == 30 and m["model"] == str(folder) and m["device"] == "cpu"
