@@ -191,15 +191,18 @@ def _read_weights(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     files: dict[str, list[str]] = {}
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-        for n in names:
-            if n in weight_map:
-                files.setdefault(weight_map[n], []).append(n)
-    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
-        files["model.safetensors"] = names
+    for stem in ("model", "superoffload_model"):  # save_pretrained's; prepare_superoffload's save_state's
+        index = os.path.join(folder, f"{stem}.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            for n in names:
+                if n in weight_map:
+                    files.setdefault(weight_map[n], []).append(n)
+            break
+        if os.path.isfile(os.path.join(folder, f"{stem}.safetensors")):
+            files[f"{stem}.safetensors"] = names
+            break
     found: dict[str, torch.Tensor] = {}
     for file, wanted in files.items():
         with safe_open(os.path.join(folder, file), framework="pt") as f:

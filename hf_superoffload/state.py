@@ -9,7 +9,7 @@ Data parallel: each rank saves its own shard of every bucket, with the bucket la
 loads into the same rank of the same layout. :func:`consolidate_state_dicts` merges every rank's shard into
 one single-process state, which loads into any world size (each rank takes its slices).
 
-Device arenas are saved in pieces of at most 256 MiB (``_PIECE_ELEMS``), each on a storage of exactly its bytes
+Device arenas are saved in pieces of at most 64 MiB (``_PIECE_ELEMS``), each on a storage of exactly its bytes
 that aliases the live GPU arena: ``torch.save`` copies one storage to the host at a time while it writes, so a
 checkpoint needs one piece of host RAM beside the host state, not the whole device state (80 GiB at 14B on an
 H200, which the host RAM the plan fills cannot give). Host arenas are saved whole, aliased too (``_exact_storage``).
@@ -39,9 +39,10 @@ __all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engin
 
 FORMAT = "hf_superoffload.optimizer.v2"
 _READABLE = (FORMAT, "hf_superoffload.optimizer.v1")  # v1: every arena one tensor, the device ones host copies
-_PIECE_ELEMS = 1 << 26  # elements per saved piece of a device arena (256 MiB of fp32)
+_PIECE_ELEMS = 1 << 24  # elements per saved piece of a device arena (64 MiB of fp32): [Note: bounded model shards]
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CRC_BYTES = 16 << 20  # one CRC32 per 16 MiB of an arena: the damaged range is located to that resolution
+_crc = zlib.crc32  # (data, running value): the order-sensitive checksum of every window
 _CHUNK = 1 << 22  # elements per pass of the finiteness check: bounds its temporary to 4 MiB
 
 
@@ -200,7 +201,7 @@ def _checksum(x: Saved) -> dict[str, Any]:
             at = 0
             if carry is not None:
                 at = min(_CRC_BYTES - carry[1], len(data))
-                carry = (zlib.crc32(data[:at], carry[0]), carry[1] + at)
+                carry = (_crc(data[:at], carry[0]), carry[1] + at)
                 if carry[1] < _CRC_BYTES:
                     continue
                 crcs.append(carry[0])
@@ -208,8 +209,8 @@ def _checksum(x: Saved) -> dict[str, Any]:
             windows = [data[i : i + _CRC_BYTES] for i in range(at, len(data), _CRC_BYTES)]
             if windows and len(windows[-1]) < _CRC_BYTES:
                 last = windows.pop()
-                carry = (zlib.crc32(last), len(last))
-            crcs += pool.map(zlib.crc32, windows)
+                carry = (_crc(last), len(last))
+            crcs += pool.map(_crc, windows)
     if carry is not None:
         crcs.append(carry[0])
     return {"algorithm": "crc32", "piece_bytes": _CRC_BYTES, "crcs": crcs}
@@ -227,7 +228,8 @@ def _check_integrity(side: str, kind: str, t: Saved, entry: dict[str, Any] | Non
                              f"read {_digest(t)}); the file is damaged")
     at = _first_non_finite(t)
     if at is not None:
-        raise ValueError(f"optimizer checkpoint {side}/{kind} holds a non-finite value ({float(_read(t, at, at + 1))}) at element {at} "
+        value = float(_read(t, at, at + 1))
+        raise ValueError(f"optimizer checkpoint {side}/{kind} holds a non-finite value ({value}) at element {at} "
                          f"({_owner(sd, side, at, names)}): the run that saved it had already diverged (or the file "
                          "is damaged); resume from an earlier checkpoint")
 
@@ -293,8 +295,8 @@ def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
     """Everything ``load_engine_state`` relies on, checked before anything is copied."""
     if not isinstance(sd, dict) or sd.get("format") not in _READABLE:
         found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
-        raise ValueError(f"unknown optimizer state format {found!r}; this version reads {' and '.join(_READABLE)} "
-                         "(a newer hf_superoffload wrote it: load it with that version)")
+        raise ValueError(f"unknown optimizer state format {found!r}; this version reads {' and '.join(_READABLE)}: "
+                         "load it with the hf_superoffload version that wrote it")
     for key in ("numels", "shapes", "locations", "param_steps", "host", "device"):
         if key not in sd:
             raise ValueError(f"optimizer checkpoint has no {key!r} entry; the file is damaged")

@@ -302,13 +302,15 @@ def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
 
 
 # [Note: bounded model shards]
-# ``save_pretrained`` writes shards of up to 50 GB, and safetensors copies every GPU tensor of a shard to the host
-# before it writes any: the whole model at once (16 GB in bf16 at 8B, 29.5 GB at 14B). The plan leaves the host a
-# few GiB beside the optimizer state (113 GiB of the H200 box's 128 at 14B), so a checkpoint would end the run there,
-# and the final save would lose the trained model. Our model saves (the Trainer's checkpoints and ``save_model``,
-# ``hf-superoffload train``'s output) write shards of at most ``MODEL_SHARD_SIZE``: one shard's copy at a time.
-# ``from_pretrained`` reads them as it reads any sharded model.
-MODEL_SHARD_SIZE = "2GB"
+# A checkpoint must fit beside the plan, which fills the host: ``plan`` predicts a 119.0 GiB peak of 120.0 available
+# for 14B on the H200 box. ``save_pretrained`` writes shards of up to 50 GB, and safetensors copies every GPU tensor
+# of a shard to the host before it writes any: the whole model at once (16 GB in bf16 at 8B, 29.5 GB at 14B), so the
+# first checkpoint would end the run, and the final save would lose the trained model. Our model saves (the Trainer's
+# checkpoints and ``save_model``, ``hf-superoffload train``'s output, ``prepare_superoffload``'s ``save_state`` and
+# ``save_model``) write shards of at most ``MODEL_SHARD_SIZE``, and the optimizer state's device arenas go out in
+# 64 MiB pieces (``state._PIECE_ELEMS``): a checkpoint copies 0.5 GiB to the host at a time, inside that 1 GiB.
+# ``from_pretrained`` reads such shards as it reads any sharded model (60 files at 14B).
+MODEL_SHARD_SIZE = "512MB"
 
 
 class TelemetryWindow:

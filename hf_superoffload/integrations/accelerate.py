@@ -42,6 +42,10 @@ are generated from the config's user options; the planner's expert switches go u
   and registered pre-marked, so its host state never moves to the GPU, ``save_state``/``load_state`` checkpoint
   it (``optimizer.bin``; loading copies into the existing host buffers) and the scheduler sees
   ``step_was_skipped`` on a non-finite step;
+- checkpoints take little host RAM beside the plan's ([Note: bounded model shards]): ``save_state`` writes the
+  model as ``superoffload_model*.safetensors`` shards of at most 512 MB (accelerate's own file would copy the whole
+  model to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size;
+  ``load_state`` maps the optimizer file (``load_kwargs={"mmap": True}`` unless given);
 - weights: each layer's next forward waits for its own updated weights, and ``model.state_dict()`` (so
   ``save_state``/``save_pretrained``) waits for all of them; code that reads ``param.data`` directly right after
   ``optimizer.step()`` must call ``optimizer.superoffload.synchronize()`` first;
@@ -90,6 +94,7 @@ from ..config import (
 from ..optimizer import SuperOffloadOptimizer
 from ..planning.plan import OffloadPlan
 from ._common import (
+    MODEL_SHARD_SIZE,
     SuperOffloadAcceleratedOptimizer,
     find_superoffload_optimizer,
     last_complete_checkpoint,
@@ -266,6 +271,7 @@ def prepare_superoffload(
     wrapped = SuperOffloadAcceleratedOptimizer(opt)
     accelerator.prepare_optimizer(wrapped)  # pre-marked: registered for save_state/load_state, not moved
     _route_clipping(accelerator, wrapped)
+    _bounded_checkpoints(accelerator, base)
     if opt.comm is not None:
         _checkpoint_shards(accelerator, opt)
     from .. import ops
@@ -343,6 +349,69 @@ def _checkpoint_shards(accelerator: Any, opt: SuperOffloadOptimizer) -> None:
 
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
+
+
+MODEL_FILES = "superoffload_model{suffix}.safetensors"
+"""``save_state``'s model shards ([Note: bounded model shards]); accelerate's own ``model.safetensors`` is one file."""
+
+
+def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
+    """[Note: bounded model shards] for a custom loop, on this accelerator instance only: ``save_state`` writes the
+    model in shards of at most ``MODEL_SHARD_SIZE`` (accelerate writes one safetensors file, the whole model copied
+    to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size (accelerate's
+    is 10 GB); ``load_state`` maps the files it reads (``load_kwargs={"mmap": True}``, unless given) instead of
+    reading the optimizer state into RAM beside the live host arenas. A folder saved before (``model.safetensors``)
+    still loads through accelerate."""
+
+    def ours(models: list[Any]) -> int | None:
+        return next((i for i, m in enumerate(models) if accelerator.unwrap_model(m) is base), None)
+
+    def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        i = ours(models)
+        if i is None or i >= len(weights):
+            return
+        from huggingface_hub import save_torch_state_dict
+
+        if accelerator.is_main_process:
+            save_torch_state_dict(base.state_dict(), output_dir, filename_pattern=MODEL_FILES,
+                                  max_shard_size=MODEL_SHARD_SIZE)
+        del weights[i]  # accelerate writes the other models (and none of this one)
+
+    def load_hook(models: list[Any], input_dir: str) -> None:
+        i = ours(models)
+        names = (MODEL_FILES.format(suffix=""), MODEL_FILES.format(suffix="") + ".index.json")
+        if i is None or not any(os.path.isfile(os.path.join(input_dir, n)) for n in names):
+            return
+        from huggingface_hub import load_torch_model
+
+        try:
+            loaded = load_torch_model(base, input_dir, strict=False, filename_pattern=MODEL_FILES, mmap=True)
+        except RuntimeError as e:  # a shape differs: torch's message lists every one, over many lines
+            first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+            raise ValueError(f"{input_dir} holds the weights of another model ({first}): load it into the model "
+                             "that saved it") from None
+        held = base.state_dict()
+        tied = {t.data_ptr() for n, t in held.items() if n not in loaded.missing_keys}
+        missing = [n for n in loaded.missing_keys if held[n].data_ptr() not in tied]  # not a tied name of a loaded one
+        if missing or loaded.unexpected_keys:
+            raise ValueError(f"{input_dir} holds the weights of another model (missing {missing[:3]}, unexpected "
+                             f"{list(loaded.unexpected_keys)[:3]}): load it into the model that saved it")
+        del models[i]  # loaded: accelerate loads the others
+
+    save_model, load_state = accelerator.save_model, accelerator.load_state
+
+    def bounded_save_model(model: torch.nn.Module, save_directory: Any, max_shard_size: int | str = MODEL_SHARD_SIZE,
+                           safe_serialization: bool = True) -> None:
+        save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+
+    def mapped_load_state(input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
+                          **load_model_func_kwargs: Any) -> Any:
+        return load_state(input_dir, load_kwargs={"mmap": True, **(load_kwargs or {})}, **load_model_func_kwargs)
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+    accelerator.save_model = bounded_save_model
+    accelerator.load_state = mapped_load_state
 
 
 def _route_clipping(accelerator: Any, wrapped: SuperOffloadAcceleratedOptimizer) -> None:

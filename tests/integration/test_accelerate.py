@@ -112,7 +112,21 @@ def test_custom_loop_clipping_accumulation_and_skips(fresh_accelerate_state: Non
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path: Path) -> None:
+def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also [Note: bounded model shards]: ``save_state`` and ``save_model`` write the model in shards of at most
+    ``MODEL_SHARD_SIZE`` (made small here), and ``load_state`` maps the optimizer file instead of reading it."""
+    from hf_superoffload.integrations import accelerate as integration
+
+    monkeypatch.setattr(integration, "MODEL_SHARD_SIZE", "40KB")
+    loads: list[tuple[str, Any]] = []
+    real_load = torch.load
+
+    def recording_load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        loads.append((str(f), kwargs.get("mmap")))
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", recording_load)
     accelerator = Accelerator(cpu=True)
     model, optimizer = prepare_superoffload(accelerator, tiny_llama(seed=0), dict(lr=1e-3, max_grad_norm=1.0),
                                             plugin=SuperOffloadPlugin(bucket_size_mb=0.004))
@@ -126,16 +140,51 @@ def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path
     step(data[0])
     accelerator.save_state(str(tmp_path / "ckpt"))
     assert (tmp_path / "ckpt" / "optimizer.bin").is_file()
+    shards = sorted((tmp_path / "ckpt").glob("superoffload_model-*.safetensors"))
+    assert len(shards) > 1 and not (tmp_path / "ckpt" / "model.safetensors").exists()
+    assert max(f.stat().st_size for f in shards) <= 40_000 + 8_192  # the bound, plus each file's header
+    accelerator.save_model(model, str(tmp_path / "saved"))
+    assert len(list((tmp_path / "saved").glob("model-*.safetensors"))) > 1
     for ids in data[1:]:
         step(ids)
     optimizer.superoffload.synchronize()  # the last step's weights are final (reading .data does not wait)
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}
     accelerator.load_state(str(tmp_path / "ckpt"))
+    assert [mmap for f, mmap in loads if f.endswith("optimizer.bin")] == [True]
     for ids in data[1:]:
         step(ids)
     optimizer.superoffload.synchronize()
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), expected[n]), n
+
+
+def test_load_state_restores_the_model_from_its_shards(fresh_accelerate_state: None, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frozen parameter (no optimizer state to restore it from) comes back from ``save_state``'s model shards; a
+    folder of another model is refused naming what differs."""
+    from hf_superoffload.integrations import accelerate as integration
+
+    monkeypatch.setattr(integration, "MODEL_SHARD_SIZE", "40KB")
+    accelerator = Accelerator(cpu=True)
+    base = tiny_llama(seed=0)
+    frozen = base.model.norm.weight
+    frozen.requires_grad_(False)
+    model, optimizer = prepare_superoffload(accelerator, base, dict(lr=1e-3), plugin=SuperOffloadPlugin(bucket_size_mb=0.004))
+    with torch.no_grad():
+        frozen.mul_(3.0)
+    saved = frozen.detach().clone()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    with torch.no_grad():
+        frozen.zero_()
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    assert torch.equal(frozen.detach(), saved)
+    optimizer.superoffload.close()
+
+    other = Accelerator(cpu=True)
+    prepare_superoffload(other, tiny_llama(seed=0, intermediate_size=96), dict(lr=1e-3),
+                         plugin=SuperOffloadPlugin(bucket_size_mb=0.004))
+    with pytest.raises(ValueError, match=r"ckpt holds the weights of another model \(size mismatch for "):
+        other.load_state(str(tmp_path / "ckpt"))
 
 
 def test_torch_adamw_is_taken_over(fresh_accelerate_state: None) -> None:

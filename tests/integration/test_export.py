@@ -165,3 +165,32 @@ def test_cli_train_with_save_state_exports_its_masters(tmp_path: Path, capsys: A
         master = st._read(sd[side]["master"], off, off + numel).view(shape)
         assert torch.equal(exported[name].detach(), master), name
         assert torch.equal(trained[name].detach(), master.to(torch.bfloat16)), name
+
+
+def test_a_save_state_folder_exports_with_its_frozen_weights(fresh_accelerate_state: None, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare_superoffload``'s ``save_state`` writes the model as ``superoffload_model*`` shards ([Note: bounded
+    model shards]); export reads a parameter the optimizer did not train from them."""
+    from accelerate import Accelerator
+
+    from hf_superoffload.integrations import accelerate as integration
+    from hf_superoffload.integrations.accelerate import SuperOffloadPlugin, prepare_superoffload
+
+    monkeypatch.setattr(integration, "MODEL_SHARD_SIZE", "40KB")
+    accelerator = Accelerator(cpu=True)
+    base = tiny_llama(seed=0)
+    base.model.norm.weight.requires_grad_(False)
+    with torch.no_grad():
+        base.model.norm.weight.mul_(3.0)
+    model, optimizer = prepare_superoffload(accelerator, base, dict(lr=1e-3),
+                                            plugin=SuperOffloadPlugin(bucket_size_mb=0.004))
+    ids = torch.randint(0, 128, (2, 16))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    base.config.save_pretrained(tmp_path / "config")
+    assert len(list((tmp_path / "ckpt").glob("superoffload_model-*.safetensors"))) > 1
+    out = export_checkpoint(tmp_path / "ckpt", tmp_path / "out", config=str(tmp_path / "config"))
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert torch.equal(loaded.model.norm.weight.detach(), base.model.norm.weight.detach().float())
+    optimizer.superoffload.close()
