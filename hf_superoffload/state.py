@@ -12,7 +12,7 @@ one single-process state, which loads into any world size (each rank takes its s
 Device arenas are saved in pieces of at most 64 MiB (``_PIECE_ELEMS``), each on a storage of exactly its bytes
 that aliases the live GPU arena: ``torch.save`` copies one storage to the host at a time while it writes, so a
 checkpoint needs one piece of host RAM beside the host state, not the whole device state (80 GiB at 14B on an
-H200, which the host RAM the plan fills cannot give). Host arenas are saved whole, aliased too (``_exact_storage``).
+H200, which the host RAM the plan fills cannot give). Host arenas are saved whole, aliased too (``exact_storage``).
 Readers take an arena as one tensor (format v1, and what ``consolidate_state_dicts`` returns) or as its pieces.
 
 Integrity: each arena carries order-sensitive checksums (:func:`_checksum`, CRC32 per 16 MiB: a flipped bit or two
@@ -34,6 +34,7 @@ import torch
 
 from .planning.plan import Placement
 from .runtime.engine import OffloadEngine
+from .runtime.host_memory import exact_storage
 
 __all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engine_state", "validate_engine_state"]
 
@@ -56,8 +57,8 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
                            "worker failed, or step() was interrupted). Resume from the last checkpoint.")
     flat = engine.flat_state()
     arenas: dict[str, dict[str, Saved]] = {
-        "host": {k: _exact_storage(v) for k, v in flat["host"].items()},
-        "device": {k: [_exact_storage(v[at : at + _PIECE_ELEMS]) for at in range(0, v.numel(), _PIECE_ELEMS)]
+        "host": {k: exact_storage(v) for k, v in flat["host"].items()},
+        "device": {k: [exact_storage(v[at : at + _PIECE_ELEMS]) for at in range(0, v.numel(), _PIECE_ELEMS)]
                    for k, v in flat["device"].items()},
     }
     sharded = engine.comm is not None
@@ -75,20 +76,6 @@ def engine_state_dict(engine: OffloadEngine, **counters: int) -> dict[str, Any]:
         "counters": dict(counters),
         "governor": engine.governor.state_dict(),
     }
-
-
-def _exact_storage(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous, CPU or GPU) on a storage of exactly its bytes, sharing its memory and keeping it alive.
-
-    ``torch.save`` writes a view's whole storage, and a host arena is a view: its storage also holds the page
-    padding around it (whatever the heap left there: bytes of other objects of this process) and the room reserved
-    for a tail move ([Note: reserved room in the host arenas] in ``runtime/tail_move.py``, address space for every
-    device bucket). Saved as a view, each checkpoint would carry both: more file and load-time RAM than the state,
-    and stray bytes in the file. A piece of a device arena is a view of the whole arena, which ``torch.save`` would
-    copy to the host in one go. DLPack hands the same memory over with the view's extent as the storage."""
-    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    return torch.from_dlpack(t.detach().contiguous())
 
 
 Saved = torch.Tensor | list[torch.Tensor]

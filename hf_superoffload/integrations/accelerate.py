@@ -42,9 +42,9 @@ are generated from the config's user options; the planner's expert switches go u
   and registered pre-marked, so its host state never moves to the GPU, ``save_state``/``load_state`` checkpoint
   it (``optimizer.bin``; loading copies into the existing host buffers) and the scheduler sees
   ``step_was_skipped`` on a non-finite step;
-- checkpoints take little host RAM beside the plan's ([Note: bounded model shards]): ``save_state`` writes the
-  model as ``superoffload_model*.safetensors`` shards of at most 512 MB (accelerate's own file would copy the whole
-  model to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size;
+- checkpoints take little host RAM beside the plan's ([Note: bounded model shards]): ``save_state`` writes a
+  model larger than 512 MB as ``superoffload_model*.safetensors`` shards of at most that (accelerate's own file would
+  copy the whole model to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size;
   ``load_state`` maps the optimizer file (``load_kwargs={"mmap": True}`` unless given);
 - weights: each layer's next forward waits for its own updated weights, and ``model.state_dict()`` (so
   ``save_state``/``save_pretrained``) waits for all of them; code that reads ``param.data`` directly right after
@@ -352,13 +352,15 @@ def _checkpoint_shards(accelerator: Any, opt: SuperOffloadOptimizer) -> None:
 
 
 MODEL_FILES = "superoffload_model{suffix}.safetensors"
-"""``save_state``'s model shards ([Note: bounded model shards]); accelerate's own ``model.safetensors`` is one file."""
+"""``save_state``'s model shards when the model is larger than one ([Note: bounded model shards]); a smaller model
+stays accelerate's own ``model.safetensors``. Another name than accelerate's: it numbers its models' files by
+position, and a second prepared model would take ``model.safetensors``."""
 
 
 def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
-    """[Note: bounded model shards] for a custom loop, on this accelerator instance only: ``save_state`` writes the
-    model in shards of at most ``MODEL_SHARD_SIZE`` (accelerate writes one safetensors file, the whole model copied
-    to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size (accelerate's
+    """[Note: bounded model shards] for a custom loop, on this accelerator instance only: ``save_state`` writes a
+    model larger than ``MODEL_SHARD_SIZE`` in shards of at most that (accelerate writes one safetensors file, the
+    whole model copied to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size (accelerate's
     is 10 GB); ``load_state`` maps the files it reads (``load_kwargs={"mmap": True}``, unless given) instead of
     reading the optimizer state into RAM beside the live host arenas. A folder saved before (``model.safetensors``)
     still loads through accelerate."""
@@ -367,11 +369,15 @@ def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
         return next((i for i, m in enumerate(models) if accelerator.unwrap_model(m) is base), None)
 
     def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
+        from huggingface_hub import save_torch_state_dict
+        from huggingface_hub.serialization._base import parse_size_to_int
+
         i = ours(models)
         if i is None or i >= len(weights):
             return
-        from huggingface_hub import save_torch_state_dict
-
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in base.state_dict().values()}
+        if sum(held.values()) <= parse_size_to_int(MODEL_SHARD_SIZE):
+            return  # one shard's worth: accelerate's own file, as it always writes it
         if accelerator.is_main_process:
             save_torch_state_dict(base.state_dict(), output_dir, filename_pattern=MODEL_FILES,
                                   max_shard_size=MODEL_SHARD_SIZE)
@@ -387,7 +393,8 @@ def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
         try:
             loaded = load_torch_model(base, input_dir, strict=False, filename_pattern=MODEL_FILES, mmap=True)
         except RuntimeError as e:  # a shape differs: torch's message lists every one, over many lines
-            first = next((ln.strip() for ln in str(e).splitlines() if "size mismatch" in ln), str(e).splitlines()[0])
+            lines = str(e).splitlines() or [type(e).__name__]
+            first = next((ln.strip() for ln in lines if "size mismatch" in ln), lines[0])
             raise ValueError(f"{input_dir} holds the weights of another model ({first}): load it into the model "
                              "that saved it") from None
         held = base.state_dict()
@@ -401,8 +408,8 @@ def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
     save_model, load_state = accelerator.save_model, accelerator.load_state
 
     def bounded_save_model(model: torch.nn.Module, save_directory: Any, max_shard_size: int | str = MODEL_SHARD_SIZE,
-                           safe_serialization: bool = True) -> None:
-        save_model(model, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
+                           **kwargs: Any) -> Any:
+        return save_model(model, save_directory, max_shard_size=max_shard_size, **kwargs)
 
     def mapped_load_state(input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
                           **load_model_func_kwargs: Any) -> Any:

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-__all__ = ["HostBuffer"]
+__all__ = ["HostBuffer", "exact_storage"]
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -139,3 +139,15 @@ class HostBuffer:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+def exact_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, CPU or GPU) on a storage of exactly its bytes, sharing its memory and keeping it alive.
+
+    ``torch.save`` writes a view's whole storage. A view of a :class:`HostBuffer` would carry its page padding
+    (whatever the heap left there: bytes of other objects of this process) and any room reserved past it ([Note:
+    reserved room in the host arenas] in ``runtime/tail_move.py``); a slice of a GPU arena would be copied to the
+    host whole. DLPack hands the same memory over with the view's extent as the storage."""
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return torch.from_dlpack(t.detach().contiguous())

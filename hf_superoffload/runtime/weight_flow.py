@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from .host_memory import exact_storage
+
 __all__ = ["FlowStats", "UnitState", "WeightStreamer", "WeightUnit", "forward_roots"]
 
 logger = logging.getLogger("hf_superoffload")
@@ -474,7 +476,8 @@ class WeightStreamer:
                 self.release_all()
 
     def _state_dict_hook(self, module: torch.nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """A released parameter's state-dict entry becomes a host copy of its weights (read from staging)."""
+        """A released parameter's state-dict entry becomes its weights' home, the host staging (its exact bytes, no
+        copy: a save of the whole model would otherwise hold a host copy of every released weight at once)."""
         for name, p in module._parameters.items():
             u = None if p is None else self._unit_of.get(id(p))
             if u is None or u.state is UnitState.MATERIALIZED or prefix + name not in sd:
@@ -483,7 +486,7 @@ class WeightStreamer:
             i = next(k for k, q in enumerate(u.params) if q is p)
             for b in u.buckets:
                 self._staging_final(b, True)
-            sd[prefix + name] = u.sources[i].view(p.shape).clone()
+            sd[prefix + name] = exact_storage(u.sources[i]).view(p.shape)
 
     def close(self, *, materialize: bool = True) -> None:
         """Remove the hooks; with ``materialize`` every parameter gets its weights back on the device for good."""

@@ -380,13 +380,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # a checkpoint saves each host arena's whole buffer: page padding and the tail move's room
         "checkpoint_saves_the_arena_buffer", "hf_superoffload/state.py",
-        '        "host": {k: _exact_storage(v) for k, v in flat["host"].items()},\n',
+        '        "host": {k: exact_storage(v) for k, v in flat["host"].items()},\n',
         '        "host": dict(flat["host"]),\n',
         ("tests/runtime/test_skip_and_state.py::test_saved_arenas_carry_their_own_bytes_only",),
     ),
     Mutation(  # the device arenas go into the state dict as one host copy each (the whole device state in RAM)
         "device_state_saved_as_a_host_copy", "hf_superoffload/state.py",
-        '        "device": {k: [_exact_storage(v[at : at + _PIECE_ELEMS]) for at in range(0, v.numel(), _PIECE_ELEMS)]\n',
+        '        "device": {k: [exact_storage(v[at : at + _PIECE_ELEMS]) for at in range(0, v.numel(), _PIECE_ELEMS)]\n',
         '        "device": {k: [v.detach().to("cpu", copy=True)] for at in range(1)\n',
         ("tests/runtime/test_skip_and_state.py::test_saved_arenas_carry_their_own_bytes_only",),
     ),
@@ -449,5 +449,11 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if i is None or not any(os.path.isfile(os.path.join(input_dir, n)) for n in names):\n",
         "        if True:\n",
         ("tests/integration/test_accelerate.py::test_load_state_restores_the_model_from_its_shards",),
+    ),
+    Mutation(  # weight flow's state dict holds a host copy of every released weight while the model is saved
+        "flow_state_dict_copies_the_weights", "hf_superoffload/runtime/weight_flow.py",
+        "            sd[prefix + name] = exact_storage(u.sources[i]).view(p.shape)\n",
+        "            sd[prefix + name] = u.sources[i].view(p.shape).clone()\n",
+        ("tests/runtime/test_weight_flow.py::test_eval_state_dict_and_close",),
     ),
 )

@@ -271,11 +271,15 @@ def test_eval_state_dict_and_close(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, stationary_model(input_ids=ids).logits)
     assert opt.engine._flow.stats.materialized_units == 0
-    # the state dict holds the final weights (host copies of the released parameters)
+    # the state dict holds the final weights: a released parameter's entry is its host staging, exactly its bytes
+    # (no host copy of the model while it is saved)
     sd, ref_sd = model.state_dict(), stationary_model.state_dict()
     assert sd.keys() == ref_sd.keys()
     for k in sd:
         assert torch.equal(sd[k], ref_sd[k]), k
+    homes = {s.data_ptr() for u in opt.engine._flow.units for s in u.sources}
+    released = [k for k, v in sd.items() if v.data_ptr() in homes]
+    assert released and all(sd[k].untyped_storage().nbytes() == sd[k].numel() * sd[k].element_size() for k in released)
     sub = model.model.layers[1].state_dict()
     assert torch.equal(sub["mlp.up_proj.weight"], ref_sd["model.layers.1.mlp.up_proj.weight"])
     # save_pretrained goes through the state dict: the saved model is the trained one
