@@ -150,13 +150,15 @@ import json, sys
 import torch
 from transformers import AutoModelForCausalLM
 
+from hf_superoffload.state import _read
+
 state_file, exported = sys.argv[1], sys.argv[2]
 sd = torch.load(state_file, map_location="cpu", weights_only=False)["superoffload"]
 model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
 params = dict(model.named_parameters())
 bad, not_bf16 = [], 0
 for name, numel, shape, (side, off) in zip(sd["names"], sd["numels"], sd["shapes"], sd["locations"]):
-    master = sd["host" if side == "host" else "device"]["master"][off:off + numel].view(shape)
+    master = _read(sd["host" if side == "host" else "device"]["master"], off, off + numel).view(shape)
     if not torch.equal(params[name].detach(), master):
         bad.append(name)
     not_bf16 += int(not torch.equal(master, master.to(torch.bfloat16).float()))

@@ -1,7 +1,7 @@
 """Export the fp32 master weights of a checkpoint as a ``from_pretrained``-loadable model.
 
 The model files a checkpoint holds are the bf16 weights the GPU computes with; the exact fp32 values live in the
-optimizer state (the host masters, and the GPU-resident tail's, saved as CPU tensors). This rebuilds every trained
+optimizer state (the host masters, and the GPU-resident tail's, saved in pieces). This rebuilds every trained
 parameter from those masters by its model name and writes safetensors next to the checkpoint's ``config.json``
 (and tokenizer files), so ``AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)`` gives the masters bit
 for bit (DeepSpeed users know this as ``zero_to_fp32``).
@@ -159,7 +159,7 @@ def _read_state(folder: str) -> dict[str, Any]:
 def _masters(sd: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every trained parameter's master by model name, checked against the arenas' checksums first."""
     from .planning.plan import Placement
-    from .state import _READABLE, _check_integrity, _read
+    from .state import _READABLE, _check_flat, _check_integrity, _read
 
     if sd.get("format") not in _READABLE:
         raise ExportError(f"unknown optimizer state format {sd.get('format')!r} (this version reads "
@@ -172,6 +172,7 @@ def _masters(sd: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     for side in ("host", "device"):
         t = sd[side]["master"]
         try:
+            _check_flat(side, "master", t)
             _check_integrity(side, "master", t, manifest.get(f"{side}/master"), sd, list(names))
         except ValueError as e:
             raise ExportError(str(e)) from None
@@ -191,7 +192,8 @@ def _read_weights(folder: str, names: list[str]) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
 
     files: dict[str, list[str]] = {}
-    for stem in ("model", "superoffload_model"):  # save_pretrained's; prepare_superoffload's save_state's
+    for stem in ("superoffload_model", "model"):  # prepare_superoffload's save_state's (its model.safetensors may
+        # then hold another model of that accelerator); save_pretrained's
         index = os.path.join(folder, f"{stem}.safetensors.index.json")
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:

@@ -787,6 +787,11 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The optimizer state to save (``torch.save``: it writes the arenas without a host copy of the state).
+
+        Its arenas alias the live state, as a torch optimizer's state dict aliases its tensors: save it before the
+        next ``step()``. The GPU-resident arenas are in 64 MiB pieces on the GPU (``copy.deepcopy`` would copy them
+        there; to keep a snapshot in memory, copy each piece to the host)."""
         base = super().state_dict()
         self._engine.synchronize()
         return {

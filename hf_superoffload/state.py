@@ -1,7 +1,8 @@
 """Checkpoint format of the offloaded optimizer state.
 
-The state is saved as whole flat arenas (one tensor per kind and placement) plus the layout that maps each
-parameter to its slice, so ``torch.save`` writes each arena once and ``load`` copies *into* the existing
+The state is saved as flat arenas (one per kind and placement: a host arena as one tensor, a device arena as its
+pieces, below) plus the layout that maps each parameter to its slice, so ``torch.save`` writes each arena once and
+``load`` copies *into* the existing
 (possibly page-locked) buffers, never adopting the incoming tensors. A different plan (say, another
 GPU-resident tail) is converted parameter by parameter; a different model is refused.
 
@@ -101,6 +102,11 @@ def _read(x: Saved, start: int, end: int) -> torch.Tensor:
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p.cpu() for p in parts]) if parts else torch.zeros(0)
+
+
+def _whole(x: Saved) -> torch.Tensor:
+    """Arena ``x`` as one tensor (itself, or a copy of its pieces)."""
+    return _read(x, 0, _numel(x))
 
 
 def _copy_into(dst: torch.Tensor, x: Saved, start: int) -> None:
@@ -389,6 +395,18 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     if any(lay != layouts[0] for lay in layouts):
         raise ValueError("the shards come from different runs (their bucket layouts differ)")
     numels = list(shards[0]["numels"])
+    for r, sd in sorted(by_rank.items()):  # a damaged shard must not come out with fresh, valid checksums
+        names = list(sd.get("names") or [f"parameter {i}" for i in range(len(numels))])
+        manifest = sd.get("manifest") or {}
+        for side in ("host", "device"):
+            for kind in _KINDS:
+                try:
+                    if kind not in sd.get(side, {}):
+                        raise ValueError(f"optimizer checkpoint is missing {side}/{kind}; the file is damaged")
+                    _check_flat(side, kind, sd[side][kind])
+                    _check_integrity(side, kind, sd[side][kind], manifest.get(f"{side}/{kind}"), sd, names)
+                except ValueError as e:
+                    raise ValueError(f"the shard of rank {r}: {e}") from None
     merged: dict[str, dict[str, list[torch.Tensor]]] = {"host": {k: [] for k in _KINDS},
                                                       "device": {k: [] for k in _KINDS}}
     locations: list[tuple[str, int] | None] = [None] * len(numels)

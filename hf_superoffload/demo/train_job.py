@@ -236,12 +236,13 @@ def save_outputs(out_dir: str, model: Any, tokenizer: Any, opt: Any, metrics: di
     from transformers.utils import logging as hf_logging
 
     from ..integrations._common import MODEL_SHARD_SIZE
+    from ..integrations._streamed_save import streamed_model_files
 
     opt.synchronize()
     was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a shard bar in a non-terminal log is noise (\r); the lines below say it
     try:
-        with opt.materialized():  # in weight-flow mode the weights live on the host between uses
+        with opt.materialized(), streamed_model_files():  # in weight flow the weights live on the host between uses
             model.save_pretrained(path, max_shard_size=MODEL_SHARD_SIZE)  # [Note: bounded model shards]
     finally:
         if was_on:

@@ -304,13 +304,16 @@ def _atomic_write(path: str, write: Callable[[Any], Any]) -> None:
 # [Note: bounded model shards]
 # A checkpoint must fit beside the plan, which fills the host: ``plan`` predicts a 119.0 GiB peak of 120.0 available
 # for 14B on the H200 box. ``save_pretrained`` writes shards of up to 50 GB, and safetensors copies every GPU tensor
-# of a shard to the host before it writes any: the whole model at once (16 GB in bf16 at 8B, 29.5 GB at 14B), so the
-# first checkpoint would end the run, and the final save would lose the trained model. Our model saves (the Trainer's
-# checkpoints and ``save_model``, ``hf-superoffload train``'s output, ``prepare_superoffload``'s ``save_state`` and
-# ``save_model``) write shards of at most ``MODEL_SHARD_SIZE``, and the optimizer state's device arenas go out in
-# 64 MiB pieces (``state._PIECE_ELEMS``): a checkpoint copies 0.5 GiB to the host at a time, inside that 1 GiB.
-# ``from_pretrained`` reads such shards as it reads any sharded model (60 files at 14B).
-MODEL_SHARD_SIZE = "512MB"
+# of a file to the host before it writes any: the whole model at once (16 GB in bf16 at 8B, 29.5 GB at 14B), so the
+# first checkpoint would end the run, and the final save would lose the trained model. Our model saves (the
+# Trainer's checkpoints and ``save_model``, ``hf-superoffload train``'s output, ``prepare_superoffload``'s
+# ``save_state`` and ``save_model``) write their files with ``_streamed_save.save_file_streamed`` (64 MiB of a
+# tensor on the host at a time, the 1.56 GB LM head of a 14B model included), in shards of at most
+# ``MODEL_SHARD_SIZE`` (the Hub's usual size; the bound where a library's writer could not be routed), and the
+# optimizer state's device arenas go out in 64 MiB pieces (``state._PIECE_ELEMS``): a checkpoint holds about
+# 0.1 GiB more on the host than training does. A resume reads them mapped (``load_state``: a ``save_state`` model
+# larger than one shard is read back by our hook with ``mmap``).
+MODEL_SHARD_SIZE = "5GB"
 
 
 class TelemetryWindow:

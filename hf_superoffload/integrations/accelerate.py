@@ -42,10 +42,11 @@ are generated from the config's user options; the planner's expert switches go u
   and registered pre-marked, so its host state never moves to the GPU, ``save_state``/``load_state`` checkpoint
   it (``optimizer.bin``; loading copies into the existing host buffers) and the scheduler sees
   ``step_was_skipped`` on a non-finite step;
-- checkpoints take little host RAM beside the plan's ([Note: bounded model shards]): ``save_state`` writes a
-  model larger than 512 MB as ``superoffload_model*.safetensors`` shards of at most that (accelerate's own file would
-  copy the whole model to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size;
-  ``load_state`` maps the optimizer file (``load_kwargs={"mmap": True}`` unless given);
+- checkpoints take little host RAM beside the plan's ([Note: bounded model shards]): ``save_state`` and
+  ``save_model`` write the model's safetensors files 64 MiB at a time (accelerate's writer would copy a whole file
+  to the host first); ``save_state`` writes a model larger than 5 GB as ``superoffload_model*.safetensors`` shards,
+  which ``load_state`` reads back mapped; ``load_state`` maps the optimizer file (``load_kwargs={"mmap": True}``
+  unless given);
 - weights: each layer's next forward waits for its own updated weights, and ``model.state_dict()`` (so
   ``save_state``/``save_pretrained``) waits for all of them; code that reads ``param.data`` directly right after
   ``optimizer.step()`` must call ``optimizer.superoffload.synchronize()`` first;
@@ -108,6 +109,7 @@ from ._common import (
     warn_if_threads_throttled,
 )
 from ._preemption import Preemption
+from ._streamed_save import streamed_model_files
 
 # re-exported for custom loops: the checkpoint helpers (mark a save_state folder complete, resume the newest one)
 # and SIGTERM handling (Preemption)
@@ -357,13 +359,54 @@ stays accelerate's own ``model.safetensors``. Another name than accelerate's: it
 position, and a second prepared model would take ``model.safetensors``."""
 
 
+def _model_files_mismatch(base: torch.nn.Module, input_dir: str) -> str | None:
+    """Why the ``MODEL_FILES`` shards in ``input_dir`` cannot load into ``base`` (names and shapes from the files'
+    headers, nothing read or copied), or ``None``. A name the files lack is fine when it shares its tensor with one
+    they hold (tied weights are written once)."""
+    import json
+
+    from safetensors import safe_open
+
+    stem = MODEL_FILES.format(suffix="")
+    try:
+        index = os.path.join(input_dir, stem + ".index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = [stem]
+        shapes: dict[str, list[int]] = {}
+        for name in files:
+            with safe_open(os.path.join(input_dir, name), framework="pt") as f:
+                for k in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    shapes[k] = list(f.get_slice(k).get_shape())
+    except Exception as e:  # a missing or damaged shard, an index that is not one
+        return f"its model files cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    held = base.state_dict()
+    unexpected = [k for k in shapes if k not in held]
+    wrong = [f"{k} is {shapes[k]} there and {list(held[k].shape)} here" for k in shapes
+             if k in held and shapes[k] != list(held[k].shape)]
+    present = {held[k].data_ptr() for k in shapes if k in held}
+    missing = [k for k in held if k not in shapes and held[k].data_ptr() not in present]
+    if wrong:
+        return f"it holds the weights of another model ({wrong[0]})"
+    if unexpected or missing:
+        return f"it holds the weights of another model (missing {missing[:3]}, unexpected {unexpected[:3]})"
+    return None
+
+
 def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
-    """[Note: bounded model shards] for a custom loop, on this accelerator instance only: ``save_state`` writes a
-    model larger than ``MODEL_SHARD_SIZE`` in shards of at most that (accelerate writes one safetensors file, the
-    whole model copied to the host first) and ``load_state`` reads them back; ``save_model`` defaults to that shard size (accelerate's
-    is 10 GB); ``load_state`` maps the files it reads (``load_kwargs={"mmap": True}``, unless given) instead of
-    reading the optimizer state into RAM beside the live host arenas. A folder saved before (``model.safetensors``)
-    still loads through accelerate."""
+    """[Note: bounded model shards] for a custom loop, on this accelerator instance only: ``save_state`` and
+    ``save_model`` stream their safetensors files (``streamed_model_files``); ``save_state`` writes a model larger
+    than ``MODEL_SHARD_SIZE`` in shards of at most that (accelerate writes one file, which its ``load_state`` reads
+    into RAM whole) and ``load_state`` reads them back mapped; ``save_model`` defaults to that shard size
+    (accelerate's is 10 GB); ``load_state`` maps the files it reads (``load_kwargs={"mmap": True}``, unless
+    given) instead of reading the optimizer state into RAM beside the live host arenas. A folder saved before
+    (``model.safetensors``) still loads through accelerate. One model per accelerator: a second
+    ``prepare_superoffload`` on it leaves that model to accelerate's own files."""
+    if getattr(accelerator, "_superoffload_bounded", False):
+        return
+    accelerator._superoffload_bounded = True
 
     def ours(models: list[Any]) -> int | None:
         return next((i for i, m in enumerate(models) if accelerator.unwrap_model(m) is base), None)
@@ -373,12 +416,13 @@ def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
         from huggingface_hub.serialization._base import parse_size_to_int
 
         i = ours(models)
-        if i is None or i >= len(weights):
+        if i is None or len(weights) != len(models):  # another hook took some: positions no longer match
             return
         held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in base.state_dict().values()}
         if sum(held.values()) <= parse_size_to_int(MODEL_SHARD_SIZE):
             return  # one shard's worth: accelerate's own file, as it always writes it
-        if accelerator.is_main_process:
+        each_node = getattr(accelerator.project_configuration, "save_on_each_node", False)
+        if accelerator.is_local_main_process if each_node else accelerator.is_main_process:
             save_torch_state_dict(base.state_dict(), output_dir, filename_pattern=MODEL_FILES,
                                   max_shard_size=MODEL_SHARD_SIZE)
         del weights[i]  # accelerate writes the other models (and none of this one)
@@ -390,26 +434,23 @@ def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
             return
         from huggingface_hub import load_torch_model
 
-        try:
-            loaded = load_torch_model(base, input_dir, strict=False, filename_pattern=MODEL_FILES, mmap=True)
-        except RuntimeError as e:  # a shape differs: torch's message lists every one, over many lines
-            lines = str(e).splitlines() or [type(e).__name__]
-            first = next((ln.strip() for ln in lines if "size mismatch" in ln), lines[0])
-            raise ValueError(f"{input_dir} holds the weights of another model ({first}): load it into the model "
-                             "that saved it") from None
-        held = base.state_dict()
-        tied = {t.data_ptr() for n, t in held.items() if n not in loaded.missing_keys}
-        missing = [n for n in loaded.missing_keys if held[n].data_ptr() not in tied]  # not a tied name of a loaded one
-        if missing or loaded.unexpected_keys:
-            raise ValueError(f"{input_dir} holds the weights of another model (missing {missing[:3]}, unexpected "
-                             f"{list(loaded.unexpected_keys)[:3]}): load it into the model that saved it")
+        why = _model_files_mismatch(base, input_dir)  # before anything is copied: a refusal leaves the model as it was
+        if why is not None:
+            raise ValueError(f"{input_dir} cannot be loaded into this model: {why}. Load it into the model that "
+                             "saved it")
+        load_torch_model(base, input_dir, strict=False, filename_pattern=MODEL_FILES, mmap=True)
         del models[i]  # loaded: accelerate loads the others
 
-    save_model, load_state = accelerator.save_model, accelerator.load_state
+    save_model, save_state, load_state = accelerator.save_model, accelerator.save_state, accelerator.load_state
 
     def bounded_save_model(model: torch.nn.Module, save_directory: Any, max_shard_size: int | str = MODEL_SHARD_SIZE,
                            **kwargs: Any) -> Any:
-        return save_model(model, save_directory, max_shard_size=max_shard_size, **kwargs)
+        with streamed_model_files():
+            return save_model(model, save_directory, max_shard_size=max_shard_size, **kwargs)
+
+    def streamed_save_state(*args: Any, **kwargs: Any) -> Any:
+        with streamed_model_files():
+            return save_state(*args, **kwargs)
 
     def mapped_load_state(input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None,
                           **load_model_func_kwargs: Any) -> Any:
@@ -418,6 +459,7 @@ def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
     accelerator.register_save_state_pre_hook(save_hook)
     accelerator.register_load_state_pre_hook(load_hook)
     accelerator.save_model = bounded_save_model
+    accelerator.save_state = streamed_save_state
     accelerator.load_state = mapped_load_state
 
 

@@ -93,6 +93,7 @@ from ._common import (
     warn_if_threads_throttled,
 )
 from ._preemption import Preemption
+from ._streamed_save import streamed_model_files
 from .arguments import (
     SuperOffloadArguments,
     _checkpoint_kwargs,
@@ -122,22 +123,24 @@ def _workload_from_args(model: Any, args: Any) -> Any:
 
 @contextmanager
 def bounded_model_shards(model: Any) -> Iterator[None]:
-    """While it lasts, ``model.save_pretrained`` writes shards of at most ``MODEL_SHARD_SIZE`` unless the caller
-    names a size ([Note: bounded model shards]); other models (a PEFT wrapper writes its adapters) are left alone."""
-    if not isinstance(model, PreTrainedModel) or "save_pretrained" in vars(model):
-        yield
-        return
-    save = model.save_pretrained
+    """While it lasts, model files are streamed to disk ([Note: bounded model shards]) and ``model.save_pretrained``
+    writes shards of at most ``MODEL_SHARD_SIZE`` unless the caller names a size (another model, a PEFT wrapper
+    writing its adapters, keeps its own shards)."""
+    with streamed_model_files():
+        if not isinstance(model, PreTrainedModel) or "save_pretrained" in vars(model):
+            yield
+            return
+        save = model.save_pretrained
 
-    def bounded(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("max_shard_size", MODEL_SHARD_SIZE)
-        return save(*args, **kwargs)
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            kwargs.setdefault("max_shard_size", MODEL_SHARD_SIZE)
+            return save(*args, **kwargs)
 
-    model.save_pretrained = bounded  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del model.save_pretrained
+        model.save_pretrained = bounded  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del model.save_pretrained
 
 
 class SuperOffloadTrainer(Trainer):
@@ -260,7 +263,7 @@ class SuperOffloadTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if self._superoffload is not None:
             self._superoffload.synchronize()  # the device weights of the last step are final
-        with bounded_model_shards(self.accelerator.unwrap_model(self.model)):
+        with bounded_model_shards(self.accelerator.unwrap_model(self.model, keep_torch_compile=False)):
             super().save_model(output_dir, _internal_call=_internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

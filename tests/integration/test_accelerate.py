@@ -119,6 +119,12 @@ def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path
     from hf_superoffload.integrations import accelerate as integration
 
     monkeypatch.setattr(integration, "MODEL_SHARD_SIZE", "40KB")
+    from hf_superoffload.integrations import _streamed_save
+
+    streamed: set[str] = set()
+    real_write = _streamed_save.save_file_streamed
+    monkeypatch.setattr(_streamed_save, "save_file_streamed",
+                        lambda t, f, metadata=None: (streamed.add(os.path.basename(f)), real_write(t, f, metadata)))
     loads: list[tuple[str, Any]] = []
     real_load = torch.load
 
@@ -144,7 +150,8 @@ def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path
     assert len(shards) > 1 and not (tmp_path / "ckpt" / "model.safetensors").exists()
     assert max(f.stat().st_size for f in shards) <= 40_000 + 8_192  # the bound, plus each file's header
     accelerator.save_model(model, str(tmp_path / "saved"))
-    assert len(list((tmp_path / "saved").glob("model-*.safetensors"))) > 1
+    saved_shards = {f.name for f in (tmp_path / "saved").glob("model-*.safetensors")}
+    assert len(saved_shards) > 1 and {f.name for f in shards} | saved_shards <= streamed
     for ids in data[1:]:
         step(ids)
     optimizer.superoffload.synchronize()  # the last step's weights are final (reading .data does not wait)
@@ -178,13 +185,20 @@ def test_load_state_restores_the_model_from_its_shards(fresh_accelerate_state: N
         frozen.zero_()
     accelerator.load_state(str(tmp_path / "ckpt"))
     assert torch.equal(frozen.detach(), saved)
-    optimizer.superoffload.close()
 
     other = Accelerator(cpu=True)
-    prepare_superoffload(other, tiny_llama(seed=0, intermediate_size=96), dict(lr=1e-3),
-                         plugin=SuperOffloadPlugin(bucket_size_mb=0.004))
-    with pytest.raises(ValueError, match=r"ckpt holds the weights of another model \(size mismatch for "):
+    other_model = tiny_llama(seed=0, intermediate_size=96)
+    prepare_superoffload(other, other_model, dict(lr=1e-3), plugin=SuperOffloadPlugin(bucket_size_mb=0.004))
+    before = {n: p.detach().clone() for n, p in other_model.named_parameters()}
+    with pytest.raises(ValueError, match=r"ckpt cannot be loaded into this model: it holds the weights of another "
+                                         r"model \(model\.\S+ is \[\d+, \d+\] there and \[\d+, \d+\] here\)"):
         other.load_state(str(tmp_path / "ckpt"))
+    assert all(torch.equal(p.detach(), before[n]) for n, p in other_model.named_parameters()), "refused, yet changed"
+    shard = sorted((tmp_path / "ckpt").glob("superoffload_model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"cannot be loaded into this model: its model files cannot be read"):
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    optimizer.superoffload.close()
 
 
 def test_torch_adamw_is_taken_over(fresh_accelerate_state: None) -> None:

@@ -121,7 +121,7 @@ def _split_into_rank_shards(sd: dict[str, Any], world: int) -> list[dict[str, An
     shards = []
     for r in range(world):
         arenas = {side: {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in d.items()} for side, d in parts[r].items()}
-        shards.append({**sd, **arenas, "locations": None, "manifest": None,
+        shards.append({**sd, **arenas, "locations": None, "manifest": st._manifest(arenas),
                        "sharding": {"world_size": world, "rank": r, "buckets": buckets}})
     return shards
 
@@ -137,6 +137,10 @@ def test_a_data_parallel_checkpoint_is_merged_from_its_rank_shards(hf: Any, tmp_
     params = dict(loaded.named_parameters())
     for name, m in masters.items():
         assert torch.equal(params[name].detach(), m), name
+    damaged = _split_into_rank_shards(full["superoffload"], 2)
+    damaged[1]["host"]["master"][5] += 1.0  # changed after its checksum was taken: merged, it would get a fresh one
+    with pytest.raises(ValueError, match=r"the shard of rank 1: optimizer checkpoint host/master fails its checksum"):
+        st.consolidate_state_dicts(damaged)
     os.remove(ckpt / "optimizer_rank1.pt")  # a rank's shard is missing
     from hf_superoffload.export import ExportError
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from hf_superoffload import state as st
 from hf_superoffload.integrations.transformers import SuperOffloadArguments, SuperOffloadTrainer
 from hf_superoffload.testing import tiny_llama
 
@@ -56,7 +57,7 @@ def test_lora_adapter_masters_are_the_fp32_adapters_bit_for_bit() -> None:
     opt = SuperOffloadOptimizer(model, lr=1e-3, log_plan=False)
     sd = opt.state_dict()["superoffload"]
     for name, numel, shape, (where, off) in zip(sd["names"], sd["numels"], sd["shapes"], sd["locations"], strict=True):
-        master = sd[where]["master"][off : off + numel].view(shape)
+        master = st._read(sd[where]["master"], off, off + numel).view(shape)
         want = init[name]
         assert master.dtype == torch.float32 and torch.equal(master, want), name
         assert torch.equal(adapters[name].detach(), want.to(torch.bfloat16)), name

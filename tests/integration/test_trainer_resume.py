@@ -89,6 +89,12 @@ def test_model_saves_are_written_in_bounded_shards(hf: Any, tmp_path: Any, monke
     from hf_superoffload.integrations import transformers as integration
 
     monkeypatch.setattr(integration, "MODEL_SHARD_SIZE", "40KB")
+    from hf_superoffload.integrations import _streamed_save
+
+    streamed: set[str] = set()
+    real_write = _streamed_save.save_file_streamed
+    monkeypatch.setattr(_streamed_save, "save_file_streamed",
+                        lambda t, f, metadata=None: (streamed.add(os.path.basename(f)), real_write(t, f, metadata)))
     kw = hf.train_kwargs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     trainer = SuperOffloadTrainer(model=tiny_llama(seed=0), args=SuperOffloadArguments(**kw, **hf.SMALL_BUCKETS),
                                   train_dataset=hf.TokenDataset(8))
@@ -100,6 +106,7 @@ def test_model_saves_are_written_in_bounded_shards(hf: Any, tmp_path: Any, monke
         shards = sorted(folder.glob("model-*.safetensors"))
         assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file(), sorted(os.listdir(folder))
         assert max(f.stat().st_size for f in shards) <= 40_000 + 8_192  # the bound, plus each file's header
+        assert {f.name for f in shards} <= streamed, "a shard was not written a piece at a time"
         loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
         for n, p in loaded.named_parameters():
             assert torch.equal(p, weights[n].to(torch.bfloat16)), n

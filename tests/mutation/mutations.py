@@ -416,8 +416,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # the Trainer's model saves write save_pretrained's 50 GB shards (the whole model copied to the host)
         "model_saves_unbounded", "hf_superoffload/integrations/transformers.py",
-        '        kwargs.setdefault("max_shard_size", MODEL_SHARD_SIZE)\n',
-        '        pass\n',
+        '            kwargs.setdefault("max_shard_size", MODEL_SHARD_SIZE)\n',
+        '            pass\n',
         ("tests/integration/test_trainer_resume.py::test_model_saves_are_written_in_bounded_shards",),
     ),
     Mutation(  # hf-superoffload train saves the trained model in save_pretrained's 50 GB shards
@@ -428,7 +428,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(  # export finds only save_pretrained's model files, not save_state's shards
         "export_misses_save_state_shards", "hf_superoffload/export.py",
-        'for stem in ("model", "superoffload_model"):',
+        'for stem in ("superoffload_model", "model"):',
         'for stem in ("model",):',
         ("tests/integration/test_export.py::test_a_save_state_folder_exports_with_its_frozen_weights",),
     ),
@@ -455,5 +455,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            sd[prefix + name] = exact_storage(u.sources[i]).view(p.shape)\n",
         "            sd[prefix + name] = u.sources[i].view(p.shape).clone()\n",
         ("tests/runtime/test_weight_flow.py::test_eval_state_dict_and_close",),
+    ),
+    Mutation(  # a damaged data-parallel shard is merged and given fresh checksums
+        "consolidation_trusts_the_shards", "hf_superoffload/state.py",
+        "                    _check_integrity(side, kind, sd[side][kind], manifest.get(f\"{side}/{kind}\"), sd, names)\n",
+        "                    pass\n",
+        ("tests/integration/test_export.py::test_a_data_parallel_checkpoint_is_merged_from_its_rank_shards",),
+    ),
+    Mutation(  # the Trainer's model saves use safetensors' own writer (a whole file copied to the host first)
+        "trainer_saves_not_streamed", "hf_superoffload/integrations/transformers.py",
+        "    with streamed_model_files():\n        if not isinstance(model, PreTrainedModel)",
+        "    if True:\n        if not isinstance(model, PreTrainedModel)",
+        ("tests/integration/test_trainer_resume.py::test_model_saves_are_written_in_bounded_shards",),
+    ),
+    Mutation(  # the streamed writer writes the first piece of a tensor again and again
+        "streamed_writer_repeats_the_first_piece", "hf_superoffload/integrations/_streamed_save.py",
+        "                f.write(memoryview(flat[at : at + CHUNK_BYTES].cpu().numpy()))\n",
+        "                f.write(memoryview(flat[: min(CHUNK_BYTES, flat.numel() - at)].cpu().numpy()))\n",
+        ("tests/unit/test_streamed_save.py::test_what_it_writes_reads_back_bit_for_bit[7]",),
     ),
 )

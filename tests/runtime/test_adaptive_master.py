@@ -16,6 +16,7 @@ import torch
 
 import hf_superoffload.runtime.commit as commit_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload import state as st
 from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.plan import MasterDeferral
 from hf_superoffload.runtime.host_pass import HostPass
@@ -46,7 +47,7 @@ def batches(n: int) -> list[torch.Tensor]:
 
 def state(model: torch.nn.Module, opt: SuperOffloadOptimizer) -> dict[str, torch.Tensor]:
     sd = opt.state_dict()["superoffload"]
-    out = {f"{side}/{k}": t.clone() for side in ("host", "device") for k, t in sd[side].items()}
+    out = {f"{side}/{k}": st._whole(t).clone() for side in ("host", "device") for k, t in sd[side].items()}
     out.update({f"model/{n}": p.detach().clone() for n, p in model.named_parameters()})
     return out
 

@@ -20,6 +20,7 @@ import torch
 
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
 from hf_superoffload import ops as ops_module
+from hf_superoffload import state as st
 from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.planning.plan import MasterDeferral
 from hf_superoffload.runtime.cpu_worker import WorkerError
@@ -98,7 +99,7 @@ class Run:
     def state(self) -> dict[str, Any]:
         """The optimizer state dict (flushes pending commits) and the model's weights, cloned."""
         sd = self.opt.state_dict()["superoffload"]
-        out = {f"{side}/{k}": t.detach().clone() for side in ("host", "device") for k, t in sd[side].items()}
+        out = {f"{side}/{k}": st._whole(t).detach().clone() for side in ("host", "device") for k, t in sd[side].items()}
         out["param_steps"] = sd["param_steps"].clone()
         for n, p in self.model.named_parameters():
             out[f"model/{n}"] = p.detach().clone()

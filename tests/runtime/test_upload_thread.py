@@ -18,6 +18,7 @@ import torch
 
 import hf_superoffload.optimizer as optimizer_module
 from hf_superoffload import SuperOffloadConfig, SuperOffloadOptimizer
+from hf_superoffload import state as st
 from hf_superoffload.config import PlannerOverrides
 from hf_superoffload.runtime import upload
 from hf_superoffload.runtime.cpu_worker import WorkerError
@@ -59,7 +60,7 @@ def train(model: torch.nn.Module, opt: SuperOffloadOptimizer, steps: int) -> lis
 
 def snapshot(model: torch.nn.Module, opt: SuperOffloadOptimizer) -> dict[str, torch.Tensor]:
     sd = opt.state_dict()["superoffload"]  # synchronizes: every upload has landed
-    out = {f"{side}/{k}": t.detach().clone() for side in ("host", "device") for k, t in sd[side].items()}
+    out = {f"{side}/{k}": st._whole(t).detach().clone() for side in ("host", "device") for k, t in sd[side].items()}
     out.update({f"model/{n}": p.detach().clone() for n, p in model.named_parameters()})
     return out
 

@@ -49,6 +49,12 @@ def test_a_model_folder_is_fine_tuned_and_saved(tmp_path: Path, monkeypatch: pyt
     from hf_superoffload.integrations import _common
 
     monkeypatch.setattr(_common, "MODEL_SHARD_SIZE", "120KB")  # [Note: bounded model shards], made small
+    from hf_superoffload.integrations import _streamed_save
+
+    streamed: set[str] = set()
+    real_write = _streamed_save.save_file_streamed
+    monkeypatch.setattr(_streamed_save, "save_file_streamed",
+                        lambda t, f, metadata=None: (streamed.add(Path(f).name), real_write(t, f, metadata)))
     assert main(["train", "--model", str(folder), "--steps", "30", "--examples", "300", "--lr", "2e-3",
                  "--output-dir", str(out), *SMALL]) == 0
     stdout = capsys.readouterr().out
@@ -63,6 +69,7 @@ def test_a_model_folder_is_fine_tuned_and_saved(tmp_path: Path, monkeypatch: pyt
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) > 1 and (out / "model.safetensors.index.json").exists() and (out / "tokenizer.json").exists()
     assert max(f.stat().st_size for f in shards) <= 120_000 + 8_192  # the bound, plus each file's header
+    assert {f.name for f in shards} <= streamed, "a shard was not written a piece at a time"
 
     m = json.loads((out / "metrics.json").read_text())
     assert m["steps"] == 30 and len(m["losses"]) == 30 and m["model"] == str(folder) and m["device"] == "cpu"
