@@ -418,13 +418,13 @@ def _bounded_checkpoints(accelerator: Any, base: torch.nn.Module) -> None:
         i = ours(models)
         if i is None or len(weights) != len(models):  # another hook took some: positions no longer match
             return
-        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in base.state_dict().values()}
+        state = base.state_dict()  # once, on every rank (its pre-hook synchronizes the optimizer)
+        held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()}
         if sum(held.values()) <= parse_size_to_int(MODEL_SHARD_SIZE):
             return  # one shard's worth: accelerate's own file, as it always writes it
         each_node = getattr(accelerator.project_configuration, "save_on_each_node", False)
         if accelerator.is_local_main_process if each_node else accelerator.is_main_process:
-            save_torch_state_dict(base.state_dict(), output_dir, filename_pattern=MODEL_FILES,
-                                  max_shard_size=MODEL_SHARD_SIZE)
+            save_torch_state_dict(state, output_dir, filename_pattern=MODEL_FILES, max_shard_size=MODEL_SHARD_SIZE)
         del weights[i]  # accelerate writes the other models (and none of this one)
 
     def load_hook(models: list[Any], input_dir: str) -> None:
