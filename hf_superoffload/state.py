@@ -35,13 +35,13 @@ import torch
 
 from .planning.plan import Placement
 from .runtime.engine import OffloadEngine
-from .runtime.host_memory import exact_storage
+from .runtime.host_memory import CHECKPOINT_PIECE_BYTES, exact_storage
 
 __all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engine_state", "validate_engine_state"]
 
 FORMAT = "hf_superoffload.optimizer.v2"
 _READABLE = (FORMAT, "hf_superoffload.optimizer.v1")  # v1: every arena one tensor, the device ones host copies
-_PIECE_ELEMS = 1 << 24  # elements per saved piece of a device arena (64 MiB of fp32): [Note: bounded model shards]
+_PIECE_ELEMS = CHECKPOINT_PIECE_BYTES // 4  # fp32 elements per saved piece of a device arena
 _KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CRC_BYTES = 16 << 20  # one CRC32 per 16 MiB of an arena: the damaged range is located to that resolution
 _crc = zlib.crc32  # (data, running value): the order-sensitive checksum of every window

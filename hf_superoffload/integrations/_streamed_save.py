@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
+from ..runtime.host_memory import CHECKPOINT_PIECE_BYTES
+
 __all__ = ["CHUNK_BYTES", "save_file_streamed", "streamed_model_files"]
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = CHECKPOINT_PIECE_BYTES
 """Bytes of a tensor copied to the host at a time."""
 
 _DTYPES = {

@@ -13,7 +13,7 @@ import weakref
 
 import torch
 
-__all__ = ["HostBuffer", "exact_storage"]
+__all__ = ["CHECKPOINT_PIECE_BYTES", "HostBuffer", "exact_storage"]
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -139,6 +139,11 @@ class HostBuffer:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+CHECKPOINT_PIECE_BYTES = 64 << 20
+"""Host bytes a checkpoint copies from the GPU at a time: a piece of a device arena (``state``), a chunk of a model
+tensor (``integrations._streamed_save``). One bound for both ([Note: bounded model shards])."""
 
 
 def exact_storage(t: torch.Tensor) -> torch.Tensor:
