@@ -186,6 +186,7 @@ class WeightStreamer:
         self._callback_queued = False
         self._root_depth = 0
         self._handles: list[Any] = []
+        self._loaded_home: dict[int, list[str]] = {}  # per module: entries loaded into staging, not the parameter
         self._normalize_storages([p for p, _, _ in sources.values()])
         self.units, self._sites = self._build_units(root, sources)
         self._unit_of: dict[int, WeightUnit] = {id(p): u for u in self.units for p in u.params}
@@ -272,6 +273,8 @@ class WeightStreamer:
         for m in root.modules():
             if any(p is not None and id(p) in self._unit_of for p in m._parameters.values()):
                 h.append(m.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)))
+                h.append(m.register_load_state_dict_pre_hook(lambda *a: self._load_pre_hook(*a)))
+                h.append(m.register_load_state_dict_post_hook(lambda *a: self._load_post_hook(*a)))
         for u in self.units:
             for p in u.params:
                 h.append(p.register_post_accumulate_grad_hook(lambda p, u=u: self._on_grad(u, p)))
@@ -487,6 +490,40 @@ class WeightStreamer:
             for b in u.buckets:
                 self._staging_final(b, True)
             sd[prefix + name] = exact_storage(u.sources[i]).view(p.shape)
+
+    def _load_pre_hook(self, module: torch.nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any,
+                       strict: bool, missing: list[str], unexpected: list[str], errors: list[str]) -> None:
+        """``load_state_dict`` writes a streamed parameter's entry into its weights' home, the host staging. A
+        released parameter has no storage to copy into (torch's copy would write through a 0-byte storage): its
+        entry is taken out of this module's view of the state dict here and out of the missing keys after
+        (``_load_post_hook``). A materialized one is copied into by torch as usual, and its staging here, so the
+        next fetch brings back what was loaded. An entry of another shape is left to torch, which reports it."""
+        taken: list[str] = []
+        for name, p in module._parameters.items():
+            u = None if p is None else self._unit_of.get(id(p))
+            key = prefix + name
+            value = sd.get(key)
+            if u is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                continue
+            if local_metadata.get("assign_to_params_buffers", False):
+                raise ValueError(f"{key}: weight flow streams this model's weights from the host, so "
+                                 "load_state_dict(assign=True) cannot replace them; load without assign=True")
+            self._synchronize()  # no CPU pass writes the staging behind this copy
+            for b in u.buckets:
+                self._staging_final(b, True)
+            i = next(k for k, q in enumerate(u.params) if q is p)
+            with torch.no_grad():
+                u.sources[i].view(p.shape).copy_(value)
+            if u.state is UnitState.RELEASED:
+                del sd[key]
+                taken.append(key)
+        if taken:
+            self._loaded_home[id(module)] = taken
+
+    def _load_post_hook(self, module: torch.nn.Module, incompatible: Any) -> None:
+        taken = set(self._loaded_home.pop(id(module), ()))
+        if taken:  # loaded into staging: not missing
+            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in taken]
 
     def close(self, *, materialize: bool = True) -> None:
         """Remove the hooks; with ``materialize`` every parameter gets its weights back on the device for good."""

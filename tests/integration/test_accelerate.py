@@ -112,10 +112,13 @@ def test_custom_loop_clipping_accumulation_and_skips(fresh_accelerate_state: Non
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("placement", ["stationary", "flow"])
 def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+                                         monkeypatch: pytest.MonkeyPatch, placement: str) -> None:
     """Also [Note: bounded model shards]: ``save_state`` and ``save_model`` write the model in shards of at most
-    ``MODEL_SHARD_SIZE`` (made small here), and ``load_state`` maps the optimizer file instead of reading it."""
+    ``MODEL_SHARD_SIZE`` (made small here), and ``load_state`` maps the optimizer file instead of reading it. Under
+    weight flow the parameters are released between uses: the model files come from the host staging and load back
+    into it."""
     from hf_superoffload.integrations import accelerate as integration
 
     monkeypatch.setattr(integration, "MODEL_SHARD_SIZE", "40KB")
@@ -134,8 +137,11 @@ def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path
 
     monkeypatch.setattr(torch, "load", recording_load)
     accelerator = Accelerator(cpu=True)
+    plugin = SuperOffloadPlugin(bucket_size_mb=0.004, weight_placement=placement,
+                                gpu_resident_buckets=0 if placement == "flow" else None)
     model, optimizer = prepare_superoffload(accelerator, tiny_llama(seed=0), dict(lr=1e-3, max_grad_norm=1.0),
-                                            plugin=SuperOffloadPlugin(bucket_size_mb=0.004))
+                                            plugin=plugin)
+    assert optimizer.superoffload.plan.weight_mode.value == placement
     data = _batches(4)
 
     def step(ids: torch.Tensor) -> None:
@@ -155,13 +161,13 @@ def test_save_state_load_state_round_trip(fresh_accelerate_state: None, tmp_path
     for ids in data[1:]:
         step(ids)
     optimizer.superoffload.synchronize()  # the last step's weights are final (reading .data does not wait)
-    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    expected = {n: p.detach().clone() for n, p in model.state_dict().items()}
     accelerator.load_state(str(tmp_path / "ckpt"))
     assert [mmap for f, mmap in loads if f.endswith("optimizer.bin")] == [True]
     for ids in data[1:]:
         step(ids)
     optimizer.superoffload.synchronize()
-    for n, p in model.named_parameters():
+    for n, p in model.state_dict().items():
         assert torch.equal(p.detach(), expected[n]), n
 
 

@@ -7,6 +7,7 @@ import os
 import pickle
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import HfArgumentParser
@@ -15,13 +16,13 @@ from hf_superoffload.integrations.transformers import SuperOffloadArguments, Sup
 from hf_superoffload.testing import tiny_llama
 
 
-def _trainer(hf: Any, out: Any) -> SuperOffloadTrainer:
+def _trainer(hf: Any, out: Any, **offload: Any) -> SuperOffloadTrainer:
     # 32 samples / (2 x 2) = 8 steps per epoch: the resumed half crosses an epoch boundary (reshuffle).
     # rollback "auto" picks the bit-exact undo on this tiny model (asserted below), so a redo is bit-exact
     # whatever the speculation governor decides after the restart.
     kw = hf.train_kwargs(out, max_steps=10, gradient_accumulation_steps=2, save_strategy="steps", save_steps=5,
                          logging_steps=5)
-    args = SuperOffloadArguments(**kw, **hf.SMALL_BUCKETS)
+    args = SuperOffloadArguments(**kw, **(hf.SMALL_BUCKETS | offload))
     return SuperOffloadTrainer(model=tiny_llama(seed=0), args=args, train_dataset=hf.TokenDataset(32))
 
 
@@ -29,15 +30,22 @@ def _state(trainer: SuperOffloadTrainer) -> tuple[dict[str, torch.Tensor], dict[
     opt = trainer.superoffload_optimizer
     assert opt is not None
     opt.synchronize()
-    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    # the state dict, not the parameters: under weight flow a released parameter's entry is its host staging
+    weights = {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
     flat = opt.engine.flat_state()
     arenas = {f"{side}/{k}": v.detach().cpu().clone() for side in flat for k, v in flat[side].items()}
     return weights, arenas
 
 
-def test_resume_from_checkpoint_is_bit_identical(hf: Any, tmp_path: Any) -> None:
-    full = _trainer(hf, tmp_path / "full")
+# weight flow resumes bit-identically as well (the model file loads before the optimizer streams anything)
+FLOW = dict(superoffload_weight_placement="flow", superoffload_gpu_resident_buckets="0")
+
+
+@pytest.mark.parametrize("offload", [{}, FLOW], ids=["stationary", "flow"])
+def test_resume_from_checkpoint_is_bit_identical(hf: Any, tmp_path: Any, offload: dict[str, str]) -> None:
+    full = _trainer(hf, tmp_path / "full", **offload)
     full.train()
+    assert full.superoffload_optimizer.plan.weight_mode.value == ("flow" if offload else "stationary")
     assert full.superoffload_optimizer.plan.rollback.value != "inverse"
     w_full, s_full = _state(full)
     ckpt = tmp_path / "full" / "checkpoint-5"
@@ -52,7 +60,7 @@ def test_resume_from_checkpoint_is_bit_identical(hf: Any, tmp_path: Any) -> None
     saved = load_file(ckpt / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 for t in saved.values())
 
-    resumed = _trainer(hf, tmp_path / "resumed")
+    resumed = _trainer(hf, tmp_path / "resumed", **offload)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert resumed.state.global_step == 10
     w_res, s_res = _state(resumed)
@@ -110,3 +118,23 @@ def test_model_saves_are_written_in_bounded_shards(hf: Any, tmp_path: Any, monke
         loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
         for n, p in loaded.named_parameters():
             assert torch.equal(p, weights[n].to(torch.bfloat16)), n
+
+
+def test_best_model_loads_into_streamed_weights(hf: Any, tmp_path: Any) -> None:
+    """``load_best_model_at_end`` loads a checkpoint's model file after training, while weight flow holds the
+    parameters released (a copy into their 0-byte storages crashed the process): the model ends as the best
+    checkpoint's weights."""
+    kw = hf.train_kwargs(tmp_path, max_steps=6, save_strategy="steps", save_steps=2, eval_strategy="steps",
+                         eval_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
+                         greater_is_better=True)  # the loss falls: "best" is then an early checkpoint, not the last
+    args = SuperOffloadArguments(**kw, **(hf.SMALL_BUCKETS | FLOW))
+    trainer = SuperOffloadTrainer(model=tiny_llama(seed=0), args=args, train_dataset=hf.TokenDataset(32),
+                                  eval_dataset=hf.TokenDataset(8, seed=3))
+    trainer.train()
+    assert trainer.superoffload_optimizer.plan.weight_mode.value == "flow"
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and best.endswith("checkpoint-2")
+    saved = load_file(os.path.join(best, "model.safetensors"))
+    final = trainer.model.state_dict()
+    for name, t in saved.items():
+        assert torch.equal(final[name], t), f"{name} is not the best checkpoint's"

@@ -456,6 +456,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            sd[prefix + name] = u.sources[i].view(p.shape).clone()\n",
         ("tests/runtime/test_weight_flow.py::test_eval_state_dict_and_close",),
     ),
+    Mutation(  # load_state_dict under weight flow drops a released parameter's entry instead of loading it
+        "flow_load_skips_the_staging", "hf_superoffload/runtime/weight_flow.py",
+        "                u.sources[i].view(p.shape).copy_(value)\n",
+        "                pass\n",
+        ("tests/runtime/test_weight_flow.py::test_load_state_dict_writes_the_streamed_weights_home",),
+    ),
+    Mutation(  # the entries loaded into the staging are reported missing (a strict load fails)
+        "flow_load_reports_loaded_keys_missing", "hf_superoffload/runtime/weight_flow.py",
+        "        if taken:  # loaded into staging: not missing\n",
+        "        if False:\n",
+        ("tests/runtime/test_weight_flow.py::test_load_state_dict_writes_the_streamed_weights_home",),
+    ),
+    Mutation(  # a materialized unit is loaded into its parameters only: the next fetch brings the old weights back
+        "flow_load_leaves_a_materialized_staging", "hf_superoffload/runtime/weight_flow.py",
+        "            if u is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:\n",
+        "            if u is None or u.state is UnitState.MATERIALIZED or not isinstance(value, torch.Tensor) "
+        "or value.shape != p.shape:\n",
+        ("tests/runtime/test_weight_flow.py::test_load_state_dict_writes_the_streamed_weights_home",),
+    ),
     Mutation(  # a damaged data-parallel shard is merged and given fresh checksums
         "consolidation_trusts_the_shards", "hf_superoffload/state.py",
         "                    _check_integrity(side, kind, sd[side][kind], manifest.get(f\"{side}/{kind}\"), sd, names)\n",

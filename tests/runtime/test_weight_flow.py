@@ -302,6 +302,40 @@ def test_eval_state_dict_and_close(tmp_path):
         assert torch.equal(model(input_ids=ids).logits, stationary_model(input_ids=ids).logits)
 
 
+def test_load_state_dict_writes_the_streamed_weights_home():
+    """``model.load_state_dict`` under weight flow (a Trainer or accelerate resume, a user's own load): a released
+    parameter has no storage to copy into, so its entry goes to the host staging; the next forward uses what was
+    loaded, nothing is reported missing, a materialized unit gets it too, and torch still reports a wrong shape."""
+    data = batches(2)
+    model, opt, _ = run(FLOW, data)
+    other, _, _ = run(FLOW.replace(weight_placement="stationary"), batches(3, seed=5))
+    target = {k: v.detach().clone() for k, v in other.state_dict().items()}
+    flow = opt.engine._flow
+    assert all(u.state is UnitState.RELEASED for u in flow.units)
+    result = model.load_state_dict(target, strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert all(u.state is UnitState.RELEASED for u in flow.units), "loading brought weights to the device"
+    ids = batches(1, seed=9)[0]
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, other(input_ids=ids).logits)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, target[k]), k
+    # inside materialized(): torch copies into the parameter, and the staging gets it too (the next fetch)
+    first = dict(model.state_dict())
+    with opt.materialized():
+        model.load_state_dict(first | {"model.norm.weight": torch.full_like(first["model.norm.weight"], 2.0)})
+    assert torch.equal(model.state_dict()["model.norm.weight"], torch.full_like(first["model.norm.weight"], 2.0))
+    # a partial load of one layer (its own prefix)
+    layer = model.model.layers[0]
+    layer.load_state_dict({k: torch.zeros_like(v) for k, v in layer.state_dict().items()})
+    assert all(torch.count_nonzero(v) == 0 for v in layer.state_dict().values())
+    with pytest.raises(RuntimeError, match=r"size mismatch for model\.norm\.weight"):
+        model.load_state_dict(first | {"model.norm.weight": torch.ones(3, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match="load without assign=True"):
+        model.load_state_dict(first, assign=True)
+    opt.close()
+
+
 class _Block(torch.nn.Module):
     def __init__(self, width):
         super().__init__()
