@@ -11,8 +11,9 @@ Two processes on the row's model (defaults.py's shape: random init, batch x 2048
 
 Each record: seconds of the save (from the last step's end to the Trainer's ``on_save``) and of the resume (from
 ``train()`` to the first resumed step's end, the load included); peak host RSS before and after the save / resume
-(``ru_maxrss``) and the highest RSS a 20 ms sampler saw during it, so the bytes a checkpoint adds beside a plan that
-fills the host are measured; the checkpoint's bytes on disk per file; what lives on the host.
+(``ru_maxrss``) and the highest RSS and anonymous RSS a 20 ms sampler saw during it, so the bytes a checkpoint adds
+beside a plan that fills the host are measured (a resume maps the optimizer file: its pages count in RSS as clean
+page cache, not in the anonymous RSS); the checkpoint's bytes on disk per file; what lives on the host.
 """
 
 from __future__ import annotations
@@ -37,22 +38,34 @@ def _rss_now() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
+def _rss_anon() -> float:
+    """Resident anonymous memory: what the process holds. A mapped checkpoint's pages count in RSS as file pages
+    (clean page cache the kernel drops under pressure), not here."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 / 1e9 for line in f if line.startswith("RssAnon:"))
+
+
 def _peak_rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
 class RssSampler:
-    """The highest RSS seen while ``active``, sampled every 20 ms on a daemon thread."""
+    """The highest RSS and anonymous RSS seen while ``active``, sampled every 20 ms on a daemon thread."""
 
     def __init__(self) -> None:
         self.active = False
-        self.high = 0.0
+        self.high = self.high_anon = 0.0
         threading.Thread(target=self._run, daemon=True).start()
+
+    def start(self) -> None:
+        self.high = self.high_anon = 0.0
+        self.active = True
 
     def _run(self) -> None:
         while True:
             if self.active:
                 self.high = max(self.high, _rss_now())
+                self.high_anon = max(self.high_anon, _rss_anon())
             time.sleep(0.02)
 
 
@@ -90,12 +103,14 @@ def run(phase: str, preset: str, batch: int, layers: int | None, steps: int, ckp
             if phase == "save" and state.global_step == steps:  # the save follows this step
                 marks["last_step"] = time.perf_counter()
                 rec["peak_rss_before_gb"] = _peak_rss()
-                rec["rss_before_gb"] = _rss_now()
-                sampler.high, sampler.active = 0.0, True
+                rec["rss_before_gb"], rec["anon_before_gb"] = _rss_now(), _rss_anon()
+                sampler.start()
             if phase == "resume" and "first_step" not in marks:
                 marks["first_step"] = time.perf_counter()
                 sampler.active = False
                 rec["resumed_at_step"] = state.global_step - 1
+            if phase == "resume" and state.global_step == max_steps:  # the resumed run's own steady state
+                rec["anon_end_gb"] = _rss_anon()
 
         def on_save(self, *_: Any, **__: Any) -> None:
             marks["saved"] = time.perf_counter()
@@ -112,7 +127,7 @@ def run(phase: str, preset: str, batch: int, layers: int | None, steps: int, ckp
     if phase == "save":
         trainer.train()
         rec["save_s"] = marks["saved"] - marks["last_step"]
-        rec["rss_during_save_gb"] = sampler.high
+        rec["rss_during_save_gb"], rec["anon_during_save_gb"] = sampler.high, sampler.high_anon
         rec["peak_rss_after_gb"] = _peak_rss()
         ckpt = ckpt_root / f"checkpoint-{steps}"
         files = {p.name: p.stat().st_size for p in sorted(ckpt.iterdir()) if p.is_file()}
@@ -122,11 +137,11 @@ def run(phase: str, preset: str, batch: int, layers: int | None, steps: int, ckp
         ckpt = ckpt_root / f"checkpoint-{steps}"
         rec["peak_rss_before_gb"] = _peak_rss()
         rec["rss_before_gb"] = _rss_now()
-        sampler.high, sampler.active = 0.0, True
+        sampler.start()
         marks["call"] = time.perf_counter()
         trainer.train(resume_from_checkpoint=str(ckpt))
         rec["resume_s"] = marks["first_step"] - marks["call"]
-        rec["rss_during_resume_gb"] = sampler.high
+        rec["rss_during_resume_gb"], rec["anon_during_resume_gb"] = sampler.high, sampler.high_anon
         rec["peak_rss_after_gb"] = _peak_rss()
     opt = trainer.superoffload_optimizer
     rec["host_params"] = opt.plan.host_numel
