@@ -44,7 +44,7 @@ from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
 from .runtime.validation import GroupHypers, SpeculationGovernor, StepVerdict
-from .state import engine_state_dict, load_engine_state, validate_engine_state
+from .state import engine_state_dict, load_engine_state, names_in, validate_engine_state, validate_whole_state
 
 __all__ = ["SuperOffloadOptimizer"]
 
@@ -194,6 +194,8 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         many parameters moved their optimizer state to the device), once it ran on a GPU."""
         self._other_at_plan = 0  # device bytes allocated at the first batch that are not the model's weights
         self._fp32_values: list[torch.Tensor | None] | None = None
+        # [Note: a state loaded before the first batch]: validated, copied in once the engine is built
+        self._pending_state: dict[str, Any] | None = None
         infer = profile_read and not converted and self._infers_workload()
         if comm is not None:
             # a rank that plans now would never join the others' agreement at the first batch: all or none wait
@@ -328,6 +330,9 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             self._fp32_values = None
         self._built = engine
         self._provisional = None
+        if self._pending_state is not None:  # the masters and moments it holds replace the seeded ones
+            pending, self._pending_state = self._pending_state, None
+            load_engine_state(engine, pending, validate=False)
         if plan.kept_layers:  # before this forward's layers run: it is the first one that trains
             self._set_kept_layers(plan.kept_layers)
         if self.workload is not None and self._comm is None:
@@ -805,18 +810,30 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
         if "superoffload" not in state_dict:
             raise ValueError("this state dict was not saved by SuperOffloadOptimizer (no 'superoffload' entry); "
                              "a plain torch optimizer's state cannot seed the offloaded masters")
-        # everything is checked before anything is copied: a refused state leaves the optimizer as it was
-        validate_engine_state(self._engine, state_dict["superoffload"])
+        sd = state_dict["superoffload"]
+        if self._built is None and self._batch_hook is not None and not sd.get("sharding"):
+            # [Note: a state loaded before the first batch]: the plan waits for the first batch's shape; building
+            # the engine now would plan without it (a resume would run another, slower plan than the run it resumes)
+            validate_whole_state(self._ordered, names_in(self._model, self._ordered), sd)
+            self._check_groups(state_dict)
+            self._pending_state = sd
+            counters = {k: int(v) for k, v in sd.get("counters", {}).items()}
+        else:
+            # everything is checked before anything is copied: a refused state leaves the optimizer as it was
+            validate_engine_state(self._engine, sd)
+            self._check_groups(state_dict)
+            self._engine.synchronize()
+            counters = load_engine_state(self._engine, sd, validate=False)
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self.skipped_steps = counters.get("skipped_steps", 0)
+        self.clipped_steps = counters.get("clipped_steps", 0)
+
+    def _check_groups(self, state_dict: dict[str, Any]) -> None:
         saved = [len(g["params"]) for g in state_dict.get("param_groups", [])]
         ours = [len(g["params"]) for g in self.param_groups]
         if saved != ours:
             raise ValueError(f"the checkpoint has a different number of parameter groups or group sizes (saved {saved}, "
                              f"now {ours}); resume with the same param groups")
-        self._engine.synchronize()
-        counters = load_engine_state(self._engine, state_dict["superoffload"], validate=False)
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self.skipped_steps = counters.get("skipped_steps", 0)
-        self.clipped_steps = counters.get("clipped_steps", 0)
 
     def close(self) -> None:
         """Stop the worker, remove hooks and give the model its own loss back (``SuperOffloadConfig.chunked_loss``).

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -37,7 +38,8 @@ from .planning.plan import Placement
 from .runtime.engine import OffloadEngine
 from .runtime.host_memory import CHECKPOINT_PIECE_BYTES, exact_storage
 
-__all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engine_state", "validate_engine_state"]
+__all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engine_state", "names_in", "validate_engine_state",
+           "validate_whole_state"]
 
 FORMAT = "hf_superoffload.optimizer.v2"
 _READABLE = (FORMAT, "hf_superoffload.optimizer.v1")  # v1: every arena one tensor, the device ones host copies
@@ -167,8 +169,13 @@ def param_names(engine: OffloadEngine) -> list[str]:
     """The model's name of each of the engine's parameters, in the engine's order. The engine keeps them in
     gradient-arrival order (the reverse of registration), so an index means nothing to a user: errors name them."""
     roots = engine.hooks.roots  # the model itself comes first
-    by_id = {id(p): n for n, p in roots[0].named_parameters()} if roots else {}
-    return [by_id.get(id(p), f"parameter {i}") for i, p in enumerate(engine.params)]
+    return names_in(roots[0] if roots else None, engine.params)
+
+
+def names_in(model: torch.nn.Module | None, params: Sequence[torch.nn.Parameter]) -> list[str]:
+    """The name ``model`` gives each of ``params`` (``parameter i`` where it has none)."""
+    by_id = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    return [by_id.get(id(p), f"parameter {i}") for i, p in enumerate(params)]
 
 
 def _manifest(arenas: dict[str, dict[str, Saved]]) -> dict[str, dict[str, Any]]:
@@ -286,6 +293,26 @@ def _digest(x: Saved) -> int:
 
 def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
     """Everything ``load_engine_state`` relies on, checked before anything is copied."""
+    names = param_names(engine)
+    _check_model(engine.params, names, sd)
+    if sd.get("sharding"):
+        _validate_shard(engine, sd, names)
+        return
+    _check_whole(engine.params, names, sd)
+
+
+def validate_whole_state(params: Sequence[torch.nn.Parameter], names: list[str], sd: dict[str, Any]) -> None:
+    """``validate_engine_state`` for the state of one whole process (not a data-parallel shard, whose layout is the
+    plan's), before the engine exists: ``params`` in the engine's order, ``names`` theirs."""
+    _check_model(params, names, sd)
+    if sd.get("sharding"):
+        raise ValueError("this is one data-parallel rank's shard of an optimizer state; load the checkpoint's "
+                         "shards together (the Trainer or accelerate's load_state merges them)")
+    _check_whole(params, names, sd)
+
+
+def _check_model(params: Sequence[torch.nn.Parameter], names: list[str], sd: dict[str, Any]) -> None:
+    """The format, the entries, and the parameters' numbers and shapes."""
     if not isinstance(sd, dict) or sd.get("format") not in _READABLE:
         found = sd.get("format") if isinstance(sd, dict) else type(sd).__name__
         raise ValueError(f"unknown optimizer state format {found!r}; this version reads {' and '.join(_READABLE)}: "
@@ -293,8 +320,7 @@ def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
     for key in ("numels", "shapes", "locations", "param_steps", "host", "device"):
         if key not in sd:
             raise ValueError(f"optimizer checkpoint has no {key!r} entry; the file is damaged")
-    numels = [p.numel() for p in engine.params]
-    names = param_names(engine)
+    numels = [p.numel() for p in params]
     saved_names = sd.get("names")  # absent in checkpoints written before names were saved
     if list(sd["numels"]) != numels:
         saved, ours = list(sd["numels"]), numels
@@ -306,14 +332,16 @@ def validate_engine_state(engine: OffloadEngine, sd: dict[str, Any]) -> None:
             f"now; first difference at {where}). Resume with the same model, the same frozen/trainable "
             "parameters and the same param groups."
         )
-    for i, (saved_shape, p) in enumerate(zip(sd["shapes"], engine.params)):
+    for i, (saved_shape, p) in enumerate(zip(sd["shapes"], params)):
         if list(saved_shape) != list(p.shape):
             was = f" (saved as {saved_names[i]})" if saved_names and saved_names[i] != names[i] else ""
             raise ValueError(f"the checkpoint was saved for a different model: parameter {names[i]}{was} has shape "
                              f"{list(saved_shape)} in the checkpoint and {list(p.shape)} now. Resume with the same model.")
-    if sd.get("sharding"):
-        _validate_shard(engine, sd, names)
-        return
+
+
+def _check_whole(params: Sequence[torch.nn.Parameter], names: list[str], sd: dict[str, Any]) -> None:
+    """The layout and integrity of one whole process's arenas (any plan's: ``locations`` say where each was)."""
+    numels = [p.numel() for p in params]
     for key in ("locations", "param_steps"):
         if len(sd[key]) != len(numels):
             raise ValueError(f"optimizer checkpoint {key} has {len(sd[key])} entries for {len(numels)} parameters; "

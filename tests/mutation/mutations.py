@@ -475,6 +475,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "or value.shape != p.shape:\n",
         ("tests/runtime/test_weight_flow.py::test_load_state_dict_writes_the_streamed_weights_home",),
     ),
+    Mutation(  # a state loaded before the first batch builds the engine there, planning without the batch's shape
+        "load_before_the_first_batch_closes_the_plan", "hf_superoffload/optimizer.py",
+        "        if self._built is None and self._batch_hook is not None and not sd.get(\"sharding\"):\n",
+        "        if False:\n",
+        ("tests/runtime/test_workload_from_batch.py::test_a_state_loaded_before_the_first_batch_waits_for_the_plan",),
+    ),
+    Mutation(  # the state kept for the first batch is never copied in
+        "pending_state_dropped", "hf_superoffload/optimizer.py",
+        "            load_engine_state(engine, pending, validate=False)\n",
+        "            pass\n",
+        ("tests/runtime/test_workload_from_batch.py::test_a_state_loaded_before_the_first_batch_waits_for_the_plan",),
+    ),
+    Mutation(  # a state kept for the first batch is not checked when it is loaded
+        "pending_state_unchecked", "hf_superoffload/optimizer.py",
+        "            validate_whole_state(self._ordered, names_in(self._model, self._ordered), sd)\n",
+        "            pass\n",
+        ("tests/runtime/test_workload_from_batch.py::test_a_state_loaded_before_the_first_batch_waits_for_the_plan",),
+    ),
     Mutation(  # a damaged data-parallel shard is merged and given fresh checksums
         "consolidation_trusts_the_shards", "hf_superoffload/state.py",
         "                    _check_integrity(side, kind, sd[side][kind], manifest.get(f\"{side}/{kind}\"), sd, names)\n",

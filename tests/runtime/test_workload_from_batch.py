@@ -200,3 +200,40 @@ def test_a_first_forward_without_labels_plans_the_loss_outside_the_model(device_
         tails[labels] = opt.plan.device_numel
         opt.close()
     assert tails[False] < tails[True]
+
+
+def test_a_state_loaded_before_the_first_batch_waits_for_the_plan(device_budget, tmp_path) -> None:
+    """[Note: a state loaded before the first batch]: a resume loads the optimizer state before any batch; the plan
+    still waits for the first batch's shape (the load used to close it without one: another, slower plan than the
+    run it resumes) and the resumed run equals the uninterrupted one bit for bit. A damaged state is refused at the
+    load, before any batch, and changes nothing."""
+    batch, seq = 2, 24
+    model = tiny_llama(**MODEL)
+    device_budget(_budget_for_half_tail(model, batch, seq))
+    data = _batches(6, batch, seq)
+    opt = SuperOffloadOptimizer(model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    train_steps(model, opt, data[:3])
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    train_steps(model, opt, data[3:])  # the uninterrupted run
+
+    resumed_model = tiny_llama(**MODEL)
+    resumed_model.load_state_dict(weights)
+    resumed = SuperOffloadOptimizer(resumed_model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", mmap=True, weights_only=True))
+    assert not resumed.planned, "the load closed the plan without the first batch's shape"
+    train_steps(resumed_model, resumed, data[3:])
+    assert resumed.workload == opt.workload
+    tail = opt.plan.device_numel
+    assert 0 < tail < sum(p.numel() for p in model.parameters()), "the budget should leave a partial tail"
+    assert dataclasses.replace(resumed.plan, notes=()) == dataclasses.replace(opt.plan, notes=())
+    for a, b in zip(weights_and_state(model, opt), weights_and_state(resumed_model, resumed), strict=True):
+        assert torch.equal(a, b)
+
+    damaged = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    damaged["superoffload"]["host"]["exp_avg"][7] += 1.0
+    fresh = SuperOffloadOptimizer(tiny_llama(**MODEL), lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    with pytest.raises(ValueError, match=r"optimizer checkpoint host/exp_avg fails its checksum"):
+        fresh.load_state_dict(damaged)
+    assert not fresh.planned and fresh._pending_state is None
+    fresh.close()
