@@ -38,8 +38,8 @@ from .planning.plan import Placement
 from .runtime.engine import OffloadEngine
 from .runtime.host_memory import CHECKPOINT_PIECE_BYTES, exact_storage
 
-__all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "load_engine_state", "names_in", "validate_engine_state",
-           "validate_whole_state"]
+__all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "is_own_shard", "load_engine_state", "names_in",
+           "validate_engine_state", "validate_whole_state"]
 
 FORMAT = "hf_superoffload.optimizer.v2"
 _READABLE = (FORMAT, "hf_superoffload.optimizer.v1")  # v1: every arena one tensor, the device ones host copies
@@ -93,14 +93,20 @@ def _numel(x: Saved) -> int:
     return sum(t.numel() for t in _pieces(x))
 
 
-def _read(x: Saved, start: int, end: int) -> torch.Tensor:
-    """Elements ``[start, end)`` of arena ``x``: a view where one piece holds them, else a copy of the span."""
+def _views(x: Saved, start: int, end: int) -> list[torch.Tensor]:
+    """Elements ``[start, end)`` of arena ``x`` as views of its pieces, in order (no copy)."""
     parts, at = [], 0
     for t in _pieces(x):
         lo, hi = max(start - at, 0), min(end - at, t.numel())
         if lo < hi:
             parts.append(t[lo:hi])
         at += t.numel()
+    return parts
+
+
+def _read(x: Saved, start: int, end: int) -> torch.Tensor:
+    """Elements ``[start, end)`` of arena ``x``: a view where one piece holds them, else a copy of the span."""
+    parts = _views(x, start, end)
     if len(parts) == 1:
         return parts[0]
     return torch.cat([p.cpu() for p in parts]) if parts else torch.zeros(0)
@@ -163,6 +169,12 @@ def _layout(engine: OffloadEngine) -> dict[str, Any]:
     return {"world_size": plan.world_size, "rank": plan.rank,
             "buckets": [{"params": list(b.param_indices), "numel": b.numel, "shard": b.shard,
                          "placement": b.placement.value, "offset": b.offset} for b in plan.buckets]}
+
+
+def is_own_shard(engine: OffloadEngine, sd: dict[str, Any]) -> bool:
+    """Whether ``sd`` is this rank's shard of a state laid out as ``engine``'s plan lays out its buckets (it loads
+    arena for arena; any other state loads through the merged shards)."""
+    return engine.comm is not None and bool(sd.get("sharding")) and sd["sharding"] == _layout(engine)
 
 
 def param_names(engine: OffloadEngine) -> list[str]:
@@ -410,9 +422,14 @@ def _validate_shard(engine: OffloadEngine, sd: dict[str, Any], names: list[str])
             _check_integrity(side, kind, t, manifest.get(f"{side}/{kind}"), sd, names)
 
 
-def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
+def consolidate_state_dicts(shards: list[dict[str, Any]], *, manifest: bool = True) -> dict[str, Any]:
     """Merge every data-parallel rank's optimizer shard (``opt.state_dict()["superoffload"]`` of each rank,
-    in any order) into one single-process state that loads into any number of processes."""
+    in any order) into one single-process state that loads into any number of processes.
+
+    The merged arenas are lists of views of the shards' arenas (a mapped checkpoint stays mapped: merging holds no
+    copy of the state in RAM). Each shard's checksums are verified first; ``manifest`` computes the merged state's
+    own (needed where it is saved; a state merged to be loaded at once, whose shards were just verified, can skip
+    that read of every byte)."""
     if not shards or not all(isinstance(sd, dict) and sd.get("sharding") for sd in shards):
         raise ValueError("consolidate_state_dicts takes the sharded optimizer states of every rank")
     by_rank = {sd["sharding"]["rank"]: sd for sd in shards}
@@ -425,14 +442,14 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     numels = list(shards[0]["numels"])
     for r, sd in sorted(by_rank.items()):  # a damaged shard must not come out with fresh, valid checksums
         names = list(sd.get("names") or [f"parameter {i}" for i in range(len(numels))])
-        manifest = sd.get("manifest") or {}
+        saved = sd.get("manifest") or {}
         for side in ("host", "device"):
             for kind in _KINDS:
                 try:
                     if kind not in sd.get(side, {}):
                         raise ValueError(f"optimizer checkpoint is missing {side}/{kind}; the file is damaged")
                     _check_flat(side, kind, sd[side][kind])
-                    _check_integrity(side, kind, sd[side][kind], manifest.get(f"{side}/{kind}"), sd, names)
+                    _check_integrity(side, kind, sd[side][kind], saved.get(f"{side}/{kind}"), sd, names)
                 except ValueError as e:
                     raise ValueError(f"the shard of rank {r}: {e}") from None
     merged: dict[str, dict[str, list[torch.Tensor]]] = {"host": {k: [] for k in _KINDS},
@@ -441,21 +458,23 @@ def consolidate_state_dicts(shards: list[dict[str, Any]]) -> dict[str, Any]:
     sizes = {"host": 0, "device": 0}
     for b in layouts[0]["buckets"]:
         side, n, shard, off = b["placement"], b["numel"], b["shard"], b["offset"]
-        for kind in _KINDS:
-            parts = [_read(by_rank[r][side][kind], off, off + shard).cpu() for r in range(world)]
-            merged[side][kind].append(torch.cat(parts)[:n])
+        for kind in _KINDS:  # rank r holds elements [r * shard, (r + 1) * shard) of the bucket, the last padded
+            for r in range(world):
+                take = min(shard, n - r * shard)
+                if take > 0:
+                    merged[side][kind].extend(_views(by_rank[r][side][kind], off, off + take))
         at = sizes[side]
         for i in b["params"]:
             locations[i] = (side, at)
             at += numels[i]
         sizes[side] += n
     base = shards[0]
-    arenas = {side: {k: (torch.cat(v) if v else torch.zeros(0)) for k, v in d.items()} for side, d in merged.items()}
+    arenas = {side: {k: (v if v else torch.zeros(0)) for k, v in d.items()} for side, d in merged.items()}
     return {
         "format": FORMAT, "names": base.get("names"), "numels": numels, "shapes": base["shapes"],
         "locations": locations, "sharding": None,
         "param_steps": base["param_steps"], **arenas,
-        "manifest": _manifest(arenas),
+        "manifest": _manifest(arenas) if manifest else None,
         "counters": base.get("counters", {}), "governor": base.get("governor"),
     }
 

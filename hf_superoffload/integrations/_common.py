@@ -130,24 +130,36 @@ def save_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: s
 
 
 def read_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: str) -> tuple[str, dict[str, Any] | None]:
-    """This rank's optimizer state in ``folder`` (``None`` if it has none): its own shard when as many ranks
-    wrote the checkpoint; the merged shards when the number of ranks changed; ``single_name`` of a
-    single-process run (it loads into any number of ranks)."""
+    """This rank's optimizer state in ``folder`` (``None`` if it has none): ``single_name`` of a single-process run
+    (it loads into any number of ranks); this rank's own shard when as many ranks wrote the checkpoint with the
+    bucket layout this run's plan has; else every rank's shards merged (views of the mapped files: no copy), which
+    load into any plan and any number of ranks. A plan still waiting for the first batch ([Note: a state loaded
+    before the first batch]) has no layout yet, and after a calibration the saved layout is rarely the first plan's,
+    so such a resume merges."""
     import re
 
     shards = sorted(f for f in os.listdir(folder) if re.fullmatch(r"optimizer_rank\d+\.pt", f))
     if not shards:
         path = os.path.join(folder, single_name)
         return path, (_load_state_file(path) if os.path.isfile(path) else None)
-    if len(shards) == opt.plan.world_size and opt.engine.comm is not None:
+    world = opt.plan.world_size
+    if len(shards) == world and opt.comm is not None and opt.planned:
+        from ..state import is_own_shard
+
         path = os.path.join(folder, SHARD_PATTERN.format(rank=opt.plan.rank))
-        return path, _load_state_file(path)
+        own = _load_state_file(path)
+        if is_own_shard(opt.engine, own.get("superoffload", {})):
+            return path, own
     from ..state import consolidate_state_dicts
 
-    logger.warning("hf_superoffload: %s holds %d optimizer shards and this run has %d rank(s): merging them "
-                   "(every rank reads all shards once)", folder, len(shards), opt.plan.world_size)
+    why = (f"this run has {world} rank(s)" if len(shards) != world or opt.comm is None else
+           "this run's plan lays the buckets out otherwise" if opt.planned else "this run plans at its first batch")
+    logger.warning("hf_superoffload: %s holds %d optimizer shards and %s: every rank reads all of them (mapped)",
+                   folder, len(shards), why)
     states = [_load_state_file(os.path.join(folder, f)) for f in shards]
-    merged = {**states[0], "superoffload": consolidate_state_dicts([s["superoffload"] for s in states])}
+    # each shard's checksums are verified here; the merged state is loaded at once (no manifest of its own to write)
+    merged = {**states[0], "superoffload": consolidate_state_dicts([s["superoffload"] for s in states],
+                                                                    manifest=False)}
     return os.path.join(folder, SHARD_PATTERN.format(rank="*")), merged
 
 

@@ -1,6 +1,8 @@
 """One rank of the data-parallel workload-inference test (tests/distributed/test_data_parallel_workload.py).
 
-argv: out_dir device_budget_bytes steps [given]. Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+argv: out_dir device_budget_bytes steps [given | save K | resume K]. Environment: RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT. ``save K`` also writes each rank's optimizer shard after K steps to ``out_dir/ckpt``; ``resume K`` loads
+them into a bare optimizer before its first batch (the Trainer's ``read_optimizer_state``) and trains steps K..steps-1.
 The optimizer is built bare (no workload): it plans at the first training forward, and the ranks' first batches have
 different sequence lengths. With ``given`` it is built with the workload the ranks should agree on (the largest
 sequence), planned at construction: the run the bare one must equal. Before the first backward the ranks compare their plans and stop if they differ (the
@@ -57,6 +59,7 @@ def shared_part(plan: OffloadPlan) -> OffloadPlan:
 def main() -> None:
     out, budget, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     given = sys.argv[4:] == ["given"]
+    mode, at = (sys.argv[4], int(sys.argv[5])) if sys.argv[4:5] in (["save"], ["resume"]) else (None, 0)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == len(SEQ), f"run {len(SEQ)} ranks"
@@ -67,10 +70,23 @@ def main() -> None:
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=1.0, log_plan=False,
                                 config=SuperOffloadConfig(bucket_size_mb=0.004, cpu_threads=1), workload=workload)
     planned_at_construction = opt.planned
+    ckpt = out.parent / "save" / "ckpt" if mode == "resume" else out / "ckpt"
+    if mode == "resume":
+        from hf_superoffload.integrations._common import read_optimizer_state
+
+        _, state = read_optimizer_state(opt, str(ckpt), "optimizer.pt")
+        assert state is not None
+        opt.load_state_dict(state)
+        assert not opt.planned, "the load closed the plan before the first batch"
     losses = []
     for step, ids in enumerate(batches(rank, steps)):
+        if step < at and mode == "resume":
+            continue
+        if step == at and mode == "save":
+            ckpt.mkdir(exist_ok=True)
+            torch.save(opt.state_dict(), ckpt / f"optimizer_rank{rank}.pt")
         loss = model(input_ids=ids, labels=ids).loss
-        if step == 0:
+        if step == at:
             plans: list[str | None] = [None] * world
             dist.all_gather_object(plans, repr(shared_part(opt.plan)))
             if any(p != plans[0] for p in plans):

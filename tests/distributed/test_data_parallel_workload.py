@@ -100,3 +100,28 @@ def _same_tensors(a: object, b: object) -> bool:
     if isinstance(a, list | tuple):
         return isinstance(b, list | tuple) and len(a) == len(b) and all(map(_same_tensors, a, b))
     return a == b
+
+
+def test_a_resume_before_the_first_batch_plans_with_it_and_equals_the_uninterrupted_run(launcher,
+                                                                                     tmp_path: Path) -> None:
+    """[Note: a state loaded before the first batch] under data parallel: the ranks' shards are loaded before the
+    first batch (the plan has no bucket layout yet, so they are merged: views of the mapped files), the plan waits
+    for that batch, and the resumed ranks end bit for bit where the uninterrupted run ends."""
+    w = _worker()
+    model = tiny_llama(seed=0)
+    budget = _budget(model, w.SEQ)
+    half = STEPS // 2
+    runs = {}
+    for mode in ("save", "resume"):
+        out = tmp_path / mode
+        out.mkdir()
+        fin = launcher(WORKER, 2, [str(out), str(budget), str(STEPS), mode, str(half)], deadline=240.0)
+        assert fin.returncodes == [0, 0], "\n".join(fin.outputs)
+        runs[mode] = [torch.load(out / f"result_rank{r}.pt", weights_only=False) for r in range(2)]
+    full, resumed = runs["save"], runs["resume"]
+    assert full[0]["device_buckets"] > 0, "the budget should leave a GPU-resident tail"
+    for mine, theirs in zip(resumed, full, strict=True):
+        assert mine["workload"] == theirs["workload"] and mine["device_buckets"] == theirs["device_buckets"]
+        assert mine["losses"] == theirs["losses"][half:] and mine["grad_norm"] == theirs["grad_norm"]
+        assert all(torch.equal(t, theirs["params"][n]) for n, t in mine["params"].items())
+        assert _same_tensors(mine["state"], theirs["state"])

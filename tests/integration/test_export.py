@@ -137,6 +137,21 @@ def test_a_data_parallel_checkpoint_is_merged_from_its_rank_shards(hf: Any, tmp_
     params = dict(loaded.named_parameters())
     for name, m in masters.items():
         assert torch.equal(params[name].detach(), m), name
+    # merged without a copy: the arenas are views of the shards' (a mapped checkpoint stays mapped), equal to the
+    # single-process state's
+    shards = _split_into_rank_shards(full["superoffload"], 2)
+    merged = st.consolidate_state_dicts(shards)
+    homes = {t.untyped_storage().data_ptr() for sd in shards for side in ("host", "device")
+             for t in st._pieces(sd[side]["master"])}
+    assert st._pieces(merged["host"]["master"])
+    assert all(t.untyped_storage().data_ptr() in homes for t in st._pieces(merged["host"]["master"]))
+    for i, (pl, off) in enumerate(merged["locations"]):
+        side = "host" if pl == "host" else "device"
+        n = merged["numels"][i]
+        ref_side = "host" if full["superoffload"]["locations"][i][0] == "host" else "device"
+        ref_off = full["superoffload"]["locations"][i][1]
+        assert torch.equal(st._read(merged[side]["exp_avg"], off, off + n),
+                           st._read(full["superoffload"][ref_side]["exp_avg"], ref_off, ref_off + n))
     damaged = _split_into_rank_shards(full["superoffload"], 2)
     damaged[1]["host"]["master"][5] += 1.0  # changed after its checksum was taken: merged, it would get a fresh one
     with pytest.raises(ValueError, match=r"the shard of rank 1: optimizer checkpoint host/master fails its checksum"):

@@ -493,9 +493,22 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass\n",
         ("tests/runtime/test_workload_from_batch.py::test_a_state_loaded_before_the_first_batch_waits_for_the_plan",),
     ),
+    Mutation(  # a data-parallel resume reads its own shard, building the engine (and the plan) before the first batch
+        "dp_resume_plans_before_the_first_batch", "hf_superoffload/integrations/_common.py",
+        "    if len(shards) == world and opt.comm is not None and opt.planned:\n",
+        "    if len(shards) == world and opt.engine.comm is not None:\n",
+        ("tests/distributed/test_data_parallel_workload.py::"
+         "test_a_resume_before_the_first_batch_plans_with_it_and_equals_the_uninterrupted_run",),
+    ),
+    Mutation(  # merging the shards copies the state (a resume would hold it in RAM beside the live arenas)
+        "merged_shards_are_copies", "hf_superoffload/state.py",
+        "                    merged[side][kind].extend(_views(by_rank[r][side][kind], off, off + take))\n",
+        "                    merged[side][kind].append(_read(by_rank[r][side][kind], off, off + take).clone())\n",
+        ("tests/integration/test_export.py::test_a_data_parallel_checkpoint_is_merged_from_its_rank_shards",),
+    ),
     Mutation(  # a damaged data-parallel shard is merged and given fresh checksums
         "consolidation_trusts_the_shards", "hf_superoffload/state.py",
-        "                    _check_integrity(side, kind, sd[side][kind], manifest.get(f\"{side}/{kind}\"), sd, names)\n",
+        "                    _check_integrity(side, kind, sd[side][kind], saved.get(f\"{side}/{kind}\"), sd, names)\n",
         "                    pass\n",
         ("tests/integration/test_export.py::test_a_data_parallel_checkpoint_is_merged_from_its_rank_shards",),
     ),
