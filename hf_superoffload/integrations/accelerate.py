@@ -332,8 +332,9 @@ def _optimizer_kwargs(spec: Any) -> dict[str, Any]:
 
 def _checkpoint_shards(accelerator: Any, opt: SuperOffloadOptimizer) -> None:
     """Data parallel: ``save_state`` writes every rank's optimizer shard (``optimizer_rank{r}.pt``) through a save
-    hook (accelerate itself writes ``optimizer.bin`` on the main process only); ``load_state`` reads them back, or
-    merges them when the number of ranks changed."""
+    hook (accelerate itself writes ``optimizer.bin`` on the main process only); ``load_state`` reads this rank's back
+    when the plan already has their layout, else merges them (``read_optimizer_state``: another number of ranks,
+    another layout, or a plan that waits for the first batch)."""
 
     def save_hook(models: Any, weights: Any, output_dir: str) -> None:
         save_optimizer_state(opt, output_dir, "superoffload_optimizer.pt")
