@@ -44,7 +44,14 @@ from .runtime.collectives import ShardGroup
 from .runtime.engine import OffloadEngine, StepStats
 from .runtime.kept_layers import KeptLayers, checkpointed_layers, layer_checkpointing
 from .runtime.validation import GroupHypers, SpeculationGovernor, StepVerdict
-from .state import engine_state_dict, load_engine_state, names_in, validate_engine_state, validate_whole_state
+from .state import (
+    engine_state_dict,
+    load_engine_state,
+    names_in,
+    validate_engine_state,
+    validate_whole_state,
+    weights_from_masters,
+)
 
 __all__ = ["SuperOffloadOptimizer"]
 
@@ -817,6 +824,7 @@ class SuperOffloadOptimizer(torch.optim.Optimizer):
             validate_whole_state(self._ordered, names_in(self._model, self._ordered), sd)
             self._check_groups(state_dict)
             self._pending_state = sd
+            weights_from_masters(self._ordered, sd)  # evaluation before the first batch sees the loaded weights
             counters = {k: int(v) for k, v in sd.get("counters", {}).items()}
         else:
             # everything is checked before anything is copied: a refused state leaves the optimizer as it was

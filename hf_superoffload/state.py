@@ -39,7 +39,7 @@ from .runtime.engine import OffloadEngine
 from .runtime.host_memory import CHECKPOINT_PIECE_BYTES, exact_storage
 
 __all__ = ["FORMAT", "consolidate_state_dicts", "engine_state_dict", "is_own_shard", "load_engine_state", "names_in",
-           "validate_engine_state", "validate_whole_state"]
+           "validate_engine_state", "validate_whole_state", "weights_from_masters"]
 
 FORMAT = "hf_superoffload.optimizer.v2"
 _READABLE = (FORMAT, "hf_superoffload.optimizer.v1")  # v1: every arena one tensor, the device ones host copies
@@ -169,6 +169,16 @@ def _layout(engine: OffloadEngine) -> dict[str, Any]:
     return {"world_size": plan.world_size, "rank": plan.rank,
             "buckets": [{"params": list(b.param_indices), "numel": b.numel, "shard": b.shard,
                          "placement": b.placement.value, "offset": b.offset} for b in plan.buckets]}
+
+
+def weights_from_masters(params: Sequence[torch.nn.Parameter], sd: dict[str, Any]) -> None:
+    """Each parameter := its master in the whole-process state ``sd``, cast to the parameter's dtype (what the
+    engine writes after a load): a state kept for the first batch already shows in the weights that evaluation
+    before it reads."""
+    with torch.no_grad():
+        for p, (pl_value, off) in zip(params, sd["locations"], strict=True):
+            side = "host" if Placement(pl_value) is Placement.HOST else "device"
+            p.copy_(_read(sd[side]["master"], off, off + p.numel()).view(p.shape))
 
 
 def is_own_shard(engine: OffloadEngine, sd: dict[str, Any]) -> bool:

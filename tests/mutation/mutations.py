@@ -487,6 +487,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         "            pass\n",
         ("tests/runtime/test_workload_from_batch.py::test_a_state_loaded_before_the_first_batch_waits_for_the_plan",),
     ),
+    Mutation(  # a state kept for the first batch leaves the weights as they were until that batch
+        "pending_state_leaves_the_weights", "hf_superoffload/optimizer.py",
+        "            weights_from_masters(self._ordered, sd)  # evaluation before the first batch sees the loaded weights\n",
+        "            pass\n",
+        ("tests/runtime/test_workload_from_batch.py::test_a_state_loaded_before_the_first_batch_waits_for_the_plan",),
+    ),
     Mutation(  # a state kept for the first batch is not checked when it is loaded
         "pending_state_unchecked", "hf_superoffload/optimizer.py",
         "            validate_whole_state(self._ordered, names_in(self._model, self._ordered), sd)\n",

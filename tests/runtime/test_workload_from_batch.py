@@ -217,11 +217,12 @@ def test_a_state_loaded_before_the_first_batch_waits_for_the_plan(device_budget,
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     train_steps(model, opt, data[3:])  # the uninterrupted run
 
-    resumed_model = tiny_llama(**MODEL)
-    resumed_model.load_state_dict(weights)
+    resumed_model = tiny_llama(**MODEL)  # its own initial weights: the state's masters replace them
     resumed = SuperOffloadOptimizer(resumed_model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     resumed.load_state_dict(torch.load(tmp_path / "optimizer.pt", mmap=True, weights_only=True))
     assert not resumed.planned, "the load closed the plan without the first batch's shape"
+    for k, v in resumed_model.state_dict().items():  # what an evaluation before the first batch reads
+        assert torch.equal(v, weights[k]), k
     train_steps(resumed_model, resumed, data[3:])
     assert resumed.workload == opt.workload
     tail = opt.plan.device_numel
