@@ -154,8 +154,8 @@ def read_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: s
 
     why = (f"this run has {world} rank(s)" if len(shards) != world or opt.comm is None else
            "this run's plan lays the buckets out otherwise" if opt.planned else "this run plans at its first batch")
-    logger.warning("hf_superoffload: %s holds %d optimizer shards and %s: every rank reads all of them (mapped)",
-                   folder, len(shards), why)
+    logger.warning("hf_superoffload: %s holds %d optimizer shards and %s: merging them (every rank reads all of "
+                   "them, mapped)", folder, len(shards), why)
     states = [_load_state_file(os.path.join(folder, f)) for f in shards]
     # each shard's checksums are verified here; the merged state is loaded at once (no manifest of its own to write)
     merged = {**states[0], "superoffload": consolidate_state_dicts([s["superoffload"] for s in states],
