@@ -233,8 +233,11 @@ def test_a_state_loaded_before_the_first_batch_waits_for_the_plan(device_budget,
 
     damaged = torch.load(tmp_path / "optimizer.pt", weights_only=True)
     damaged["superoffload"]["host"]["exp_avg"][7] += 1.0
-    fresh = SuperOffloadOptimizer(tiny_llama(**MODEL), lr=1e-2, max_grad_norm=1.0, log_plan=False)
+    fresh_model = tiny_llama(**MODEL)
+    before = {k: v.clone() for k, v in fresh_model.state_dict().items()}
+    fresh = SuperOffloadOptimizer(fresh_model, lr=1e-2, max_grad_norm=1.0, log_plan=False)
     with pytest.raises(ValueError, match=r"optimizer checkpoint host/exp_avg fails its checksum"):
         fresh.load_state_dict(damaged)
     assert not fresh.planned and fresh._pending_state is None
+    assert all(torch.equal(v, before[k]) for k, v in fresh_model.state_dict().items()), "refused, yet changed"
     fresh.close()
