@@ -143,11 +143,13 @@ def read_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: s
         path = os.path.join(folder, single_name)
         return path, (_load_state_file(path) if os.path.isfile(path) else None)
     world = opt.plan.world_size
+    loaded: dict[str, dict[str, Any]] = {}  # shards already mapped: the merge reads each file once
     if len(shards) == world and opt.comm is not None and opt.planned:
         from ..state import is_own_shard
 
-        path = os.path.join(folder, SHARD_PATTERN.format(rank=opt.plan.rank))
-        own = _load_state_file(path)
+        name = SHARD_PATTERN.format(rank=opt.plan.rank)
+        path = os.path.join(folder, name)
+        loaded[name] = own = _load_state_file(path)
         if is_own_shard(opt.engine, own.get("superoffload", {})):
             return path, own
     from ..state import consolidate_state_dicts
@@ -156,7 +158,7 @@ def read_optimizer_state(opt: SuperOffloadOptimizer, folder: str, single_name: s
            "this run's plan lays the buckets out otherwise" if opt.planned else "this run plans at its first batch")
     logger.warning("hf_superoffload: %s holds %d optimizer shards and %s: merging them (every rank reads all of "
                    "them, mapped)", folder, len(shards), why)
-    states = [_load_state_file(os.path.join(folder, f)) for f in shards]
+    states = [loaded.get(f) or _load_state_file(os.path.join(folder, f)) for f in shards]
     # each shard's checksums are verified here; the merged state is loaded at once (no manifest of its own to write)
     merged = {**states[0], "superoffload": consolidate_state_dicts([s["superoffload"] for s in states],
                                                                     manifest=False)}

@@ -98,6 +98,12 @@ def main() -> None:
     opt = SuperOffloadOptimizer(model, lr=LR, weight_decay=0.1, max_grad_norm=max_norm, config=cfg)
     if "load" in kw:
         opt.load_state_dict(torch.load(kw["load"].format(rank=rank), weights_only=False))
+    if "resume_dir" in kw:  # the integrations' resume: this rank's own shard, or every rank's merged
+        from hf_superoffload.integrations._common import read_optimizer_state
+
+        print(f"planned before the load: {opt.planned}", flush=True)
+        _, state = read_optimizer_state(opt, kw["resume_dir"], "optimizer.pt")
+        opt.load_state_dict(state)
     per = GLOBAL_BS // world
     data = batches(start + steps)
     losses = []

@@ -14,6 +14,7 @@ cover (speculated and committed, redone, skipped) from the ranks' ``last_step_st
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -198,6 +199,22 @@ def test_sharded_checkpoint_resumes_bit_exactly_and_merges_for_any_world_size(la
     for r in range(2):
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a[r]["state"]["host"][kind], b[r]["state"]["host"][kind])
+
+    # the integrations' resume (read_optimizer_state): the own shard into the same layout, bit-exactly; into
+    # another layout (another GPU-resident tail) every rank's shards merged, then the same training
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for r in range(2):
+        shutil.copy(full / f"opt_rank{r}.pt", ckpt / f"optimizer_rank{r}.pt")
+    for tail, merges in ((2, False), (1, True)):
+        again = tmp_path / f"again{tail}"
+        again.mkdir()
+        fin = run(launcher, again, "train", steps=5, start=5, resume_dir=str(ckpt), tail=tail)
+        assert fin.returncodes == [0, 0], "\n".join(fin.outputs)
+        assert all("planned before the load: True" in o for o in fin.outputs), fin.outputs[0][-2000:]
+        assert all(("lays the buckets out otherwise: merging them" in o) == merges for o in fin.outputs), tail
+        c = results(again, 2)
+        assert a[0]["losses"][5:] == c[0]["losses"], f"tail {tail}: the resume must continue bit-exactly"
 
     # a shard does not load into another world size: clear error naming the way out
     shards = [torch.load(full / f"opt_rank{r}.pt", weights_only=False) for r in range(2)]
