@@ -499,6 +499,7 @@ class WeightStreamer:
         (``_load_post_hook``). A materialized one is copied into by torch as usual, and its staging here, so the
         next fetch brings back what was loaded. An entry of another shape is left to torch, which reports it."""
         taken: list[str] = []
+        entries: list[tuple[str, torch.nn.Parameter, WeightUnit, torch.Tensor]] = []
         for name, p in module._parameters.items():
             u = None if p is None else self._unit_of.get(id(p))
             key = prefix + name
@@ -508,7 +509,10 @@ class WeightStreamer:
             if local_metadata.get("assign_to_params_buffers", False):
                 raise ValueError(f"{key}: weight flow streams this model's weights from the host, so "
                                  "load_state_dict(assign=True) cannot replace them; load without assign=True")
-            self._synchronize()  # no CPU pass writes the staging behind this copy
+            entries.append((key, p, u, value))
+        if entries:
+            self._synchronize()  # once per module: no CPU pass writes the staging behind these copies
+        for key, p, u, value in entries:
             for b in u.buckets:
                 self._staging_final(b, True)
             i = next(k for k, q in enumerate(u.params) if q is p)
