@@ -506,6 +506,20 @@ MUTATIONS: tuple[Mutation, ...] = (
         ("tests/distributed/test_data_parallel_workload.py::"
          "test_a_resume_before_the_first_batch_plans_with_it_and_equals_the_uninterrupted_run",),
     ),
+    Mutation(  # a data-parallel resume loads its own shard into a plan that lays the buckets out otherwise
+        "dp_resume_own_shard_into_another_layout", "hf_superoffload/integrations/_common.py",
+        "        if is_own_shard(opt.engine, own.get(\"superoffload\", {})):\n",
+        "        if True:\n",
+        ("tests/distributed/test_data_parallel.py::"
+         "test_sharded_checkpoint_resumes_bit_exactly_and_merges_for_any_world_size",),
+    ),
+    Mutation(  # a data-parallel resume merges every shard even where its own loads arena for arena
+        "dp_resume_merges_its_own_layout", "hf_superoffload/integrations/_common.py",
+        "        if is_own_shard(opt.engine, own.get(\"superoffload\", {})):\n",
+        "        if False:\n",
+        ("tests/distributed/test_data_parallel.py::"
+         "test_sharded_checkpoint_resumes_bit_exactly_and_merges_for_any_world_size",),
+    ),
     Mutation(  # merging the shards copies the state (a resume would hold it in RAM beside the live arenas)
         "merged_shards_are_copies", "hf_superoffload/state.py",
         "                    merged[side][kind].extend(_views(by_rank[r][side][kind], off, off + take))\n",
