@@ -348,7 +348,7 @@ class _HostRoomError(PlanError):
 #   On the H200 profile the largest tail is the fastest for the measured rows (host buckets cost exposed CPU time
 #   when clipping fires); on GH200 (a fast CPU and chip-to-chip link) a smaller tail hides the host pass in the
 #   next forward and is predicted faster. Minimising the committed-speculation case instead would pick smaller
-#   tails on H200 too, for a 1-3% predicted gain that one clipped step more than undoes. Priced with the shipped
+#   tails on H200 too, for a predicted gain of a few percent that clipping takes back. Priced with the shipped
 #   profiles (``hf-superoffload plan ... --offload-config '{"gpu_resident_buckets": K}'`` over K): H200, 8B
 #   batch 4, the committed optimum is 190 buckets (0.857 s committing, 0.944 s clipping) against the searched 200
 #   (0.872 s, 0.909 s): 1.7% gained when speculation commits, 3.8% lost when clipping fires; H100, 3.6B batch 8,

@@ -200,8 +200,8 @@ def test_sharded_checkpoint_resumes_bit_exactly_and_merges_for_any_world_size(la
         for kind in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(a[r]["state"]["host"][kind], b[r]["state"]["host"][kind])
 
-    # the integrations' resume (read_optimizer_state): the own shard into the same layout, bit-exactly; into
-    # another layout (another GPU-resident tail) every rank's shards merged, then the same training
+    # the integrations' resume (read_optimizer_state): the own shard into the same layout; into another layout
+    # (another GPU-resident tail) every rank's shards merged; either continues bit-exactly
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     for r in range(2):
