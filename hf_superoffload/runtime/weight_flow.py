@@ -148,6 +148,65 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def _no_data_functions() -> frozenset[Any]:
+    """Torch functions that read a tensor's metadata, autograd fields or hooks, never its elements."""
+    T = torch.Tensor
+    getters = ("shape", "dtype", "device", "layout", "requires_grad", "grad", "_grad", "is_leaf", "grad_fn",
+               "_grad_fn", "_version", "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+               "is_mkldnn", "is_nested", "is_xpu", "is_mps", "itemsize", "nbytes", "names", "retains_grad",
+               "_backward_hooks", "_post_accumulate_grad_hooks", "output_nr", "_base", "_cdata")
+    setters = ("requires_grad", "grad", "_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+    methods = ("size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset", "is_contiguous",
+               "element_size", "is_floating_point", "is_complex", "is_signed", "untyped_storage", "storage",
+               "_typed_storage", "data_ptr", "get_device", "register_hook", "register_post_accumulate_grad_hook",
+               "requires_grad_", "retain_grad", "__hash__", "__len__", "is_pinned", "is_shared", "_is_view",
+               "is_inference")
+    found: set[Any] = set()
+    for name in getters:
+        if (d := getattr(T, name, None)) is not None and hasattr(d, "__get__"):
+            found.add(d.__get__)
+    for name in setters:
+        if (d := getattr(T, name, None)) is not None and hasattr(d, "__set__"):
+            found.add(d.__set__)
+    if hasattr(T.grad, "__delete__"):
+        found.add(T.grad.__delete__)
+    found.update(f for name in methods if (f := getattr(T, name, None)) is not None)
+    found.add(torch._C._VariableFunctions._has_compatible_shallow_copy_type)
+    return frozenset(found)
+
+
+_NO_DATA = _no_data_functions()
+
+
+class _StreamedParameter(torch.nn.Parameter):
+    """The class of a streamed parameter while its streamer is open (``torch.nn.Parameter`` again after ``close``).
+
+    Between uses a streamed parameter's storage is 0 bytes: reading it would read freed memory (a segfault on the
+    CPU, a sticky illegal-address error that ends the process on CUDA). Any torch function that would read a
+    released one raises with the fix instead; metadata, ``.grad`` and hooks read as usual (``_NO_DATA``), and
+    ``detach`` while a state dict is taken (its entries are then replaced by the staging, ``_state_dict_hook``).
+    A materialized parameter behaves exactly as a ``Parameter``: the check costs a couple of microseconds per torch
+    call that takes it (a few hundred per forward), against milliseconds of the kernels it launches.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                           ) -> Any:
+        if func not in _NO_DATA:
+            for a in args:
+                if isinstance(a, (list, tuple)):  # torch.cat([...]), the foreach functions
+                    for b in a:
+                        if (check := getattr(b, "_superoffload_check", None)) is not None:
+                            check(b, func)
+                elif (check := getattr(a, "_superoffload_check", None)) is not None:
+                    check(a, func)
+            if kwargs:
+                for a in kwargs.values():
+                    if (check := getattr(a, "_superoffload_check", None)) is not None:
+                        check(a, func)
+        return torch._C._disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
 class WeightStreamer:
     """Executes weight flow for the host-bucket parameters of one model (see the module docstring).
 
@@ -187,9 +246,12 @@ class WeightStreamer:
         self._root_depth = 0
         self._handles: list[Any] = []
         self._loaded_home: dict[int, list[str]] = {}  # per module: entries loaded into staging, not the parameter
+        self._saving = 0  # state dicts being taken (nesting depth): detach() of a released parameter is theirs
         self._normalize_storages([p for p, _, _ in sources.values()])
         self.units, self._sites = self._build_units(root, sources)
         self._unit_of: dict[int, WeightUnit] = {id(p): u for u in self.units for p in u.params}
+        self._names = {id(p): n for n, p in reversed(list(root.named_parameters(remove_duplicate=False)))}
+        self._guarded = self._guard_reads()
         self._install_hooks(root)
         self.stats.materialized_bytes = sum(u.nbytes for u in self.units)  # they start on the device
         self.stats.materialized_units = len(self.units)
@@ -261,6 +323,35 @@ class WeightStreamer:
             sites.append(_Site(len(sites), name, m, us))
         return units, sites
 
+    def _guard_reads(self) -> list[torch.nn.Parameter]:
+        """Make reading a released parameter raise (``_StreamedParameter``); only exact ``Parameter`` objects: another
+        subclass keeps its own ``__torch_function__``."""
+        guarded = [p for u in self.units for p in u.params if type(p) is torch.nn.Parameter]
+        for p in guarded:
+            p.__class__ = _StreamedParameter
+            p._superoffload_check = self._check_read  # type: ignore[attr-defined]
+        return guarded
+
+    def _check_read(self, p: torch.Tensor, func: Any) -> None:
+        u = self._unit_of.get(id(p))
+        if u is None or u.state is UnitState.MATERIALIZED:
+            return
+        if self._saving and func is torch.Tensor.detach:
+            return
+        what = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        if self._closed:
+            raise RuntimeError(
+                f"hf_superoffload weight flow: {self._names.get(id(p), 'this parameter')} holds no weights ({what}): "
+                "they could not be brought back to the device when the optimizer closed after a failed step; load "
+                "the last checkpoint instead")
+        raise RuntimeError(
+            f"hf_superoffload weight flow: {self._names.get(id(p), 'this parameter')} holds no data between uses "
+            f"({what}): its weights live on the host and stream in per layer. Read it inside `with "
+            "optimizer.materialized():`, or take model.state_dict() (its entries are the host weights)")
+
+    def _saving_starts(self, *args: Any) -> None:
+        self._saving += 1
+
     def _install_hooks(self, root: torch.nn.Module) -> None:
         h = self._handles
         for r in forward_roots(root):
@@ -272,6 +363,7 @@ class WeightStreamer:
             h.append(site.module.register_forward_hook(lambda m, a, out, site=site: self._post_forward(site, out)))
         for m in root.modules():
             if any(p is not None and id(p) in self._unit_of for p in m._parameters.values()):
+                h.append(m.register_state_dict_pre_hook(self._saving_starts))
                 h.append(m.register_state_dict_post_hook(lambda *a: self._state_dict_hook(*a)))
                 h.append(m.register_load_state_dict_pre_hook(lambda *a: self._load_pre_hook(*a)))
                 h.append(m.register_load_state_dict_post_hook(lambda *a: self._load_post_hook(*a)))
@@ -291,7 +383,7 @@ class WeightStreamer:
                 raise RuntimeError(
                     "hf_superoffload weight flow: the model's weights live on the host and stream in per layer, so "
                     "it cannot be moved or cast now (model.to / .half / .cuda ...). Place and cast the model before "
-                    "building SuperOffloadOptimizer, or do it inside `with optimizer.engine.materialized():`."
+                    "building SuperOffloadOptimizer, or do it inside `with optimizer.materialized():`."
                 )
             return original(fn, *args, **kwargs)
 
@@ -313,6 +405,7 @@ class WeightStreamer:
         with torch.profiler.record_function("superoffload::weight_fetch"):
             for p in u.params:  # allocated on the compute stream: freed memory is reused in its order
                 p.untyped_storage().resize_(p.numel() * p.element_size())
+            u.state = UnitState.MATERIALIZED  # its parameters may be read from here on (the copy below)
             if self._stream is None:
                 for p, src in zip(u.params, u.sources):
                     p.data.copy_(src.view(p.shape))  # .data: a new version counter, saved tensors stay valid
@@ -324,7 +417,6 @@ class WeightStreamer:
                         p.data.copy_(src.view(p.shape), non_blocking=True)
                     u.event = torch.cuda.Event()
                     u.event.record(self._stream)
-        u.state = UnitState.MATERIALIZED
         s = self.stats
         s.fetches += 1
         s.h2d_bytes += u.nbytes
@@ -372,6 +464,7 @@ class WeightStreamer:
         self._root_depth += 1
         if self._root_depth > 1:  # the decoder inside the model's forward: the pass started already
             return
+        self._saving = 0  # a state dict that raised never ran its post hooks
         for u in self.units:
             u.active = 0  # a forward that raised never ran its post-forward hooks
         self.release_all()  # left over by an interrupted pass: never carry weights across a step
@@ -481,6 +574,7 @@ class WeightStreamer:
     def _state_dict_hook(self, module: torch.nn.Module, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         """A released parameter's state-dict entry becomes its weights' home, the host staging (its exact bytes, no
         copy: a save of the whole model would otherwise hold a host copy of every released weight at once)."""
+        self._saving = max(0, self._saving - 1)
         for name, p in module._parameters.items():
             u = None if p is None else self._unit_of.get(id(p))
             if u is None or u.state is UnitState.MATERIALIZED or prefix + name not in sd:
@@ -543,3 +637,7 @@ class WeightStreamer:
             for h in self._handles:
                 h.remove()
             self._handles.clear()
+            for p in self._guarded:  # a unit left released (a failed step) keeps refusing reads
+                if self._unit_of[id(p)].state is UnitState.MATERIALIZED:
+                    p.__class__ = torch.nn.Parameter
+                    del p._superoffload_check

@@ -475,6 +475,24 @@ MUTATIONS: tuple[Mutation, ...] = (
         "or value.shape != p.shape:\n",
         ("tests/runtime/test_weight_flow.py::test_load_state_dict_writes_the_streamed_weights_home",),
     ),
+    Mutation(  # reading a released streamed parameter reads freed memory instead of raising with the fix
+        "flow_reads_released_weights", "hf_superoffload/runtime/weight_flow.py",
+        "        if u is None or u.state is UnitState.MATERIALIZED:\n",
+        "        if True:\n",
+        ("tests/runtime/test_weight_flow.py::test_reading_a_released_parameter_raises_with_the_fix_and_metadata_reads_as_usual",),
+    ),
+    Mutation(  # a state dict of a flow model is refused (its detach of a released parameter counts as a read)
+        "flow_state_dict_counts_as_a_read", "hf_superoffload/runtime/weight_flow.py",
+        "        if self._saving and func is torch.Tensor.detach:\n",
+        "        if False:\n",
+        ("tests/runtime/test_weight_flow.py::test_reading_a_released_parameter_raises_with_the_fix_and_metadata_reads_as_usual",),
+    ),
+    Mutation(  # the state dict's allowance to detach outlives the state dict
+        "flow_detach_allowance_leaks", "hf_superoffload/runtime/weight_flow.py",
+        "        self._saving = max(0, self._saving - 1)\n",
+        "        pass\n",
+        ("tests/runtime/test_weight_flow.py::test_reading_a_released_parameter_raises_with_the_fix_and_metadata_reads_as_usual",),
+    ),
     Mutation(  # a state loaded before the first batch builds the engine there, planning without the batch's shape
         "load_before_the_first_batch_closes_the_plan", "hf_superoffload/optimizer.py",
         "        if self._built is None and self._batch_hook is not None and not sd.get(\"sharding\"):\n",

@@ -302,6 +302,40 @@ def test_eval_state_dict_and_close(tmp_path):
         assert torch.equal(model(input_ids=ids).logits, stationary_model(input_ids=ids).logits)
 
 
+def test_reading_a_released_parameter_raises_with_the_fix_and_metadata_reads_as_usual():
+    """Between uses a streamed parameter's storage is 0 bytes: reading it must raise with the fix (reading it would
+    read freed memory: a segfault here, an illegal-address error that ends the process on CUDA), while everything
+    that reads metadata (HF's num_parameters, model.dtype/device, .grad, the state dict) works as on any model."""
+    import copy
+
+    model, opt, _ = run(FLOW, batches(2))
+    stationary_model, _, _ = run(FLOW.replace(weight_placement="stationary"), batches(2))
+    w = model.model.layers[0].mlp.up_proj.weight
+    assert opt.engine._flow._unit_of[id(w)].state is UnitState.RELEASED
+    fix = r"model\.layers\.0\.mlp\.up_proj\.weight holds no data between uses .*optimizer\.materialized\(\)"
+    reads = [lambda: print(w), lambda: w.sum(), lambda: w.data, lambda: w.detach(), lambda: w[0], lambda: w.float(),
+             lambda: torch.cat([w, w]), lambda: torch._foreach_norm([w]), lambda: copy.deepcopy(w),
+             lambda: torch.nn.functional.linear(torch.ones(1, w.shape[1]), w)]
+    for read in reads:
+        with pytest.raises(RuntimeError, match=fix):
+            read()
+    assert (w.shape, w.dtype, w.device, w.numel(), w.requires_grad, w.grad, w.is_leaf) == (
+        torch.Size([64, 32]), torch.bfloat16, torch.device("cpu"), 64 * 32, True, None, True)
+    assert model.num_parameters() == stationary_model.num_parameters()
+    assert (model.dtype, model.device) == (stationary_model.dtype, stationary_model.device)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), stationary_model.state_dict().values(),
+                                                 strict=True))
+    with pytest.raises(RuntimeError, match=fix):  # the state dict's allowance ends with the state dict
+        w.detach()
+    with opt.materialized():
+        assert torch.equal(w.detach().clone(), stationary_model.model.layers[0].mlp.up_proj.weight)
+    ids = batches(1, seed=3)[0]
+    with torch.no_grad():  # a forward fetches what it reads
+        assert torch.equal(model(input_ids=ids).logits, stationary_model(input_ids=ids).logits)
+    opt.close()  # the weights are back for good: plain parameters again
+    assert type(w) is torch.nn.Parameter and torch.equal(w.sum(), stationary_model.model.layers[0].mlp.up_proj.weight.sum())
+
+
 def test_load_state_dict_writes_the_streamed_weights_home():
     """``model.load_state_dict`` under weight flow (a Trainer or accelerate resume, a user's own load): a released
     parameter has no storage to copy into, so its entry goes to the host staging; the next forward uses what was
